@@ -1,0 +1,39 @@
+"""Argument checks shared by the attention kernels. Errors name the value and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = False) -> None:
+    """Check that q, k, v are (batch, heads, length, head_dim) tensors that fit together."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be shaped (batch, heads, length, head_dim); got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"q, k, v do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+            "batch and heads must match, and k and v must have the same length"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if same_length and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention needs q and k of the same length; got {q.shape[2]} and {k.shape[2]}")
+
+
+def check_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """Return a (batch, length) bool key-padding mask (True = real token), or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(
+            f"key_padding_mask must be shaped (batch, length) = ({batch}, {length}), got {tuple(mask.shape)}; "
+            "pass the 2-D attention_mask with 1 for real tokens and 0 for padding"
+        )
+    return mask.bool()

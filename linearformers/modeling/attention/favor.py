@@ -1,0 +1,245 @@
+"""FAVOR+ (Choromanski et al., 2021, "Rethinking Attention with Performers").
+
+All functions take tensors shaped (batch, heads, length, head_dim) and return the same layout. Feature maps,
+sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite; the
+output is cast back to the dtype of ``v``.
+
+Stabilization. The positive softmax features are exp(w·x - |x|²/2) / sqrt(m) (Lemma 1). Implementations
+usually subtract the maximum over *all keys* before exp, which reads future tokens in causal mode (and,
+together with an additive epsilon, changes past outputs). Here every key feature is shifted by a constant
+that depends on the feature only, never on other tokens:
+
+    phi_k(k)_i = exp(w_i·k - |k|²/2 - |w_i|²/2) = exp(-|w_i - k|² / 2)     (always in (0, 1])
+    phi_q(q)_i = exp(w_i·q - |q|²/2 + |w_i|²/2 - max_j[...])                (per-query max, in (0, 1])
+
+The two shifts cancel in phi_q·phi_k, and the per-query max cancels between numerator and denominator. Each
+feature of a key depends on that key alone, so causal outputs never see the future and the recurrent
+decoding state needs no rescaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_mask, check_qkv
+
+KERNELS = ("softmax", "relu")
+_TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
+
+
+def draw_random_features(
+    num_features: int,
+    head_dim: int,
+    *,
+    seed: int,
+    step: int = 0,
+    orthogonal: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Draw the FAVOR+ projection W, shaped (num_features, head_dim).
+
+    Orthogonal random features (Choromanski et al. 2021, Section 2.4): the rows come in blocks of
+    ``head_dim`` exactly orthogonal directions. Each block is Q from the QR decomposition of a Gaussian
+    matrix, with the columns' signs corrected by sign(diag(R)) so that Q is Haar (uniformly) distributed.
+    Row norms are then drawn as the norms of independent Gaussian vectors (chi with head_dim degrees of
+    freedom), so every row is marginally N(0, I) and the estimator stays unbiased.
+
+    The draw is a pure function of (seed, step): every process derives the same matrix for the same step
+    with no communication, which keeps DDP ranks in sync across redraws.
+    """
+    if num_features <= 0 or head_dim <= 0:
+        raise ValueError(f"num_features and head_dim must be positive, got {num_features} and {head_dim}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+    if not orthogonal:
+        w = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
+    else:
+        blocks = []
+        for _ in range(math.ceil(num_features / head_dim)):
+            g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+            q, r = torch.linalg.qr(g)
+            q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # Haar-distributed (Mezzadri 2007)
+            blocks.append(q.T)  # rows are orthonormal directions
+        directions = torch.cat(blocks, dim=0)[:num_features]
+        norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1)
+        w = directions * norms.unsqueeze(1)
+    return w.to(device=device, dtype=dtype)
+
+
+def favor_features(
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    is_query: bool,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    kernel_eps: float = 1e-3,
+) -> torch.Tensor:
+    """Feature map phi: (batch, heads, length, head_dim) -> (batch, heads, length, num_features), float32.
+
+    ``kernel="softmax"``: the stabilized positive random features of Lemma 1 (see the module docstring);
+    phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
+    ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2), the same map for
+    queries and keys; x' = x * scale**0.5.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    if projection.dim() != 2 or projection.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"projection must be shaped (num_features, head_dim={x.shape[-1]}), got {tuple(projection.shape)}"
+        )
+    head_dim = x.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    w = projection.to(device=x.device, dtype=torch.float32)
+    x = x.float() * math.sqrt(scale)
+    u = torch.matmul(x, w.T)  # (b, h, n, m)
+    if kernel == "relu":
+        return torch.relu(u) + kernel_eps
+    x_sq = 0.5 * x.pow(2).sum(-1, keepdim=True)
+    w_sq = 0.5 * w.pow(2).sum(-1)
+    if is_query:
+        logits = u - x_sq + w_sq
+        return torch.exp(logits - logits.amax(dim=-1, keepdim=True).detach())
+    return torch.exp(u - x_sq - w_sq)
+
+
+def _masked_inputs(
+    phi_k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero phi(k) and v at padded positions so they leave both numerator and denominator."""
+    v = v.float()
+    if key_padding_mask is None:
+        return phi_k, v
+    keep = key_padding_mask[:, None, :, None]
+    return phi_k * keep, v * keep
+
+
+def _check_favor_args(q, k, v, projection, key_padding_mask, *, causal: bool) -> torch.Tensor | None:
+    check_qkv(q, k, v, same_length=causal)
+    if not isinstance(projection, torch.Tensor):
+        raise TypeError(f"projection must be a torch.Tensor, got {type(projection).__name__}")
+    return check_mask(key_padding_mask, k.shape[0], k.shape[2])
+
+
+def favor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    chunk_size: int = 128,
+    kernel_eps: float = 1e-3,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+):
+    """FAVOR+ attention  out = D⁻¹ (phi(Q) (phi(K)ᵀ V)),  D = diag(phi(Q) (phi(K)ᵀ 1))   (Eq. 7-9).
+
+    Args:
+        q, k, v: (batch, heads, length, head_dim).
+        projection: (num_features, head_dim) random features from :func:`draw_random_features`.
+        causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
+        key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
+        chunk_size: causal chunk C. Memory O(n (m + d) + n C + m d n / C): per-chunk sums of phi(k) vᵀ and
+            their exclusive prefix, never the O(n m d) per-position prefix tensor. Time O(n m d + n C (m + d)).
+        initial_state: causal only, a (S, z) state from an earlier call: S (b, h, m, d_v), z (b, h, m).
+        return_state: causal only, also return the final state (S, z) for recurrent decoding.
+
+    Returns:
+        (batch, heads, length, head_dim_v) in v's dtype, and the state when ``return_state``.
+    """
+    mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=causal)
+    if (initial_state is not None or return_state) and not causal:
+        raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_k, vf = _masked_inputs(phi_k, v, mask)
+    if not causal:
+        kv = torch.matmul(phi_k.transpose(-1, -2), vf)  # (b, h, m, d)
+        num = torch.matmul(phi_q, kv)
+        den = torch.matmul(phi_q, phi_k.sum(dim=2).unsqueeze(-1))
+        return (num / den.clamp_min(_TINY)).to(v.dtype)
+    out, state = _causal_chunked(phi_q, phi_k, vf, chunk_size, initial_state)
+    out = out.to(v.dtype)
+    return (out, state) if return_state else out
+
+
+def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
+    """Chunked causal linear attention on features. Returns (out float32, (S, z))."""
+    b, h, n, m = phi_q.shape
+    d = v.shape[-1]
+    c = min(chunk_size, n)
+    pad = (-n) % c
+    if pad:
+        phi_q = torch.nn.functional.pad(phi_q, (0, 0, 0, pad))
+        phi_k = torch.nn.functional.pad(phi_k, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    nc = (n + pad) // c
+    pq = phi_q.view(b, h, nc, c, m)
+    pk = phi_k.view(b, h, nc, c, m)
+    vc = v.view(b, h, nc, c, d)
+    kv_chunk = torch.matmul(pk.transpose(-1, -2), vc)  # (b, h, nc, m, d)
+    z_chunk = pk.sum(dim=3)  # (b, h, nc, m)
+    kv_incl = torch.cumsum(kv_chunk, dim=2)
+    z_incl = torch.cumsum(z_chunk, dim=2)
+    kv_prefix = torch.cat([torch.zeros_like(kv_chunk[:, :, :1]), kv_incl[:, :, :-1]], dim=2)
+    z_prefix = torch.cat([torch.zeros_like(z_chunk[:, :, :1]), z_incl[:, :, :-1]], dim=2)
+    if initial_state is not None:
+        s0, z0 = initial_state
+        if s0.shape != (b, h, m, d) or z0.shape != (b, h, m):
+            raise ValueError(
+                f"initial_state must be (S {(b, h, m, d)}, z {(b, h, m)}), got {tuple(s0.shape)}, {tuple(z0.shape)}"
+            )
+        kv_prefix = kv_prefix + s0.float().unsqueeze(2)
+        z_prefix = z_prefix + z0.float().unsqueeze(2)
+    tril = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
+    scores = torch.matmul(pq, pk.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    num = torch.matmul(scores, vc) + torch.matmul(pq, kv_prefix)
+    den = scores.sum(-1) + torch.matmul(pq, z_prefix.unsqueeze(-1)).squeeze(-1)
+    out = (num / den.clamp_min(_TINY).unsqueeze(-1)).reshape(b, h, nc * c, d)[:, :, :n]
+    state = (kv_prefix[:, :, -1] + kv_chunk[:, :, -1], z_prefix[:, :, -1] + z_chunk[:, :, -1])
+    return out, state
+
+
+def favor_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    projection: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    kernel_eps: float = 1e-3,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One recurrent decoding step of causal FAVOR+ for new tokens of length 1.
+
+    S_t = S_{t-1} + phi(k_t) v_tᵀ,  z_t = z_{t-1} + phi(k_t),  out_t = phi(q_t) S_t / phi(q_t)·z_t.
+    State sizes are fixed: S (b, h, m, d_v), z (b, h, m), so a step costs the same at any context length.
+    ``key_padding_mask`` (batch, 1) drops a padded new token from the state. Returns (out, (S, z)).
+    """
+    mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=True)
+    if q.shape[2] != 1:
+        raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
+    phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_k, vf = _masked_inputs(phi_k, v, mask)
+    s_new = torch.matmul(phi_k.transpose(-1, -2), vf)  # (b, h, m, d)
+    z_new = phi_k.squeeze(2)
+    if state is not None:
+        s_new = s_new + state[0].float()
+        z_new = z_new + state[1].float()
+    num = torch.matmul(phi_q, s_new)
+    den = torch.matmul(phi_q, z_new.unsqueeze(-1))
+    return (num / den.clamp_min(_TINY)).to(v.dtype), (s_new, z_new)

@@ -1,0 +1,316 @@
+"""Linformer attention (Wang et al., 2020, "Linformer: Self-Attention with Linear Complexity").
+
+    out = softmax(Q (E K)ᵀ · scale) (F V)                                     (Eq. 7)
+
+E and F project the sequence axis from n to k. Tensors are (batch, heads, length, head_dim).
+
+Padding. A key-padding mask first *compacts* every sequence: its real tokens move to the front, in order, and
+the rest is zeroed. Position s of the projection therefore always meets the s-th real token, so the same
+tokens give the same answer with any amount of left or right padding. A sequence shorter than the maximum
+uses the first n columns of E and F; nothing is padded up to the maximum.
+
+Projection methods (Section 4, "additional efficiency techniques"):
+  * ``"learned"``: E, F are (k, n_max) or per head (heads, k, n_max) matrices.
+  * ``"pool"``: mean pooling with kernel = stride = n_max / k, no parameters.
+  * ``"conv"``: a strided convolution along the sequence, kernel = stride = n_max / k, weight (d, d, kernel).
+Sharing (per head, shared key-value, shared across layers) decides which tensors are passed as E and F; the
+math is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_mask, check_qkv
+
+METHODS = ("learned", "pool", "conv")
+
+
+def compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Move each sequence's real tokens to the front, keep their order, zero the rest.
+
+    x: (batch, heads, n, d); mask: (batch, n) bool. Returns a tensor of x's shape.
+    """
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+    kept = torch.gather(mask, 1, order)
+    idx = order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return torch.gather(x, 2, idx) * kept[:, None, :, None].to(x.dtype)
+
+
+def uncompact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`compact`: put the first count(mask) rows back at the real positions, zeros elsewhere."""
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    out = torch.zeros_like(x)
+    idx = order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    out.scatter_(2, idx, x)
+    return out * mask[:, None, :, None].to(x.dtype)
+
+
+def _check_learned(proj: torch.Tensor, name: str, heads: int, n: int) -> None:
+    if proj.dim() not in (2, 3) or (proj.dim() == 3 and proj.shape[0] != heads):
+        raise ValueError(
+            f"{name} must be shaped (k, n_max) or per head ({heads}, k, n_max) for the learned projection, "
+            f"got {tuple(proj.shape)}"
+        )
+    k_len, n_max = proj.shape[-2:]
+    if k_len > n_max:
+        raise ValueError(
+            f"{name} projects to k={k_len} slots from n_max={n_max} positions; k must not exceed n_max "
+            "(a learned projection with k > n cannot compress anything). Lower k or raise max_seq_length."
+        )
+    if n > n_max:
+        raise ValueError(
+            f"sequence length {n} exceeds the Linformer's max_seq_length={n_max}; its projections are "
+            f"{k_len} x {n_max}. Truncate the input or convert to a longer model."
+        )
+
+
+def project_sequence(
+    x: torch.Tensor,
+    proj: torch.Tensor | None,
+    *,
+    method: str,
+    lengths: torch.Tensor | None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Project x (batch, heads, n, d), already compacted, along the sequence to (batch, heads, k', d).
+
+    ``lengths`` (batch,) holds each sequence's real-token count (None: all n). Returns the projection and a
+    (batch, k') bool mask of the slots that hold at least one real token (None when every slot does).
+    """
+    b, h, n, d = x.shape
+    if method == "learned":
+        proj = proj[..., :n].to(x.dtype)
+        if proj.dim() == 2:
+            return torch.matmul(proj, x), None  # (k, n) @ (b, h, n, d)
+        return torch.matmul(proj.unsqueeze(0), x), None  # (1, h, k, n) @ (b, h, n, d)
+    if window is None or window <= 0:
+        raise ValueError(f"the {method!r} projection needs a positive window (kernel = stride), got {window}")
+    pad = (-n) % window
+    slots = (n + pad) // window
+    positions = torch.arange(n + pad, device=x.device)
+    lengths = torch.full((b,), n, device=x.device) if lengths is None else lengths
+    counts = ((positions[None, :] < lengths[:, None]).view(b, slots, window)).sum(-1)  # (b, slots)
+    slot_mask = counts > 0
+    xp = F.pad(x, (0, 0, 0, pad))
+    if method == "pool":
+        sums = xp.view(b, h, slots, window, d).sum(3)
+        out = sums / counts.clamp_min(1)[:, None, :, None].to(x.dtype)
+    elif method == "conv":
+        if proj is None or proj.dim() != 3 or proj.shape != (d, d, window):
+            raise ValueError(
+                f"the conv projection weight must be shaped (head_dim, head_dim, window) = ({d}, {d}, {window}), "
+                f"got {None if proj is None else tuple(proj.shape)}"
+            )
+        flat = xp.reshape(b * h, n + pad, d).transpose(1, 2)  # (b*h, d, n)
+        out = F.conv1d(flat, proj.to(x.dtype), stride=window).transpose(1, 2).reshape(b, h, slots, d)
+    else:
+        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+    return out, (None if bool(slot_mask.all()) else slot_mask)
+
+
+def linformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e_proj: torch.Tensor | None,
+    f_proj: torch.Tensor | None = None,
+    *,
+    method: str = "learned",
+    window: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Bidirectional Linformer attention, O(n k d) time and O(n k) memory.
+
+    Args:
+        q, k, v: (batch, heads, n, head_dim).
+        e_proj, f_proj: key and value projections (see the module docstring); ``f_proj=None`` shares E.
+        method: "learned", "pool" or "conv". window: kernel = stride for pool / conv.
+        key_padding_mask: (batch, n), True / 1 for real tokens.
+    Returns: (batch, heads, n, head_dim) in q's dtype.
+    """
+    check_qkv(q, k, v)
+    if method not in METHODS:
+        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+    b, h, n, d = k.shape
+    mask = check_mask(key_padding_mask, b, n)
+    f_proj = e_proj if f_proj is None else f_proj
+    if method == "learned":
+        if e_proj is None:
+            raise ValueError("the learned projection needs e_proj")
+        _check_learned(e_proj, "e_proj", h, n)
+        _check_learned(f_proj, "f_proj", h, n)
+    lengths = None
+    if mask is not None:
+        k, v = compact(k, mask), compact(v, mask)
+        lengths = mask.sum(1)
+    kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
+    vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
+    scale = d**-0.5 if scale is None else scale
+    logits = torch.matmul(q.float(), kp.float().transpose(-1, -2)) * scale  # (b, h, n, k)
+    if slot_mask is not None:
+        logits = logits.masked_fill(~slot_mask[:, None, None, :], float("-inf"))
+        logits = torch.nan_to_num(logits, neginf=-1e30)  # a sequence with no real token at all
+    probs = torch.softmax(logits, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, vp.float()).to(q.dtype)
+
+
+def _first_writes(proj: torch.Tensor) -> torch.Tensor:
+    """For each slot, the first position whose projection weight is non-zero: (..., k), n_max if never."""
+    n_max = proj.shape[-1]
+    nonzero = proj != 0
+    first = torch.where(nonzero.any(-1), nonzero.float().argmax(-1), torch.full_like(proj[..., 0], n_max).long())
+    return first
+
+
+def causal_linformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e_proj: torch.Tensor,
+    f_proj: torch.Tensor | None = None,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 128,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    start: int = 0,
+    return_state: bool = False,
+):
+    """Causal Linformer with cumulative memory slots (after ABC, Peng et al. 2022), which never leaks.
+
+    Plain Linformer writes every token into every slot, so each slot holds the future. Here the k slots are
+    written *by position*: at time t, query t reads
+
+        K̃_t = Σ_{s≤t} E[:, s] k_sᵀ,   Ṽ_t = Σ_{s≤t} F[:, s] v_sᵀ     (k x d each)
+        out_t = softmax(q_t K̃_tᵀ · scale) Ṽ_t,
+
+    the Linformer projection restricted to the prefix. A slot j takes part only once some s ≤ t wrote to it
+    (E[j, s] ≠ 0), so with k = n and E = F = I this is exactly causal softmax attention.
+
+    Computed by chunks of C positions: the slot states before each chunk are exclusive prefix sums of
+    per-chunk writes; inside a chunk, logits_t = q_t K̃_{<c}ᵀ + ((Q Kᵀ) ⊙ tril) Eᵀ and the output mixes Ṽ_{<c}
+    with ((P F) ⊙ tril) V. Time O(n (C (d + k) + k d)), memory O(n (k + C) + k d n / C): linear in n.
+    The decoding state is (K̃, Ṽ), fixed size k x d per head, plus the position.
+
+    Args:
+        e_proj, f_proj: learned projections (k, n_max) or (heads, k, n_max); ``f_proj=None`` shares E.
+        key_padding_mask: (batch, n). Sequences are compacted (real tokens first) and outputs put back;
+            outputs at padded positions are zero.
+        initial_state, start: continue from a state returned for positions [0, start).
+        return_state: also return the state (K̃, Ṽ) after the last position.
+    """
+    check_qkv(q, k, v, same_length=True)
+    b, h, n, d = q.shape
+    if e_proj is None:
+        raise ValueError("causal Linformer needs a learned projection e_proj")
+    f_proj = e_proj if f_proj is None else f_proj
+    _check_learned(e_proj, "e_proj", h, start + n)
+    _check_learned(f_proj, "f_proj", h, start + n)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    mask = check_mask(key_padding_mask, b, n)
+    if mask is not None:
+        if initial_state is not None or start:
+            raise ValueError("key_padding_mask applies to a prefill from position 0, not to a continued state")
+        q, k, v = compact(q, mask), compact(k, mask), compact(v, mask)
+    out, state = _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start)
+    if mask is not None:
+        out = uncompact(out, mask)
+    out = out.to(q.dtype)
+    return (out, state) if return_state else out
+
+
+def _as_heads(proj: torch.Tensor) -> torch.Tensor:
+    """(k, n) -> (1, 1, k, n); (h, k, n) -> (1, h, k, n)."""
+    return proj[None, None] if proj.dim() == 2 else proj[None]
+
+
+def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start):
+    b, h, n, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    c = min(chunk_size, n)
+    pad = (-n) % c
+    nc = (n + pad) // c
+    e = _as_heads(e_proj[..., start : start + n].float())
+    f = _as_heads(f_proj[..., start : start + n].float())
+    slots = e.shape[-2]
+    first = _first_writes(e_proj)  # (k,) or (h, k)
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        e, f = F.pad(e, (0, pad)), F.pad(f, (0, pad))
+    qc = q.float().view(b, h, nc, c, d)
+    kc = k.float().view(b, h, nc, c, d)
+    vc = v.float().view(b, h, nc, c, d)
+    ec = e.view(*e.shape[:3], nc, c).transpose(2, 3)  # (1, h', nc, k, c)
+    fc = f.view(*f.shape[:3], nc, c).transpose(2, 3)
+    k_writes = torch.matmul(ec, kc)  # (b, h, nc, k, d)
+    v_writes = torch.matmul(fc, vc)
+    k_prefix = torch.cat([torch.zeros_like(k_writes[:, :, :1]), torch.cumsum(k_writes, 2)[:, :, :-1]], dim=2)
+    v_prefix = torch.cat([torch.zeros_like(v_writes[:, :, :1]), torch.cumsum(v_writes, 2)[:, :, :-1]], dim=2)
+    if initial_state is not None:
+        k0, v0 = initial_state
+        if k0.shape != (b, h, slots, d) or v0.shape[:3] != (b, h, slots):
+            raise ValueError(f"initial_state must be two (batch, heads, k, d) = {(b, h, slots, d)} tensors")
+        k_prefix = k_prefix + k0.float().unsqueeze(2)
+        v_prefix = v_prefix + v0.float().unsqueeze(2)
+    tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    qk = torch.matmul(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    logits = (torch.matmul(qc, k_prefix.transpose(-1, -2)) + torch.matmul(qk, ec.transpose(-1, -2))) * scale
+    positions = torch.arange(start, start + n + pad, device=q.device).view(nc, c)
+    active = first.to(q.device)[..., None, None, :] <= positions[..., None]  # (h'?, nc, c, k)
+    logits = logits.masked_fill(~active, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no active slot reads nothing
+    pf = torch.matmul(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    out = torch.matmul(probs, v_prefix) + torch.matmul(pf, vc)
+    state = (k_prefix[:, :, -1] + k_writes[:, :, -1], v_prefix[:, :, -1] + v_writes[:, :, -1])
+    return out.reshape(b, h, nc * c, -1)[:, :, :n], state
+
+
+def causal_linformer_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e_proj: torch.Tensor,
+    f_proj: torch.Tensor | None,
+    state: tuple[torch.Tensor, torch.Tensor] | None,
+    position: int | torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One decoding step of :func:`causal_linformer_attention` for a single new token per sequence.
+
+    ``position`` is the new token's index among its sequence's real tokens: an int, or a (batch,) tensor when
+    left-padded sequences have different lengths. The state (K̃, Ṽ) is (batch, heads, k, d): fixed size.
+    """
+    check_qkv(q, k, v, same_length=True)
+    if q.shape[2] != 1:
+        raise ValueError(f"causal_linformer_step takes one new token, got length {q.shape[2]}")
+    b, h, _, d = q.shape
+    f_proj = e_proj if f_proj is None else f_proj
+    n_max = e_proj.shape[-1]
+    pos = torch.as_tensor(position, device=q.device).long().expand(b)
+    if int(pos.max()) >= n_max:
+        raise ValueError(
+            f"position {int(pos.max())} is past the Linformer's max_seq_length={n_max}; its projections are "
+            f"{e_proj.shape[-2]} x {n_max}. Generate fewer tokens or convert to a longer model."
+        )
+    scale = d**-0.5 if scale is None else scale
+    e_col = _as_heads(e_proj.float())[0][..., pos].permute(2, 0, 1)  # (b, h', k)
+    f_col = _as_heads(f_proj.float())[0][..., pos].permute(2, 0, 1)
+    k_state = e_col[..., None] * k.float()  # (b, h, k, d)
+    v_state = f_col[..., None] * v.float()
+    if state is not None:
+        k_state = k_state + state[0].float()
+        v_state = v_state + state[1].float()
+    logits = torch.matmul(q.float(), k_state.transpose(-1, -2)) * scale  # (b, h, 1, k)
+    active = _as_heads(_first_writes(e_proj).to(q.device)[..., None])[0].squeeze(-1)  # (h', k)
+    active = active[None] <= pos[:, None, None]  # (b, h', k)
+    logits = logits.masked_fill(~active[:, :, None, :], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return torch.matmul(probs, v_state).to(q.dtype), (k_state, v_state)

@@ -1,0 +1,192 @@
+import math
+
+import pytest
+import torch
+
+from linearformers.modeling.attention import (
+    draw_random_features,
+    favor_attention,
+    favor_features,
+    favor_step,
+    softmax_attention,
+)
+
+
+def _qkv(b=2, h=3, n=40, d=16, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g) * s for s in (scale, scale, 1.0))
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_orthogonal_blocks_are_exactly_orthogonal_with_gaussian_row_norms():
+    d = 16
+    w = draw_random_features(4 * d, d, seed=3, dtype=torch.float64)
+    for block in w.split(d):
+        directions = block / block.norm(dim=1, keepdim=True)
+        torch.testing.assert_close(directions @ directions.T, torch.eye(d, dtype=torch.float64), atol=1e-10, rtol=0)
+    norms = draw_random_features(4096, d, seed=5, dtype=torch.float64).norm(dim=1)
+    # chi distribution with d degrees of freedom: E|g|^2 = d
+    assert abs(norms.pow(2).mean().item() - d) < 0.5
+
+
+def test_qr_sign_correction_makes_directions_uniform():
+    # Without the sign correction, QR of a Gaussian matrix biases diag(Q) positive; with it the mean is ~0.
+    d = 8
+    diag = torch.stack([torch.diagonal(draw_random_features(d, d, seed=s)) for s in range(400)])
+    assert abs(diag.mean().item()) < 0.05
+
+
+def test_redraws_are_deterministic_in_seed_and_step():
+    a = draw_random_features(64, 16, seed=7, step=3)
+    torch.testing.assert_close(a, draw_random_features(64, 16, seed=7, step=3), rtol=0, atol=0)
+    assert not torch.equal(a, draw_random_features(64, 16, seed=7, step=4))
+    assert not torch.equal(a, draw_random_features(64, 16, seed=8, step=3))
+
+
+def test_error_to_softmax_falls_like_one_over_sqrt_m():
+    q, k, v = _qkv(n=64, scale=0.5)
+    ref = softmax_attention(q, k, v)
+    errs = {}
+    for m in (64, 256, 1024):
+        errs[m] = sum(_rel(favor_attention(q, k, v, draw_random_features(m, 16, seed=s)), ref) for s in range(6)) / 6
+    # 4x the features -> about half the error; allow slack for noise
+    assert errs[256] < 0.75 * errs[64]
+    assert errs[1024] < 0.75 * errs[256]
+    assert errs[1024] < 0.15
+    ratio = errs[64] / errs[1024]
+    assert 2.0 < ratio < 8.0, f"error ratio over 16x features is {ratio}, expected about sqrt(16) = 4"
+
+
+def test_orthogonal_features_beat_iid_on_average():
+    q, k, v = _qkv(b=1, h=4, n=64, scale=0.3)
+    ref = softmax_attention(q, k, v)
+
+    def mse(orthogonal):
+        errs = [
+            _rel(favor_attention(q, k, v, draw_random_features(16, 16, seed=s, orthogonal=orthogonal)), ref) ** 2
+            for s in range(40)
+        ]
+        return sum(errs) / len(errs)
+
+    assert mse(True) < 0.9 * mse(False)
+
+
+def test_relu_kernel_equals_its_closed_form():
+    q, k, v = _qkv(n=20)
+    w = draw_random_features(32, 16, seed=1)
+    out = favor_attention(q, k, v, w, kernel="relu")
+    s = 16**-0.25
+    phi_q = torch.relu((q * s) @ w.T) + 1e-3
+    phi_k = torch.relu((k * s) @ w.T) + 1e-3
+    a = phi_q @ phi_k.transpose(-1, -2)
+    torch.testing.assert_close(out, (a @ v) / a.sum(-1, keepdim=True), rtol=1e-4, atol=1e-5)
+
+
+def test_relu_features_estimate_the_arc_cosine_kernel():
+    # E_w[relu(w.x) relu(w.y)] = |x||y| (sin t + (pi - t) cos t) / (2 pi), t the angle between x and y
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 8, generator=g)
+    w = draw_random_features(200_000, 8, seed=2, orthogonal=False, dtype=torch.float64)
+    est = (torch.relu(w @ x.double()) * torch.relu(w @ y.double())).mean().item()
+    t = math.acos((x @ y / (x.norm() * y.norm())).item())
+    closed = (x.norm() * y.norm()).item() * (math.sin(t) + (math.pi - t) * math.cos(t)) / (2 * math.pi)
+    assert abs(est - closed) / closed < 0.02
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_causal_favor_never_reads_the_future(kernel):
+    q, k, v = _qkv(n=50)
+    w = draw_random_features(64, 16, seed=0)
+    out = favor_attention(q, k, v, w, causal=True, kernel=kernel, chunk_size=16)
+    t = 23
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 10
+    out2 = favor_attention(q2, k2, v2, w, causal=True, kernel=kernel, chunk_size=16)
+    torch.testing.assert_close(out2[:, :, : t + 1], out[:, :, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(out2[:, :, t + 1 :], out[:, :, t + 1 :])
+
+
+def test_chunked_causal_recurrent_and_naive_quadratic_agree():
+    q, k, v = _qkv(n=45)
+    w = draw_random_features(48, 16, seed=4)
+    chunked, state = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
+    phi_q = favor_features(q, w, is_query=True)
+    phi_k = favor_features(k, w, is_query=False)
+    a = (phi_q @ phi_k.transpose(-1, -2)).tril()
+    naive = (a @ v) / a.sum(-1, keepdim=True)
+    torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
+    st, steps = None, []
+    for t in range(q.shape[2]):
+        o, st = favor_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], w, st)
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps, 2), chunked, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st[0], state[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(st[1], state[1], rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_state_continues_like_one_long_pass():
+    q, k, v = _qkv(n=30)
+    w = draw_random_features(32, 16, seed=4)
+    full = favor_attention(q, k, v, w, causal=True, chunk_size=7)
+    head, state = favor_attention(q[:, :, :17], k[:, :, :17], v[:, :, :17], w, causal=True, return_state=True)
+    tail = favor_attention(q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], w, causal=True, initial_state=state)
+    torch.testing.assert_close(torch.cat([head, tail], 2), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_left_or_right_changes_nothing_for_real_tokens(causal):
+    q, k, v = _qkv(b=1, n=20)
+    w = draw_random_features(32, 16, seed=0)
+    ref = favor_attention(q, k, v, w, causal=causal)
+    for side in ("left", "right"):
+        pad = 7
+        junk = [torch.randn(1, 3, pad, 16) * 5 for _ in range(3)]
+        cat = (lambda x, j: torch.cat([j, x], 2)) if side == "left" else (lambda x, j: torch.cat([x, j], 2))
+        qp, kp, vp = (cat(x, j) for x, j in zip((q, k, v), junk))
+        mask = torch.ones(1, 20 + pad, dtype=torch.bool)
+        if side == "left":
+            mask[:, :pad] = False
+        else:
+            mask[:, 20:] = False
+        out = favor_attention(qp, kp, vp, w, causal=causal, key_padding_mask=mask)
+        real = out[:, :, pad:] if side == "left" else out[:, :, :20]
+        torch.testing.assert_close(real, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_with_large_logits_stays_finite(dtype, causal):
+    d = 64
+    q, k, v = _qkv(n=64, d=d)
+    # q.k / sqrt(d) reaches ~50 for aligned pairs
+    k = q * (50 * math.sqrt(d) / q.pow(2).sum(-1, keepdim=True))
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
+    assert logits.max() > 45
+    w = draw_random_features(128, d, seed=0)
+    out = favor_attention(q, k, v, w, causal=causal)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v = _qkv()
+    w = draw_random_features(32, 16, seed=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        favor_attention(q, k[:1], v[:1], w)
+    with pytest.raises(ValueError, match="projection must be shaped"):
+        favor_attention(q, k, v, torch.randn(32, 8))
+    with pytest.raises(ValueError, match="key_padding_mask must be shaped"):
+        favor_attention(q, k, v, w, key_padding_mask=torch.ones(2, 39))
+    with pytest.raises(ValueError, match="unknown FAVOR\\+ kernel"):
+        favor_attention(q, k, v, w, kernel="cosine")
+    with pytest.raises(ValueError, match="batch, heads, length, head_dim"):
+        favor_attention(q[0], k[0], v[0], w)
+    with pytest.raises(ValueError, match="num_features and head_dim must be positive"):
+        draw_random_features(-3, 16, seed=0)
+    with pytest.raises(ValueError, match="causal FAVOR\\+ only"):
+        favor_attention(q, k, v, w, return_state=True)

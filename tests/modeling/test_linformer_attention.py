@@ -1,0 +1,170 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linearformers.modeling.attention import (
+    causal_linformer_attention,
+    causal_linformer_step,
+    linformer_attention,
+    softmax_attention,
+)
+
+
+def _qkv(b=2, h=3, n=32, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g) for _ in range(3))
+
+
+def _pad(x, pad, side):
+    junk = torch.randn(x.shape[0], x.shape[1], pad, x.shape[3]) * 5
+    return torch.cat([junk, x], 2) if side == "left" else torch.cat([x, junk], 2)
+
+
+def _mask(n, pad, side):
+    mask = torch.ones(1, n + pad, dtype=torch.bool)
+    if side == "left":
+        mask[:, :pad] = False
+    else:
+        mask[:, n:] = False
+    return mask
+
+
+def test_identity_projection_with_k_equal_n_is_exact_attention():
+    q, k, v = _qkv()
+    eye = torch.eye(32)
+    torch.testing.assert_close(linformer_attention(q, k, v, eye), softmax_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_causal_identity_projection_is_exact_causal_attention():
+    q, k, v = _qkv(n=30)
+    eye = torch.eye(30)
+    out = causal_linformer_attention(q, k, v, eye, chunk_size=8)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_short_sequence_uses_the_first_n_columns():
+    q, k, v = _qkv(n=20)
+    e = torch.randn(8, 64)
+    f = torch.randn(8, 64)
+    out = linformer_attention(q, k, v, e, f)
+    kp, vp = e[:, :20] @ k, f[:, :20] @ v
+    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_per_head_projections_apply_per_head():
+    q, k, v = _qkv(h=2, n=16)
+    e = torch.randn(2, 4, 16)
+    out = linformer_attention(q, k, v, e)
+    for head in range(2):
+        alone = linformer_attention(q[:, head : head + 1], k[:, head : head + 1], v[:, head : head + 1], e[head])
+        torch.testing.assert_close(out[:, head : head + 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_projection_is_mean_pooling_over_windows():
+    q, k, v = _qkv(n=32)
+    out = linformer_attention(q, k, v, None, method="pool", window=4)
+    kp = F.avg_pool1d(k.flatten(0, 1).transpose(1, 2), 4).transpose(1, 2).view(2, 3, 8, 16)
+    vp = F.avg_pool1d(v.flatten(0, 1).transpose(1, 2), 4).transpose(1, 2).view(2, 3, 8, 16)
+    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_projection_is_a_strided_convolution():
+    q, k, v = _qkv(n=32)
+    wk, wv = torch.randn(16, 16, 4) * 0.1, torch.randn(16, 16, 4) * 0.1
+    out = linformer_attention(q, k, v, wk, wv, method="conv", window=4)
+    kp = F.conv1d(k.flatten(0, 1).transpose(1, 2), wk, stride=4).transpose(1, 2).reshape(2, 3, 8, 16)
+    vp = F.conv1d(v.flatten(0, 1).transpose(1, 2), wv, stride=4).transpose(1, 2).reshape(2, 3, 8, 16)
+    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize(
+    "method,proj,window",
+    [("learned", torch.randn(8, 64), None), ("pool", None, 4), ("conv", torch.randn(16, 16, 4) * 0.1, 4)],
+)
+def test_padding_changes_nothing_for_real_tokens(side, method, proj, window):
+    q, k, v = _qkv(b=1, n=22)
+    ref = linformer_attention(q, k, v, proj, method=method, window=window)
+    pad = 9
+    qp, kp, vp = (_pad(x, pad, side) for x in (q, k, v))
+    out = linformer_attention(qp, kp, vp, proj, method=method, window=window, key_padding_mask=_mask(22, pad, side))
+    real = out[:, :, pad:] if side == "left" else out[:, :, :22]
+    torch.testing.assert_close(real, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_causal_padding_changes_nothing_for_real_tokens(side):
+    q, k, v = _qkv(b=1, n=22)
+    e = torch.randn(3, 8, 64)
+    ref = causal_linformer_attention(q, k, v, e, chunk_size=8)
+    pad = 9
+    qp, kp, vp = (_pad(x, pad, side) for x in (q, k, v))
+    out = causal_linformer_attention(qp, kp, vp, e, chunk_size=8, key_padding_mask=_mask(22, pad, side))
+    real = out[:, :, pad:] if side == "left" else out[:, :, :22]
+    torch.testing.assert_close(real, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_linformer_never_reads_the_future():
+    q, k, v = _qkv(n=40)
+    e, f = torch.randn(8, 64), torch.randn(8, 64)
+    out = causal_linformer_attention(q, k, v, e, f, chunk_size=16)
+    t = 17
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 10
+    out2 = causal_linformer_attention(q2, k2, v2, e, f, chunk_size=16)
+    torch.testing.assert_close(out2[:, :, : t + 1], out[:, :, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(out2[:, :, t + 1 :], out[:, :, t + 1 :])
+
+
+def test_causal_linformer_chunked_step_and_naive_agree():
+    q, k, v = _qkv(n=27)
+    e, f = torch.randn(3, 6, 40), torch.randn(3, 6, 40)
+    chunked, state = causal_linformer_attention(q, k, v, e, f, chunk_size=5, return_state=True)
+    naive = []
+    for t in range(27):  # the definition, position by position: O(n^2 k d)
+        kt = torch.einsum("hks,bhsd->bhkd", e[:, :, : t + 1], k[:, :, : t + 1])
+        vt = torch.einsum("hks,bhsd->bhkd", f[:, :, : t + 1], v[:, :, : t + 1])
+        p = torch.softmax(q[:, :, t : t + 1] @ kt.transpose(-1, -2) / 4, -1)
+        naive.append(p @ vt)
+    torch.testing.assert_close(chunked, torch.cat(naive, 2), rtol=1e-4, atol=1e-5)
+    st, steps = None, []
+    for t in range(27):
+        o, st = causal_linformer_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], e, f, st, t)
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps, 2), chunked, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st[0], state[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_large_logits_stays_finite(dtype):
+    q, k, v = _qkv(n=64, d=64)
+    k = q * (50 * 8 / q.pow(2).sum(-1, keepdim=True))
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    e = torch.eye(64)
+    assert torch.isfinite(linformer_attention(q, k, v, e)).all()
+    out = causal_linformer_attention(q, k, v, e)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="k must not exceed n_max"):
+        linformer_attention(q, k, v, torch.randn(64, 32))
+    with pytest.raises(ValueError, match="exceeds the Linformer's max_seq_length=16"):
+        linformer_attention(q, k, v, torch.randn(4, 16))
+    with pytest.raises(ValueError, match="key_padding_mask must be shaped"):
+        linformer_attention(q, k, v, torch.randn(4, 32), key_padding_mask=torch.ones(2, 31))
+    with pytest.raises(ValueError, match="do not fit"):
+        linformer_attention(q, k[:, :2], v[:, :2], torch.randn(4, 32))
+    with pytest.raises(ValueError, match="unknown Linformer projection method"):
+        linformer_attention(q, k, v, None, method="fft")
+    with pytest.raises(ValueError, match="conv projection weight"):
+        linformer_attention(q, k, v, torch.randn(16, 16, 3), method="conv", window=4)
+    with pytest.raises(ValueError, match="per head"):
+        linformer_attention(q, k, v, torch.randn(5, 4, 32))
+    with pytest.raises(ValueError, match="past the Linformer's max_seq_length=32"):
+        causal_linformer_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], torch.randn(4, 32), None, None, 32)
