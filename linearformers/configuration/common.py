@@ -1,0 +1,118 @@
+"""Fields and checks that Linformer and Performer configs share (the BertConfig / GPT2Config fields)."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rotary")
+
+
+@strict(accept_kwargs=True)
+class LinearAttentionConfig(PreTrainedConfig):
+    """Common fields. ``is_decoder=False`` builds the BERT-style post-LN encoder stack (with token types and a
+    pooler); ``is_decoder=True`` builds the GPT-2-style pre-LN causal stack with a final norm, used by
+    ``*ForCausalLM``.
+
+    Position embeddings: ``"absolute"`` (learned, limited to ``max_position_embeddings``), ``"sinusoidal"`` or
+    ``"rotary"`` (computed on the fly, no length limit of their own).
+
+    Local heads: ``num_local_heads`` of the ``num_attention_heads`` heads run softmax attention inside a window of
+    ``local_window`` tokens (with a learnable relative-position bias when ``local_relative_bias``); the others
+    run the family's global linear attention.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    position_embedding_type: str = "absolute"
+    rope_theta: float = 10000.0
+    classifier_dropout: float | None = None
+    num_local_heads: int = 0
+    local_window: int = 128
+    local_relative_bias: bool = False
+    is_decoder: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        # Validate here too, so that a bad value raises a plain ValueError naming it at construction
+        # (@strict re-raises validate_architecture's errors wrapped in its own exception type).
+        self.validate_architecture()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_global_heads(self) -> int:
+        return self.num_attention_heads - self.num_local_heads
+
+    def _sequence_limit(self) -> tuple[int, str] | None:
+        """The longest input this config's attention accepts, and the field that sets it (None: no limit)."""
+        return None
+
+    def validate_architecture(self):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "local_window",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
+                "pick a head count that divides it"
+            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.layer_norm_eps <= 0 or self.initializer_range < 0:
+            raise ValueError(
+                f"layer_norm_eps must be > 0 and initializer_range >= 0, got {self.layer_norm_eps}, "
+                f"{self.initializer_range}"
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; choose one of transformers' ACT2FN keys")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"unknown position_embedding_type {self.position_embedding_type!r}; "
+                f"choose one of {POSITION_EMBEDDING_TYPES}"
+            )
+        if self.position_embedding_type == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if not 0 <= self.num_local_heads <= self.num_attention_heads:
+            raise ValueError(
+                f"num_local_heads={self.num_local_heads} must be between 0 and "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        limit = self._sequence_limit()
+        if self.num_local_heads and limit is not None and self.local_window > limit[0]:
+            raise ValueError(
+                f"local_window={self.local_window} is larger than {limit[1]}={limit[0]}, the longest sequence "
+                "this model accepts; lower local_window"
+            )
+        if self.num_local_heads and not self.is_decoder and self.local_window < 2:
+            raise ValueError(f"a bidirectional local_window must be >= 2, got {self.local_window}")

@@ -1,0 +1,97 @@
+"""LinformerConfig (model_type "linformer")."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+
+from .common import LinearAttentionConfig
+
+SHARING_MODES = ("per_head", "headwise", "key_value", "layerwise")
+PROJECTIONS = ("learned", "pool", "conv")
+
+
+@strict(accept_kwargs=True)
+class LinformerConfig(LinearAttentionConfig):
+    """Configuration of a Linformer (Wang et al., 2020).
+
+    Linformer fields:
+        max_seq_length: n, the longest sequence the E / F projections cover (defaults to
+            max_position_embeddings).
+        projected_length: k, the number of slots keys and values are projected to.
+        projected_length_per_layer: optional list of one k per layer (the paper's non-uniform k).
+        sharing: "per_head" (E, F per head and layer), "headwise" (E, F per layer, shared by the heads),
+            "key_value" (E = F per layer) or "layerwise" (one E = F for every layer and head).
+        projection: "learned" (linear n -> k), "pool" (mean pooling) or "conv" (strided convolution); pool and
+            conv use kernel = stride = max_seq_length / k. A causal decoder (is_decoder=True) needs "learned".
+        causal_chunk_size: chunk of the causal Linformer's prefix sums.
+
+    Example:
+        >>> config = LinformerConfig(hidden_size=256, num_attention_heads=4, max_seq_length=4096, projected_length=256)
+    """
+
+    model_type = "linformer"
+
+    max_seq_length: int | None = None
+    projected_length: int = 256
+    projected_length_per_layer: list[int] | None = None
+    sharing: str = "headwise"
+    projection: str = "learned"
+    causal_chunk_size: int = 128
+
+    def __post_init__(self, **kwargs):
+        if self.max_seq_length is None:
+            self.max_seq_length = self.max_position_embeddings
+        super().__post_init__(**kwargs)
+
+    def projected_length_for(self, layer_idx: int) -> int:
+        if self.projected_length_per_layer is not None:
+            return self.projected_length_per_layer[layer_idx]
+        return self.projected_length
+
+    def _sequence_limit(self) -> tuple[int, str]:
+        return self.max_seq_length, "max_seq_length"
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.max_seq_length <= 0 or self.projected_length <= 0 or self.causal_chunk_size <= 0:
+            raise ValueError(
+                f"max_seq_length, projected_length and causal_chunk_size must be positive, got "
+                f"{self.max_seq_length}, {self.projected_length}, {self.causal_chunk_size}"
+            )
+        if self.sharing not in SHARING_MODES:
+            raise ValueError(f"unknown Linformer sharing mode {self.sharing!r}; choose one of {SHARING_MODES}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"unknown Linformer projection {self.projection!r}; choose one of {PROJECTIONS}")
+        if self.position_embedding_type == "absolute" and self.max_seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_length={self.max_seq_length} exceeds max_position_embeddings="
+                f"{self.max_position_embeddings} of the learned absolute positions; raise max_position_embeddings"
+            )
+        ks = self.projected_length_per_layer or [self.projected_length]
+        if self.projected_length_per_layer is not None:
+            if len(ks) != self.num_hidden_layers:
+                raise ValueError(
+                    f"projected_length_per_layer has {len(ks)} entries for num_hidden_layers={self.num_hidden_layers}"
+                )
+            if self.sharing == "layerwise" and len(set(ks)) > 1:
+                raise ValueError("sharing='layerwise' uses one projection for every layer, so all k must be equal")
+        for k in ks:
+            if k <= 0:
+                raise ValueError(f"projected length k must be positive, got {k}")
+            if k > self.max_seq_length:
+                raise ValueError(
+                    f"projected length k={k} is larger than max_seq_length={self.max_seq_length}; k must not exceed n"
+                )
+            if self.projection != "learned" and self.max_seq_length % k:
+                raise ValueError(
+                    f"the {self.projection!r} projection uses kernel = stride = max_seq_length / k, so k={k} must "
+                    f"divide max_seq_length={self.max_seq_length}"
+                )
+        if self.is_decoder and self.projection != "learned":
+            raise ValueError(
+                f"a causal Linformer (is_decoder=True) needs projection='learned'; {self.projection!r} pools over "
+                "windows that would mix future tokens into past slots"
+            )
+
+
+__all__ = ["LinformerConfig"]

@@ -1,0 +1,389 @@
+"""Model classes both families share. ``linformer.py`` and ``performer.py`` bind them to their config class.
+
+Read top to bottom: the pretrained base (init, redraws), the base model, then the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    SequenceClassifierOutput,
+)
+from transformers.utils import logging
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .cache import LinearAttentionCache
+from .layers import (
+    LinearAttentionEmbeddings,
+    LinearAttentionLayer,
+    LinearAttentionPooler,
+    LinformerAttention,
+    MaskedLMHead,
+    PerformerAttention,
+    rotary_cos_sin,
+)
+
+logger = logging.get_logger(__name__)
+
+NO_ATTENTION_MAPS = (
+    "output_attentions=True is not supported: linear attention never forms the n x n attention matrix, which is "
+    "what makes it linear. Inspect a layer with exact softmax attention instead "
+    "(linearformers.modeling.attention.softmax_attention)."
+)
+
+
+class LinearAttentionPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionLayer"]
+    _can_record_outputs = {"hidden_states": LinearAttentionLayer}
+    _keys_to_ignore_on_load_unexpected = [r"pooler\."]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, PerformerAttention):
+            # deterministic: the same draw as in __init__, so init tests and reloads agree
+            init.copy_(module.random_features, module.draw_features(0, device=module.random_features.device))
+        if isinstance(module, LinformerAttention):
+            for proj in (module.e_proj, module.f_proj):
+                if proj is None:
+                    continue
+                if module.config.projection == "conv":  # (d, d, window): fan-in scaling
+                    init.normal_(proj, mean=0.0, std=(proj.shape[1] * proj.shape[2]) ** -0.5)
+                else:  # learned E, F (.., k, n): std 1/sqrt(k), as in the reference implementation
+                    init.normal_(proj, mean=0.0, std=proj.shape[-2] ** -0.5)
+        if getattr(module, "relative_bias", None) is not None:
+            init.zeros_(module.relative_bias)
+        if isinstance(module, LinearAttentionModel):
+            init.zeros_(module.feature_redraws)
+            if module.shared_projection is not None:
+                init.normal_(module.shared_projection, mean=0.0, std=module.shared_projection.shape[0] ** -0.5)
+        if isinstance(module, MaskedLMHead):
+            init.zeros_(module.decoder.bias)
+
+
+def _key_mask(attention_mask, length: int) -> torch.Tensor | None:
+    """The (batch, length) bool key-padding mask of the current tokens, or None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, dict):  # generate() may key masks by layer type
+        attention_mask = next(iter(attention_mask.values()))
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be the 2-D (batch, length) padding mask with 1 for real tokens, got shape "
+            f"{tuple(attention_mask.shape)}; linear attention takes no 4-D masks"
+        )
+    mask = attention_mask[:, -length:].bool()
+    return None if bool(mask.all()) else mask
+
+
+class LinearAttentionModel(LinearAttentionPreTrainedModel):
+    """The bare stack: embeddings, N blocks, and a final LayerNorm (decoder) or a pooler (encoder).
+
+    Position ids default to each token's rank among its sequence's real tokens (cumsum of the attention mask),
+    so left and right padding give the same answers.
+    """
+
+    def __init__(self, config, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = LinearAttentionEmbeddings(config)
+        self.layers = nn.ModuleList([LinearAttentionLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.is_decoder else None
+        self.pooler = LinearAttentionPooler(config) if add_pooling_layer and not config.is_decoder else None
+        shared = getattr(config, "sharing", None) == "layerwise" and getattr(config, "projection", None) == "learned"
+        self.shared_projection = (
+            nn.Parameter(torch.empty(config.projected_length, config.max_seq_length)) if shared else None
+        )
+        # training forward passes seen, for FAVOR+ redraws; saved, so a resumed run redraws on the same schedule
+        self.register_buffer("feature_redraws", torch.zeros((), dtype=torch.long), persistent=True)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def redraw_features(self, draw_index: int) -> None:
+        """Set every Performer layer's random features to draw number ``draw_index`` (a pure function of the
+        config's feature_seed, the layer and the index: the same on every process)."""
+        for layer in self.layers:
+            if isinstance(layer.attention, PerformerAttention):
+                buf = layer.attention.random_features
+                buf.copy_(layer.attention.draw_features(draw_index, device=buf.device).to(buf.dtype))
+
+    def _maybe_redraw(self) -> None:
+        interval = getattr(self.config, "feature_redraw_interval", None)
+        if not (self.training and interval):
+            return
+        seen = int(self.feature_redraws)
+        if seen and seen % interval == 0:
+            with torch.no_grad():
+                self.redraw_features(seen // interval)
+        self.feature_redraws += 1
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: LinearAttentionCache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        if kwargs.get("output_attentions"):
+            raise ValueError(NO_ATTENTION_MAPS)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        use_cache = bool(self.config.is_decoder and (self.config.use_cache if use_cache is None else use_cache))
+        if use_cache and past_key_values is None and not self.training:
+            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
+        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
+            raise TypeError(
+                f"past_key_values must be a LinearAttentionCache (linear attention keeps a fixed-size state, not "
+                f"keys and values), got {type(past_key_values).__name__}"
+            )
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        key_mask = _key_mask(attention_mask, length)
+        if position_ids is None:
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
+            else:
+                position_ids = torch.arange(past, past + length, device=device).expand(batch, -1)
+        self._maybe_redraw()
+        hidden_states = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds)
+        rotary = None
+        if self.config.position_embedding_type == "rotary":
+            rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                key_mask=key_mask,
+                rotary=rotary,
+                past_key_values=past_key_values,
+                shared_projection=self.shared_projection,
+                position_ids=position_ids,
+            )
+        if past_key_values is not None:
+            past_key_values.seen_tokens += length
+        if self.final_norm is not None:
+            hidden_states = self.final_norm(hidden_states)
+        pooled = self.pooler(hidden_states) if self.pooler is not None else None
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            pooler_output=pooled,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.is_decoder:
+            raise ValueError(f"{type(self).__name__} needs a bidirectional encoder config; got is_decoder=True")
+        self.model = self.base_model_class(config, add_pooling_layer=False)
+        self.lm_head = MaskedLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embeddings.word_embeddings.weight"}
+    _is_stateful = True  # a recurrent state cannot be cropped: no assisted decoding
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the recurrent cache has no sequence length; forward builds a LinearAttentionCache
+
+    def __init__(self, config):
+        super().__init__(config)
+        if not config.is_decoder:
+            raise ValueError(
+                f"{type(self).__name__} needs a causal decoder config: pass is_decoder=True "
+                f"(e.g. {type(config).__name__}(is_decoder=True, ...)) to build the GPT-2-style pre-LN stack"
+            )
+        self.model = self.base_model_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: LinearAttentionCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+
+
+class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
+    """Pools like the stack it sits on: BERT's [CLS] pooler for the encoder, the last real token for a decoder.
+    Single-label, multi-label and regression follow ``config.problem_type`` (transformers' loss)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = self.base_model_class(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            return_dict=True,
+            **kwargs,
+        )
+        if outputs.pooler_output is not None:
+            pooled = outputs.pooler_output
+        else:
+            hidden = outputs.last_hidden_state
+            if attention_mask is None:
+                last = torch.full((hidden.shape[0],), hidden.shape[1] - 1, device=hidden.device)
+            else:  # rightmost real token, for left or right padding
+                positions = torch.arange(hidden.shape[1], device=hidden.device)
+                last = (positions * attention_mask.to(hidden.device).long()).argmax(-1)
+            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
+    """BERT's multiple-choice head: each (context, choice) pair is encoded, pooled and scored; softmax over
+    choices. Inputs are (batch, num_choices, length)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.is_decoder:
+            raise ValueError(f"{type(self).__name__} needs a bidirectional encoder config; got is_decoder=True")
+        self.model = self.base_model_class(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput:
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source is None or source.dim() < 3:
+            raise ValueError("multiple choice inputs must be shaped (batch, num_choices, length)")
+        num_choices = source.shape[1]
+
+        def flat(x):
+            return None if x is None else x.reshape(-1, *x.shape[2:])
+
+        outputs = self.model(
+            flat(input_ids),
+            attention_mask=flat(attention_mask),
+            token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids),
+            inputs_embeds=flat(inputs_embeds),
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        loss = None
+        if labels is not None:
+            # transformers' loss_function has no multiple-choice entry
+            loss = nn.functional.cross_entropy(logits.float(), labels.to(logits.device))
+        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
