@@ -1,0 +1,64 @@
+import pytest
+
+from linearformers import LinformerConfig, PerformerConfig
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,message",
+    [
+        (PerformerConfig, dict(hidden_size=65, num_attention_heads=4), "not divisible by num_attention_heads"),
+        (LinformerConfig, dict(hidden_size=100, num_attention_heads=3), "not divisible by num_attention_heads"),
+        (PerformerConfig, dict(num_random_features=-3), "num_random_features must be positive"),
+        (PerformerConfig, dict(num_random_features=0), "num_random_features must be positive"),
+        (PerformerConfig, dict(kernel="cosine"), "unknown Performer kernel 'cosine'"),
+        (PerformerConfig, dict(causal_chunk_size=0), "causal_chunk_size must be positive"),
+        (PerformerConfig, dict(feature_redraw_interval=-1), "feature_redraw_interval"),
+        (PerformerConfig, dict(num_hidden_layers=0), "num_hidden_layers must be a positive"),
+        (PerformerConfig, dict(hidden_size=-8), "hidden_size must be a positive"),
+        (PerformerConfig, dict(vocab_size=0), "vocab_size must be a positive"),
+        (PerformerConfig, dict(intermediate_size=0), "intermediate_size must be a positive"),
+        (PerformerConfig, dict(hidden_act="swishy"), "unknown hidden_act"),
+        (PerformerConfig, dict(hidden_dropout_prob=1.5), "hidden_dropout_prob must be in"),
+        (PerformerConfig, dict(position_embedding_type="alibi"), "unknown position_embedding_type"),
+        (PerformerConfig, dict(num_local_heads=13), "num_local_heads=13"),
+        (PerformerConfig, dict(num_local_heads=2, local_window=1024), "local_window=1024 is larger than"),
+        (LinformerConfig, dict(num_local_heads=2, local_window=1024), "local_window=1024 is larger than"),
+        (LinformerConfig, dict(projected_length=1024), "k=1024 is larger than max_seq_length=512"),
+        (LinformerConfig, dict(projected_length=0), "must be positive"),
+        (LinformerConfig, dict(max_seq_length=-1), "must be positive"),
+        (LinformerConfig, dict(sharing="everything"), "unknown Linformer sharing mode 'everything'"),
+        (LinformerConfig, dict(projection="fft"), "unknown Linformer projection 'fft'"),
+        (LinformerConfig, dict(projection="pool", projected_length=100), "must divide max_seq_length=512"),
+        (LinformerConfig, dict(is_decoder=True, projection="pool", projected_length=64), "needs projection='learned'"),
+        (LinformerConfig, dict(max_seq_length=1024), "exceeds max_position_embeddings=512"),
+        (LinformerConfig, dict(projected_length_per_layer=[64, 64]), "has 2 entries for num_hidden_layers=12"),
+        (
+            LinformerConfig,
+            dict(num_hidden_layers=2, projected_length_per_layer=[64, 32], sharing="layerwise"),
+            "all k must be equal",
+        ),
+        (
+            LinformerConfig,
+            dict(num_hidden_layers=2, projected_length_per_layer=[64, 4096]),
+            "k=4096 is larger than max_seq_length",
+        ),
+    ],
+)
+def test_bad_config_values_raise_a_value_error_naming_them(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cls(**kwargs)
+
+
+def test_configs_round_trip_through_json(tmp_path):
+    cfg = LinformerConfig(projected_length=64, sharing="key_value", projected_length_per_layer=None)
+    cfg.save_pretrained(tmp_path)
+    again = LinformerConfig.from_pretrained(tmp_path)
+    assert (again.projected_length, again.sharing, again.max_seq_length) == (64, "key_value", 512)
+    pc = PerformerConfig(num_random_features=64, kernel="relu", feature_seed=7)
+    pc.save_pretrained(tmp_path / "p")
+    again = PerformerConfig.from_pretrained(tmp_path / "p")
+    assert (again.num_random_features, again.kernel, again.feature_seed) == (64, "relu", 7)
+
+
+def test_max_seq_length_defaults_to_max_position_embeddings():
+    assert LinformerConfig(max_position_embeddings=1024).max_seq_length == 1024

@@ -1,0 +1,305 @@
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+import linearformers as lf
+from tests.conftest import FAMILIES, tiny_config
+
+ENCODER_AUTOS = [
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoModelForQuestionAnswering,
+    AutoModelForMultipleChoice,
+]
+
+
+def _inputs(auto, batch=2, length=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 3, length) if auto is AutoModelForMultipleChoice else (batch, length)
+    return {"input_ids": torch.randint(1, 99, shape, generator=g)}
+
+
+def _tensors(out):
+    return [v for v in out.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("auto", ENCODER_AUTOS + [AutoModelForCausalLM], ids=lambda a: a.__name__)
+def test_every_auto_class_round_trips_with_identical_outputs(family, auto, tmp_path):
+    cfg = tiny_config(family, is_decoder=auto is AutoModelForCausalLM, num_local_heads=1, local_window=4)
+    model = auto.from_config(cfg).eval()
+    assert type(model).__name__.lower().startswith(family)
+    inputs = _inputs(auto)
+    with torch.no_grad():
+        before = model(**inputs, use_cache=False) if auto is AutoModelForCausalLM else model(**inputs)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).model_type == family
+    again = auto.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        after = again(**inputs, use_cache=False) if auto is AutoModelForCausalLM else again(**inputs)
+    saved, loaded = model.state_dict(), again.state_dict()
+    assert saved.keys() == loaded.keys()
+    for key in saved:  # every weight and buffer, FAVOR+ features included, bit for bit
+        assert torch.equal(saved[key], loaded[key]), key
+    for a, b in zip(_tensors(before), _tensors(after), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # BLAS may reorder sums across calls
+
+
+def test_performer_features_are_saved_with_the_checkpoint(tmp_path):
+    model = lf.PerformerModel(tiny_config("performer")).eval()
+    model.redraw_features(5)  # differs from the draw a fresh model would make
+    features = model.layers[0].attention.random_features.clone()
+    model.save_pretrained(tmp_path)
+    again = lf.PerformerModel.from_pretrained(tmp_path)
+    torch.testing.assert_close(again.layers[0].attention.random_features, features, rtol=0, atol=0)
+    assert not torch.equal(lf.PerformerModel(tiny_config("performer")).layers[0].attention.random_features, features)
+
+
+def test_features_are_deterministic_from_the_seed_and_differ_per_layer():
+    a = lf.PerformerModel(tiny_config("performer", feature_seed=3))
+    b = lf.PerformerModel(tiny_config("performer", feature_seed=3))
+    c = lf.PerformerModel(tiny_config("performer", feature_seed=4))
+    fa = [layer.attention.random_features for layer in a.layers]
+    assert torch.equal(fa[0], b.layers[0].attention.random_features)
+    assert not torch.equal(fa[0], fa[1])
+    assert not torch.equal(fa[0], c.layers[0].attention.random_features)
+
+
+def test_redraws_follow_the_interval_in_training_only():
+    model = lf.PerformerModel(tiny_config("performer", feature_redraw_interval=2))
+    ids = torch.randint(1, 99, (1, 8))
+    first = model.layers[0].attention.random_features.clone()
+    model.eval()
+    for _ in range(3):
+        model(ids)
+    assert torch.equal(model.layers[0].attention.random_features, first)
+    model.train()
+    model(ids)
+    model(ids)
+    assert torch.equal(model.layers[0].attention.random_features, first)
+    model(ids)  # third training forward: draw 1
+    drawn = model.layers[0].attention.random_features
+    assert not torch.equal(drawn, first)
+    torch.testing.assert_close(drawn, model.layers[0].attention.draw_features(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("position_embedding_type", ["absolute", "rotary", "sinusoidal"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_gives_the_same_outputs_as_each_sequence_alone(family, position_embedding_type, side):
+    cfg = tiny_config(family, position_embedding_type=position_embedding_type, num_local_heads=1, local_window=4)
+    model = AutoModel.from_config(cfg).eval()
+    lengths = [12, 7, 3]
+    seqs = [torch.randint(1, 99, (n,)) for n in lengths]
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(12 - len(s), 12) if side == "left" else slice(0, len(s))
+        ids[i, sl] = s
+        mask[i, sl] = 1
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        for i, s in enumerate(seqs):
+            alone = model(input_ids=s[None]).last_hidden_state[0]
+            sl = slice(12 - len(s), 12) if side == "left" else slice(0, len(s))
+            torch.testing.assert_close(batched[i, sl], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_causal_lm_does_not_leak_the_future(family):
+    cfg = tiny_config(family, is_decoder=True, num_local_heads=1, local_window=4)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 99, (2, 20))
+    changed = ids.clone()
+    changed[:, 11:] = torch.randint(1, 99, (2, 9))
+    with torch.no_grad():
+        a = model(ids, use_cache=False).logits
+        b = model(changed, use_cache=False).logits
+    torch.testing.assert_close(a[:, :11], b[:, :11], rtol=0, atol=1e-5)
+    assert not torch.allclose(a[:, 11:], b[:, 11:])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoder", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(family, decoder):
+    cfg = tiny_config(family, is_decoder=decoder)
+    auto = AutoModelForCausalLM if decoder else AutoModelForMaskedLM
+    torch.manual_seed(0)
+    model = auto.from_config(cfg).train()
+    ids = torch.randint(1, 99, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    assert model.is_activation_checkpointing
+    model(input_ids=ids, labels=ids).loss.backward()
+    for name, grad in plain.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)
+    assert len(plain) > 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_embeds_token_types_and_position_ids_are_honoured(family):
+    model = AutoModel.from_config(tiny_config(family)).eval()
+    ids = torch.randint(1, 99, (2, 9))
+    with torch.no_grad():
+        base = model(input_ids=ids).last_hidden_state
+        embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).last_hidden_state
+        types = model(input_ids=ids, token_type_ids=torch.ones_like(ids)).last_hidden_state
+        shifted = model(input_ids=ids, position_ids=torch.arange(3, 12).expand(2, -1)).last_hidden_state
+    torch.testing.assert_close(embeds, base)
+    assert not torch.allclose(types, base)
+    assert not torch.allclose(shifted, base)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hidden_states_and_tuple_outputs(family):
+    model = AutoModelForMaskedLM.from_config(tiny_config(family)).eval()
+    ids = torch.randint(1, 99, (1, 8))
+    out = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 3  # embeddings + 2 layers
+    assert out.hidden_states[0].shape == (1, 8, 32)
+    tup = model(ids, return_dict=False)
+    assert isinstance(tup, tuple)
+    torch.testing.assert_close(tup[0], out.logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_attentions_raises_a_clear_error(family):
+    model = AutoModel.from_config(tiny_config(family))
+    with pytest.raises(ValueError, match="never forms the n x n attention matrix"):
+        model(torch.randint(1, 99, (1, 8)), output_attentions=True)
+
+
+def test_four_d_masks_are_refused_with_a_clear_error():
+    model = AutoModel.from_config(tiny_config("performer"))
+    with pytest.raises(ValueError, match="2-D"):
+        model(torch.randint(1, 99, (1, 8)), attention_mask=torch.ones(1, 1, 8, 8))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_too_long_inputs_raise_an_error_naming_the_limit(family):
+    model = AutoModel.from_config(
+        tiny_config(family, max_position_embeddings=32, **({"projected_length": 8} if family == "linformer" else {}))
+    )
+    with pytest.raises(ValueError, match="max_position_embeddings=32"):
+        model(torch.randint(1, 99, (1, 40)))
+
+
+def test_linformer_longer_than_its_projections_raises_naming_max_seq_length():
+    cfg = tiny_config("linformer", position_embedding_type="rotary", max_seq_length=32, projected_length=8)
+    model = AutoModel.from_config(cfg)
+    with pytest.raises(ValueError, match="max_seq_length=32"):
+        model(torch.randint(1, 99, (1, 40)))
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
+def test_performer_without_learned_positions_runs_past_max_position_embeddings(position_embedding_type):
+    cfg = tiny_config("performer", max_position_embeddings=16, position_embedding_type=position_embedding_type)
+    model = AutoModel.from_config(cfg).eval()
+    out = model(torch.randint(1, 99, (1, 100))).last_hidden_state
+    assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("sharing", ["per_head", "headwise", "key_value", "layerwise"])
+@pytest.mark.parametrize("projection", ["learned", "pool", "conv"])
+def test_linformer_sharing_modes_and_projections_build_and_run(sharing, projection):
+    cfg = tiny_config("linformer", sharing=sharing, projection=projection, projected_length=16)
+    model = AutoModelForMaskedLM.from_config(cfg)
+    ids = torch.randint(1, 99, (2, 40))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    names = [
+        n for n, _ in model.named_parameters() if "proj" in n and ("e_proj" in n or "f_proj" in n or "shared" in n)
+    ]
+    if projection == "learned" and sharing == "layerwise":
+        assert names == ["model.shared_projection"]
+    elif projection == "learned":
+        per_layer = 1 if sharing == "key_value" else 2
+        assert len(names) == 2 * per_layer
+    elif projection == "pool":
+        assert names == []
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in names)
+
+
+def test_linformer_per_layer_k():
+    cfg = tiny_config("linformer", projected_length_per_layer=[8, 16])
+    model = AutoModel.from_config(cfg)
+    assert model.layers[0].attention.e_proj.shape == (8, 64)
+    assert model.layers[1].attention.e_proj.shape == (16, 64)
+
+
+@pytest.mark.parametrize(
+    "problem_type,labels",
+    [
+        ("single_label_classification", torch.tensor([0, 2])),
+        ("multi_label_classification", torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])),
+        ("regression", torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.0, 0.0]])),
+    ],
+)
+def test_sequence_classification_problem_types(problem_type, labels):
+    cfg = tiny_config("performer", num_labels=3, problem_type=problem_type)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    out = model(torch.randint(1, 99, (2, 8)), labels=labels)
+    assert out.logits.shape == (2, 3) and out.loss.ndim == 0 and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resize_token_embeddings_keeps_the_lm_head_tied(family):
+    model = AutoModelForMaskedLM.from_config(tiny_config(family))
+    model.resize_token_embeddings(120)
+    assert model.get_input_embeddings().weight.shape[0] == 120
+    assert model.lm_head.decoder.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model(torch.randint(100, 120, (1, 6))).logits.shape == (1, 6, 120)
+    causal = AutoModelForCausalLM.from_config(tiny_config(family, is_decoder=True))
+    causal.resize_token_embeddings(110)
+    assert causal.lm_head.weight.data_ptr() == causal.get_input_embeddings().weight.data_ptr()
+
+
+def test_causal_lm_and_encoder_heads_refuse_the_wrong_stack():
+    with pytest.raises(ValueError, match="is_decoder=True"):
+        lf.PerformerForCausalLM(tiny_config("performer"))
+    with pytest.raises(ValueError, match="bidirectional encoder"):
+        lf.LinformerForMaskedLM(tiny_config("linformer", is_decoder=True))
+
+
+def test_device_map_auto_loads(tmp_path):
+    AutoModelForMaskedLM.from_config(tiny_config("performer")).save_pretrained(tmp_path)
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path, device_map="auto")
+    assert model(torch.randint(1, 99, (1, 6))).logits.shape == (1, 6, 99)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_lora_on_the_documented_target_modules(family):
+    peft = pytest.importorskip("peft")
+    model = AutoModelForSequenceClassification.from_config(tiny_config(family))
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], task_type="SEQ_CLS"
+        ),
+    )
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n and "q_proj" in n for n in trainable)
+    out = lora(input_ids=torch.randint(1, 99, (2, 8)), labels=torch.tensor([0, 1]))
+    out.loss.backward()
+
+
+def test_torch_compile_matches_eager():
+    model = AutoModelForMaskedLM.from_config(tiny_config("performer")).eval()
+    ids = torch.randint(1, 99, (1, 8))
+    eager = model(ids).logits
+    compiled = torch.compile(model, backend="eager", fullgraph=False)
+    torch.testing.assert_close(compiled(ids).logits, eager)
