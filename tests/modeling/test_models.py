@@ -35,7 +35,7 @@ def _tensors(out):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("auto", ENCODER_AUTOS + [AutoModelForCausalLM], ids=lambda a: a.__name__)
+@pytest.mark.parametrize("auto", [*ENCODER_AUTOS, AutoModelForCausalLM], ids=lambda a: a.__name__)
 def test_every_auto_class_round_trips_with_identical_outputs(family, auto, tmp_path):
     cfg = tiny_config(family, is_decoder=auto is AutoModelForCausalLM, num_local_heads=1, local_window=4)
     model = auto.from_config(cfg).eval()
