@@ -303,3 +303,27 @@ def test_torch_compile_matches_eager():
     eager = model(ids).logits
     compiled = torch.compile(model, backend="eager", fullgraph=False)
     torch.testing.assert_close(compiled(ids).logits, eager)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoder", [False, True])
+def test_half_precision_models_train_with_finite_outputs(family, dtype, decoder):
+    cfg = tiny_config(family, is_decoder=decoder, num_local_heads=1, local_window=4, position_embedding_type="rotary")
+    auto = AutoModelForCausalLM if decoder else AutoModelForMaskedLM
+    model = auto.from_config(cfg, dtype=dtype)
+    ids = torch.randint(1, 99, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    out = model(ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    assert out.logits.dtype == dtype
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_torch_compile_with_inductor_matches_eager():
+    model = AutoModelForMaskedLM.from_config(tiny_config("performer")).eval()
+    ids = torch.randint(1, 99, (2, 16))
+    eager = model(ids).logits
+    torch.testing.assert_close(torch.compile(model)(ids).logits, eager, rtol=1e-4, atol=1e-5)
