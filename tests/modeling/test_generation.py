@@ -1,0 +1,191 @@
+"""generate() on the recurrent cache: cached = recomputed, the rest of generate(), fixed-size state, errors."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+from linearformers import LinearAttentionCache
+from tests.conftest import FAMILIES, tiny_config
+
+
+def _lm(family, **overrides):
+    torch.manual_seed(0)
+    cfg = tiny_config(family, is_decoder=True, max_position_embeddings=256, **overrides)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _recomputed_greedy(model, ids, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    return ids
+
+
+VARIANTS = {
+    "global": {},
+    "local_heads": {"num_local_heads": 1, "local_window": 4, "local_relative_bias": True},
+    "rotary": {"position_embedding_type": "rotary"},
+    "sinusoidal_all_local": {"position_embedding_type": "sinusoidal", "num_local_heads": 4, "local_window": 3},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_greedy_equals_recomputed_greedy_for_64_tokens(family, variant):
+    model = _lm(family, initializer_range=0.2, **VARIANTS[variant])
+    ids = torch.randint(1, 99, (2, 6), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    assert cached.shape == (2, 70)
+    assert torch.equal(cached, _recomputed_greedy(model, ids, 64))
+    # A random model tends to repeat one token; forbidding repeated bigrams makes every step's choice depend on
+    # the whole history, and generate(use_cache=False) recomputes the full forward at each step.
+    kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, no_repeat_ngram_size=2)
+    varied = model.generate(ids, **kwargs)
+    assert torch.equal(varied, model.generate(ids, use_cache=False, **kwargs))
+    assert len(set(varied[0, 6:].tolist())) > 10
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_uses_the_chunked_kernel_and_steps_use_the_recurrent_one(family, monkeypatch):
+    import linearformers.modeling.layers as layers
+
+    calls = {"prefill": 0, "step": 0}
+    if family == "performer":
+        names = ("favor_attention", "favor_step")
+    else:
+        names = ("causal_linformer_attention", "causal_linformer_step")
+    for kind, name in zip(("prefill", "step"), names):
+        original = getattr(layers, name)
+
+        def counted(*args, _original=original, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(layers, name, counted)
+    model = _lm(family)
+    model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    layers_count = model.config.num_hidden_layers
+    assert calls == {"prefill": layers_count, "step": 4 * layers_count}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_size_does_not_grow_with_context(family):
+    model = _lm(family, num_local_heads=1, local_window=4)
+
+    def cache_bytes(length):
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        with torch.no_grad():
+            model(torch.randint(1, 99, (1, length)), past_key_values=cache, use_cache=True)
+        total = 0
+        for layer in cache.layers:
+            for state in (*layer.recurrent_states.values(), *layer.conv_states.values()):
+                total += 0 if state is None else state.numel() * state.element_size()
+        return total, cache
+
+    short, _ = cache_bytes(16)
+    long, cache = cache_bytes(200)
+    assert short == long > 0
+    assert cache.get_seq_length() == 200
+    local_window = cache.layers[0].conv_states[0]
+    assert local_window.shape[-1] == 3  # the local head keeps only its last window - 1 tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(family):
+    model = _lm(family, num_local_heads=1, local_window=4)
+    prompts = [torch.randint(1, 99, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 4)]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 9 - len(p) :] = p
+        mask[i, 9 - len(p) :] = 1
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        assert torch.equal(batch[i, 9:], alone[0, len(p) :])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_is_reproducible_with_a_seed(family):
+    model = _lm(family)
+    ids = torch.randint(1, 99, (2, 5))
+    torch.manual_seed(3)
+    a = model.generate(ids, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=12)
+    torch.manual_seed(3)
+    b = model.generate(ids, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=12)
+    torch.manual_seed(4)
+    c = model.generate(ids, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=12)
+    assert torch.equal(a, b) and a.shape == (2, 17)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_with_the_cache_equals_beam_search_without(family):
+    model = _lm(family, num_local_heads=1, local_window=4)
+    ids = torch.randint(1, 99, (2, 5))
+    kwargs = dict(
+        num_beams=3,
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    cached = model.generate(ids, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=1e-4, atol=1e-5)
+    greedy = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert cached.sequences.shape == greedy.shape
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_token_stops_generation(family):
+    model = _lm(family)
+    ids = torch.randint(1, 99, (1, 5))
+    free = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    eos = int(free[0, 8])  # the token greedy decoding emits at its 4th step
+    stopped = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    first = free[0, 5:].tolist().index(eos)
+    assert stopped.shape[1] == 5 + first + 1
+    assert int(stopped[0, -1]) == eos
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_generation_pipeline(family, tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = tiny_config(family, is_decoder=True, vocab_size=tokenizer.vocab_size, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path))
+    out = generator("def fibonacci(n):", max_new_tokens=8, do_sample=False)
+    assert out[0]["generated_text"].startswith("def fibonacci(n):")
+    assert len(out[0]["generated_text"]) > len("def fibonacci(n):")
+
+
+def test_learned_positions_stop_with_a_clear_error_past_their_limit():
+    torch.manual_seed(0)
+    cfg = tiny_config("performer", is_decoder=True, max_position_embeddings=16)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+
+
+def test_linformer_stops_with_a_clear_error_past_max_seq_length():
+    cfg = tiny_config(
+        "linformer", is_decoder=True, position_embedding_type="rotary", max_seq_length=16, projected_length=8
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="max_seq_length=16"):
+        model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
+def test_performer_without_learned_positions_generates_past_max_position_embeddings(position_embedding_type):
+    cfg = tiny_config(
+        "performer", is_decoder=True, max_position_embeddings=16, position_embedding_type=position_embedding_type
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    out = model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    assert out.shape == (1, 40)
