@@ -26,6 +26,7 @@ from .attention import (
     local_attention,
     num_relative_positions,
 )
+from .attention.linformer import slot_first_writes
 
 
 def sinusoidal_embeddings(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -238,6 +239,13 @@ class LinformerAttention(LinearAttention):
             if config.sharing not in ("key_value", "layerwise"):
                 self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
 
+    def _slot_first_writes(self, e: torch.Tensor) -> torch.Tensor:
+        """slot_first_writes(E), recomputed only when E changes (decoding calls it once per token)."""
+        key = (e.data_ptr(), e._version)
+        if getattr(self, "_first_writes_key", None) != key:
+            self._first_writes_key, self._first_writes = key, slot_first_writes(e)
+        return self._first_writes
+
     def global_attention(self, q, k, v, key_mask, cache, shared_projection, position_ids):
         e = shared_projection if self.e_proj is None and self.config.projection == "learned" else self.e_proj
         f = self.f_proj
@@ -263,7 +271,9 @@ class LinformerAttention(LinearAttention):
                 q, k, v, e, f, key_padding_mask=key_mask, chunk_size=self.config.causal_chunk_size, return_state=True
             )
         elif q.shape[2] == 1:
-            out, state = causal_linformer_step(q, k, v, e, f, state, position_ids[:, -1])
+            out, state = causal_linformer_step(
+                q, k, v, e, f, state, position_ids[:, -1], first_writes=self._slot_first_writes(e)
+            )
         else:
             raise ValueError(
                 "a cached causal Linformer takes one new token per step after the prefill; got "

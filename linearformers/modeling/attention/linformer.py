@@ -160,7 +160,7 @@ def linformer_attention(
     return torch.matmul(probs, vp.float()).to(q.dtype)
 
 
-def _first_writes(proj: torch.Tensor) -> torch.Tensor:
+def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:
     """For each slot, the first position whose projection weight is non-zero: (..., k), n_max if never."""
     n_max = proj.shape[-1]
     nonzero = proj != 0
@@ -240,7 +240,7 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
     e = _as_heads(e_proj[..., start : start + n].float())
     f = _as_heads(f_proj[..., start : start + n].float())
     slots = e.shape[-2]
-    first = _first_writes(e_proj)  # (k,) or (h, k)
+    first = slot_first_writes(e_proj)  # (k,) or (h, k)
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         e, f = F.pad(e, (0, pad)), F.pad(f, (0, pad))
@@ -282,11 +282,14 @@ def causal_linformer_step(
     position: int | torch.Tensor,
     *,
     scale: float | None = None,
+    first_writes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One decoding step of :func:`causal_linformer_attention` for a single new token per sequence.
 
     ``position`` is the new token's index among its sequence's real tokens: an int, or a (batch,) tensor when
     left-padded sequences have different lengths. The state (K̃, Ṽ) is (batch, heads, k, d): fixed size.
+    ``first_writes``: :func:`slot_first_writes` of ``e_proj``, precomputed by a caller that decodes many steps
+    (it scans all of E, which would otherwise cost O(k n_max) per token).
     """
     check_qkv(q, k, v, same_length=True)
     if q.shape[2] != 1:
@@ -301,15 +304,16 @@ def causal_linformer_step(
             f"{e_proj.shape[-2]} x {n_max}. Generate fewer tokens or convert to a longer model."
         )
     scale = d**-0.5 if scale is None else scale
-    e_col = _as_heads(e_proj.float())[0][..., pos].permute(2, 0, 1)  # (b, h', k)
-    f_col = _as_heads(f_proj.float())[0][..., pos].permute(2, 0, 1)
+    e_col = _as_heads(e_proj)[0][..., pos].float().permute(2, 0, 1)  # (b, h', k): only the new columns
+    f_col = _as_heads(f_proj)[0][..., pos].float().permute(2, 0, 1)
     k_state = e_col[..., None] * k.float()  # (b, h, k, d)
     v_state = f_col[..., None] * v.float()
     if state is not None:
         k_state = k_state + state[0].float()
         v_state = v_state + state[1].float()
     logits = torch.matmul(q.float(), k_state.transpose(-1, -2)) * scale  # (b, h, 1, k)
-    active = _as_heads(_first_writes(e_proj).to(q.device)[..., None])[0].squeeze(-1)  # (h', k)
+    first = slot_first_writes(e_proj) if first_writes is None else first_writes
+    active = _as_heads(first.to(q.device)[..., None])[0].squeeze(-1)  # (h', k)
     active = active[None] <= pos[:, None, None]  # (b, h', k)
     logits = logits.masked_fill(~active[:, :, None, :], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
