@@ -24,6 +24,7 @@ import math
 import torch
 
 from ._checks import check_mask, check_qkv
+from ._favor_autograd import FavorBidirectional, FavorCausal
 
 KERNELS = ("softmax", "relu")
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
@@ -161,14 +162,24 @@ def favor_attention(
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(
+            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    w = projection.detach().to(device=q.device, dtype=torch.float32)
+    keep = None if mask is None else mask[:, None, :, None].float()
+    if initial_state is None:
+        # hand-written backward that recomputes the feature maps (see _favor_autograd)
+        if not causal:
+            return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
+        out, s_final, z_final = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size)
+        return (out, (s_final, z_final)) if return_state else out
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     phi_k, vf = _masked_inputs(phi_k, v, mask)
-    if not causal:
-        kv = torch.matmul(phi_k.transpose(-1, -2), vf)  # (b, h, m, d)
-        num = torch.matmul(phi_q, kv)
-        den = torch.matmul(phi_q, phi_k.sum(dim=2).unsqueeze(-1))
-        return (num / den.clamp_min(_TINY)).to(v.dtype)
     out, state = _causal_chunked(phi_q, phi_k, vf, chunk_size, initial_state)
     out = out.to(v.dtype)
     return (out, state) if return_state else out

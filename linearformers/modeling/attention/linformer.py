@@ -206,7 +206,7 @@ def causal_linformer_attention(
         return_state: also return the state (K̃, Ṽ) after the last position.
     """
     check_qkv(q, k, v, same_length=True)
-    b, h, n, d = q.shape
+    b, h, n, _d = q.shape
     if e_proj is None:
         raise ValueError("causal Linformer needs a learned projection e_proj")
     f_proj = e_proj if f_proj is None else f_proj
@@ -294,7 +294,7 @@ def causal_linformer_step(
     check_qkv(q, k, v, same_length=True)
     if q.shape[2] != 1:
         raise ValueError(f"causal_linformer_step takes one new token, got length {q.shape[2]}")
-    b, h, _, d = q.shape
+    b, _h, _, d = q.shape
     f_proj = e_proj if f_proj is None else f_proj
     n_max = e_proj.shape[-1]
     pos = torch.as_tensor(position, device=q.device).long().expand(b)

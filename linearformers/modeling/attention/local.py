@@ -94,7 +94,7 @@ def local_attention_step(
 ) -> torch.Tensor:
     """Causal decoding step: one query (batch, heads, 1, d) over the last <= ``window`` keys, newest last."""
     check_qkv(q, k_window, v_window)
-    b, h, _, d = q.shape
+    b, _h, _, d = q.shape
     length = k_window.shape[2]
     if length > window:
         raise ValueError(f"the key window holds {length} tokens, more than window={window}")

@@ -1,0 +1,275 @@
+"""One attention layer, forward + backward: time and peak memory vs sequence length.
+
+Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
+  SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal),
+  performer-pytorch FastAttention (bidirectional, causal).
+Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, and lucidrains'
+  `linformer` LinformerSelfAttention.
+Every measurement runs in its own subprocess, so peak memory (ru_maxrss above the process's baseline) belongs to
+that configuration alone. Ratios are to SDPA in the same run. The peers are installed for benchmarks only:
+`pip install -e .[bench]` (performer-pytorch needs `local-attention<1.10`).
+
+    python benchmarks/attention.py                      # 512 .. 16384, ~15 min on 2 cores
+    python benchmarks/attention.py --quick              # 512 .. 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+HIDDEN, HEADS, DIM = 768, 12, 64
+M_FEATURES, K_PROJ, CHUNK = 256, 256, 128
+KERNELS = [
+    "sdpa",
+    "sdpa_causal",
+    "linformer",
+    "performer",
+    "performer_causal",
+    "peer_performer",
+    "peer_performer_causal",
+]
+LAYERS = ["layer_sdpa", "layer_linformer", "layer_performer", "layer_peer_linformer"]
+# the peers' causal path materializes an O(n m d) prefix tensor: ~9 GB at n=4096; longer would not fit
+LIMITS = {"peer_performer_causal": 4096}
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _kernel(name: str, n: int):
+    from linearformers.modeling.attention import draw_random_features, favor_attention, linformer_attention
+
+    if name.startswith("sdpa"):
+        causal = name.endswith("causal")
+        return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if name == "linformer":
+        e = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
+        f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
+        return lambda q, k, v: linformer_attention(q, k, v, e, f)
+    if name.startswith("performer"):
+        w = draw_random_features(M_FEATURES, DIM, seed=0)
+        causal = name.endswith("causal")
+        return lambda q, k, v: favor_attention(q, k, v, w, causal=causal, chunk_size=CHUNK)
+    from performer_pytorch import FastAttention
+
+    attn = FastAttention(DIM, nb_features=M_FEATURES, causal=name.endswith("causal"))
+    return attn
+
+
+def _layer(name: str, n: int):
+    from linearformers import LinformerConfig, PerformerConfig
+    from linearformers.modeling.layers import build_attention
+
+    if name == "layer_peer_linformer":
+        from linformer import LinformerSelfAttention
+
+        return LinformerSelfAttention(dim=HIDDEN, seq_len=n, k=K_PROJ, heads=HEADS)
+    if name == "layer_sdpa":
+
+        class SdpaLayer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+                self.o = torch.nn.Linear(HIDDEN, HIDDEN)
+
+            def forward(self, x):
+                q, k, v = (t.view(1, n, HEADS, DIM).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                return self.o(out.transpose(1, 2).reshape(1, n, HIDDEN))
+
+        return SdpaLayer()
+    common = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=max(n, 512))
+    if name == "layer_linformer":
+        config = LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n)
+    else:
+        config = PerformerConfig(**common, num_random_features=M_FEATURES, feature_redraw_interval=None)
+    module = build_attention(config, 0)
+    if name == "layer_linformer":
+        torch.nn.init.normal_(module.e_proj, std=K_PROJ**-0.5)
+        torch.nn.init.normal_(module.f_proj, std=K_PROJ**-0.5)
+    return module
+
+
+def worker(name: str, n: int, repeats: int, threads: int) -> dict:
+    """Runs in a subprocess: forward + backward ``repeats`` times after one warm-up."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    if name in LAYERS:
+        fn = _layer(name, n)
+        x = torch.randn(1, n, HIDDEN, requires_grad=True)
+        inputs = (x,)
+    else:
+        fn = _kernel(name, n)
+        inputs = tuple(torch.randn(1, HEADS, n, DIM, requires_grad=True) for _ in range(3))
+    baseline = _rss_mb()
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        out = fn(*inputs)
+        out.float().pow(2).mean().backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+        for t in inputs:
+            t.grad = None
+        del out
+    return {"seconds": min(times), "peak_mb": _rss_mb() - baseline}
+
+
+def favor_flops(n: int, causal: bool) -> float:
+    """Matmul FLOPs of FAVOR+ forward + backward (backward ~ 2x forward), all heads."""
+    fwd = 2 * 2 * n * M_FEATURES * DIM  # feature projections of q and k
+    fwd += 2 * 2 * n * M_FEATURES * DIM  # phi(k)^T v (per chunk or whole) and phi(q) (kv)
+    if causal:
+        c = min(CHUNK, n)
+        fwd += 2 * n * c * (M_FEATURES + DIM)  # intra-chunk scores and their product with v
+    return 3 * fwd * HEADS
+
+
+def matmul_rate(threads: int) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    return 10 * 2 * 2048**3 / (time.perf_counter() - t0)
+
+
+def run(name: str, n: int, repeats: int, threads: int, timeout: int) -> dict | None:
+    if n > LIMITS.get(name, n):
+        return None
+    cmd = [sys.executable, __file__, "--worker", name, str(n), "--repeats", str(repeats), "--threads", str(threads)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        print(f"  {name} n={n} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _fmt(row: dict | None, ref: dict | None) -> str:
+    if row is None:
+        return "skipped"
+    ratio = f" ({ref['seconds'] / row['seconds']:.1f}x)" if ref else ""
+    return f"{row['seconds']:.3f} s{ratio}, {row['peak_mb']:.0f} MB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, metavar=("NAME", "N"))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--quick", action="store_true", help="lengths 512 .. 4096")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=300)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads)))
+        return
+    lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
+    rate = matmul_rate(args.threads)
+    print(f"float32 matmul rate: {rate / 1e9:.0f} GFLOP/s ({args.threads} threads)", flush=True)
+    rows: dict[str, dict[int, dict | None]] = {name: {} for name in KERNELS + LAYERS}
+    for n in lengths:
+        for name in KERNELS + LAYERS:
+            rows[name][n] = run(name, n, args.repeats, args.threads, args.timeout)
+            print(f"n={n:6d} {name:22s} {_fmt(rows[name][n], None)}", flush=True)
+
+    def table(names, ref_of):
+        print("\n| n | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+        for n in lengths:
+            cells = [_fmt(rows[name][n], rows[ref_of(name)][n] if ref_of(name) != name else None) for name in names]
+            print(f"| {n} | " + " | ".join(cells) + " |")
+
+    print("\nKernel only, forward + backward: seconds (speedup vs SDPA of the same masking), peak MB")
+    table(KERNELS, lambda name: "sdpa_causal" if name.endswith("causal") else "sdpa")
+    print("\nFull layer (q/k/v/o projections included)")
+    table(LAYERS, lambda name: "layer_sdpa")
+    print("\nFAVOR+ matmul efficiency (fraction of the measured matmul rate)")
+    for n in lengths:
+        for name in ("performer", "performer_causal"):
+            row = rows[name][n]
+            if row:
+                frac = favor_flops(n, name.endswith("causal")) / row["seconds"] / rate
+                rows[name][n]["matmul_fraction"] = frac
+                print(f"  n={n:6d} {name:18s} {frac:.0%}")
+    checks = []
+    for n, bi, causal in ((4096, 5, 3), (16384, 15, 10)):
+        for name, target, ref in (
+            ("linformer", bi, "sdpa"),
+            ("performer", bi, "sdpa"),
+            ("performer_causal", causal, "sdpa_causal"),
+        ):
+            row, base = rows[name].get(n), rows[ref].get(n)
+            if row and base:
+                got = base["seconds"] / row["seconds"]
+                checks.append(
+                    f"{name} vs {ref} at {n}: {got:.1f}x (target >= {target}x) {'met' if got >= target else 'MISSED'}"
+                )
+    peer, ours = rows["peer_performer_causal"].get(4096), rows["performer_causal"].get(4096)
+    if peer and ours:
+        speed, mem = peer["seconds"] / ours["seconds"], ours["peak_mb"] / max(peer["peak_mb"], 1)
+        checks.append(
+            f"performer_causal vs performer-pytorch causal at 4096: {speed:.1f}x faster (target >= 20x), "
+            f"{mem:.3f} of its peak memory (target <= 0.1) {'met' if speed >= 20 and mem <= 0.1 else 'MISSED'}"
+        )
+    for n in lengths:
+        if n >= 4096:
+            for name in ("linformer", "performer", "performer_causal"):
+                row, ref = rows[name][n], rows["sdpa_causal" if name.endswith("causal") else "sdpa"][n]
+                if row and ref:
+                    ok = row["peak_mb"] <= ref["peak_mb"]
+                    checks.append(
+                        f"{name} peak memory at {n}: {row['peak_mb']:.0f} MB vs SDPA {ref['peak_mb']:.0f} MB "
+                        f"{'met' if ok else 'MISSED'}"
+                    )
+    print("\nTargets:")
+    for line in checks:
+        print("  " + line)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "attention.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
+    _plot(rows, lengths)
+
+
+def _plot(rows, lengths) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in KERNELS:
+        ns = [n for n in lengths if rows[name].get(n)]
+        if ns:
+            ax1.plot(ns, [rows[name][n]["seconds"] for n in ns], marker="o", label=name)
+            ax2.plot(ns, [max(rows[name][n]["peak_mb"], 1) for n in ns], marker="o", label=name)
+    for ax, label in ((ax1, "forward + backward seconds"), (ax2, "peak memory MB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle("One attention layer (12 heads x 64, float32, batch 1, 2 CPU threads)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "attention.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
