@@ -1,0 +1,22 @@
+"""Training with Accelerate (`linearformers-train`), data pipelines on `datasets`, metrics as local `evaluate`
+modules, atomic checkpoints."""
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import check_block_size, load_raw_dataset, prepare_dataset
+from .loop import TrainArguments, build_model, default_tokenizer, evaluate_model, train
+from .metrics import load_metric
+
+__all__ = [
+    "TrainArguments",
+    "build_model",
+    "check_block_size",
+    "default_tokenizer",
+    "evaluate_model",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_metric",
+    "load_raw_dataset",
+    "prepare_dataset",
+    "save_checkpoint",
+    "train",
+]

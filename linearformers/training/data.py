@@ -1,0 +1,125 @@
+"""Data pipelines on `datasets`: local text / csv / json files or a saved dataset directory, tokenized with
+`map(batched=True)`, grouped into fixed-length blocks for language modelling."""
+
+from __future__ import annotations
+
+from itertools import chain
+from pathlib import Path
+
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+TASKS = ("mlm", "clm", "classification")
+_BUILDERS = {".txt": "text", ".text": "text", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+def load_raw_dataset(
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    dataset_dir: str | None = None,
+    validation_split: float = 0.05,
+    seed: int = 0,
+) -> DatasetDict:
+    """A DatasetDict with "train" and "validation" from local files or a `save_to_disk` folder.
+
+    Without a validation file or split, ``validation_split`` of the training rows are held out (seeded).
+    """
+    if dataset_dir is not None:
+        if not Path(dataset_dir).is_dir():
+            raise ValueError(f"dataset_dir {dataset_dir!r} does not exist or is not a folder saved by save_to_disk")
+        loaded = load_from_disk(dataset_dir)
+        raw = loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+    else:
+        if train_file is None:
+            raise ValueError("pass train_file (a .txt, .csv, .json or .jsonl file) or dataset_dir")
+        files = {"train": train_file}
+        if validation_file is not None:
+            files["validation"] = validation_file
+        for split, path in files.items():
+            if not Path(path).is_file():
+                raise ValueError(f"{split} file {path!r} does not exist")
+        suffixes = {Path(p).suffix.lower() for p in files.values()}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
+            raise ValueError(f"data files must share one of the extensions {sorted(_BUILDERS)}, got {sorted(suffixes)}")
+        raw = load_dataset(_BUILDERS[suffixes.pop()], data_files=files)
+    if "train" not in raw:
+        raise ValueError(f"the dataset has no 'train' split; it has {list(raw)}")
+    if "validation" not in raw:
+        parts = raw["train"].train_test_split(test_size=validation_split, seed=seed)
+        raw = DatasetDict({"train": parts["train"], "validation": parts["test"]})
+    return raw
+
+
+def _require_column(dataset: Dataset, column: str, what: str) -> None:
+    if column not in dataset.column_names:
+        raise ValueError(
+            f"the dataset has no {what} column {column!r}; its columns are {dataset.column_names}. "
+            f"Pass --{what}_column with the right name."
+        )
+
+
+def prepare_dataset(
+    raw: DatasetDict,
+    tokenizer,
+    task: str,
+    block_size: int,
+    text_column: str = "text",
+    label_column: str = "label",
+) -> tuple[DatasetDict, list[str] | None]:
+    """Tokenize for ``task``. LM tasks concatenate all texts and cut them into blocks of ``block_size``
+    tokens; classification truncates each text to ``block_size``. Returns the datasets and, for
+    classification, the label names (sorted, as found in train)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+    for split in raw.values():
+        _require_column(split, text_column, "text")
+        if task == "classification":
+            _require_column(split, label_column, "label")
+    if task == "classification":
+        labels = sorted({str(x) for x in raw["train"][label_column]})
+        index = {name: i for i, name in enumerate(labels)}
+
+        def encode(batch):
+            enc = tokenizer(batch[text_column], truncation=True, max_length=block_size)
+            enc["labels"] = [index[str(x)] for x in batch[label_column]]
+            return enc
+
+        columns = raw["train"].column_names
+        return raw.map(encode, batched=True, remove_columns=columns), labels
+
+    def tokenize(batch):
+        return tokenizer(batch[text_column], add_special_tokens=False)
+
+    def group(batch):
+        ids = list(chain.from_iterable(batch["input_ids"]))
+        usable = (len(ids) // block_size) * block_size
+        blocks = [ids[i : i + block_size] for i in range(0, usable, block_size)]
+        out = {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+        if task == "clm":
+            out["labels"] = [list(b) for b in blocks]
+        return out
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
+    grouped = tokenized.map(group, batched=True, batch_size=1000, remove_columns=tokenized["train"].column_names)
+    for name, split in grouped.items():
+        if len(split) == 0:
+            raise ValueError(
+                f"the {name} split has fewer than block_size={block_size} tokens; lower block_size or add text"
+            )
+    return grouped, None
+
+
+def check_block_size(config, block_size: int) -> None:
+    """Raise a ValueError naming the limit if the model cannot take blocks of ``block_size`` tokens."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    limits = []
+    if config.position_embedding_type == "absolute":
+        limits.append((config.max_position_embeddings, "max_position_embeddings"))
+    if getattr(config, "max_seq_length", None) is not None:
+        limits.append((config.max_seq_length, "max_seq_length"))
+    for limit, name in limits:
+        if block_size > limit:
+            raise ValueError(
+                f"block_size={block_size} is beyond what this model supports: {name}={limit}. "
+                f"Lower --block_size or build the model with a larger {name}."
+            )

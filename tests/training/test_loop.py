@@ -1,0 +1,250 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from linearformers.training import TrainArguments, latest_checkpoint, load_metric, train
+from tests.training.conftest import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "_ddp_run.py"
+
+
+def _cli(text_file, out, *extra):
+    return [
+        "--task",
+        "clm",
+        "--family",
+        "performer",
+        "--train_file",
+        text_file,
+        "--output_dir",
+        str(out),
+        "--config_overrides",
+        TINY
+        + ",num_random_features=16,feature_redraw_interval=3,hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+        "--block_size",
+        "32",
+        "--max_steps",
+        "8",
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+        "--cpu",
+        "true",
+        "--progress_bar",
+        "false",
+        "--learning_rate",
+        "3e-3",
+        *extra,
+    ]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env.pop("RANK", None)
+    return env
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path):
+    single = tmp_path / "single"
+    subprocess.run(
+        [sys.executable, str(WORKER), str(single), *_cli(text_file, tmp_path / "o1", "--per_device_batch_size", "8")],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+    )
+    double = tmp_path / "double"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29533",
+            str(WORKER),
+            str(double),
+            *_cli(text_file, tmp_path / "o2", "--per_device_batch_size", "4"),
+        ],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+    )
+    one = torch.load(f"{single}-rank0.pt")
+    rank0, rank1 = torch.load(f"{double}-rank0.pt"), torch.load(f"{double}-rank1.pt")
+    assert rank0["distributed_type"].endswith("MULTI_CPU") and rank0["num_processes"] == 2
+    # 8 training forwards with redraws every 3: features were redrawn twice, identically on both ranks
+    for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+    torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
+    for key, value in one["state"].items():
+        torch.testing.assert_close(rank0["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert one["loss"][-1] < one["loss"][0]
+
+
+def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
+    args = [
+        "--task",
+        "mlm",
+        "--family",
+        "linformer",
+        "--train_file",
+        text_file,
+        "--config_overrides",
+        TINY + ",projected_length=8",
+        "--block_size",
+        "32",
+        "--max_steps",
+        "150",
+        "--save_every",
+        "4",
+        "--eval_every",
+        "0",
+        "--cpu",
+        "true",
+        "--progress_bar",
+        "false",
+        "--per_device_batch_size",
+        "4",
+    ]
+    cmd = [sys.executable, "-m", "linearformers.training"]
+    subprocess.run(
+        [*cmd, *args, "--output_dir", str(tmp_path / "whole")],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+    )
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*cmd, *args, "--output_dir", str(killed)],
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        folder = latest_checkpoint(killed / "checkpoints") if (killed / "checkpoints").exists() else None
+        if folder is not None and folder.name >= "step-00000008":
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final").exists(), "the run finished before it was killed"
+    subprocess.run(
+        [*cmd, *args, "--output_dir", str(killed), "--resume", "true"],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+    )
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(killed / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _args(tmp_path, **kw):
+    base = dict(
+        task="clm",
+        output_dir=str(tmp_path),
+        config_overrides=TINY,
+        block_size=16,
+        max_steps=1,
+        cpu=True,
+        progress_bar=False,
+        eval_every=0,
+        save_every=0,
+    )
+    base.update(kw)
+    return TrainArguments(**base)
+
+
+def test_bad_input_gets_a_clear_error(tmp_path, text_file):
+    with pytest.raises(ValueError, match="unknown task 'translation'"):
+        train(_args(tmp_path, task="translation", train_file=text_file))
+    with pytest.raises(ValueError, match="train file '/nope.txt' does not exist"):
+        train(_args(tmp_path, train_file="/nope.txt"))
+    csv = tmp_path / "data.csv"
+    csv.write_text("sentence,label\nhello there,1\nbye now,0\n" * 20)
+    with pytest.raises(ValueError, match="no text column 'text'.*'sentence', 'label'"):
+        train(_args(tmp_path, task="classification", train_file=str(csv)))
+    with pytest.raises(ValueError, match="no label column 'target'"):
+        train(
+            _args(tmp_path, task="classification", train_file=str(csv), text_column="sentence", label_column="target")
+        )
+    with pytest.raises(
+        ValueError, match="block_size=1024 is beyond what this model supports: max_position_embeddings=512"
+    ):
+        train(
+            _args(
+                tmp_path, train_file=text_file, block_size=1024, config_overrides=TINY + ",max_position_embeddings=512"
+            )
+        )
+    with pytest.raises(ValueError, match="max_seq_length=64"):
+        train(
+            _args(
+                tmp_path,
+                train_file=text_file,
+                family="linformer",
+                block_size=100,
+                config_overrides=TINY + ',position_embedding_type="rotary",max_seq_length=64,projected_length=8',
+            )
+        )
+    with pytest.raises(ValueError, match="not a PerformerConfig field"):
+        train(_args(tmp_path, train_file=text_file, config_overrides="hidden_sise=3"))
+
+
+def test_classification_trains_and_reports_accuracy_and_f1(tmp_path):
+    csv = tmp_path / "data.csv"
+    rows = (
+        ["text,label"]
+        + [f"good movie number {i},pos" for i in range(40)]
+        + [f"awful film take {i},neg" for i in range(40)]
+    )
+    csv.write_text("\n".join(rows))
+    out = train(
+        _args(
+            tmp_path / "out",
+            task="classification",
+            train_file=str(csv),
+            max_steps=30,
+            per_device_batch_size=8,
+            learning_rate=3e-3,
+        )
+    )
+    assert out["results"]["accuracy"] >= 0.75
+    assert 0.0 <= out["results"]["f1"] <= 1.0
+    assert out["model"].config.id2label == {0: "neg", 1: "pos"}
+
+
+def test_local_metric_modules_compute_offline():
+    assert load_metric("accuracy").compute(predictions=[1, 0, 1], references=[1, 1, 1])["accuracy"] == 2 / 3
+    f1 = load_metric("f1").compute(predictions=[0, 1, 1, 0], references=[0, 1, 0, 0])["f1"]
+    assert abs(f1 - (0.8 + 2 / 3) / 2) < 1e-9
+    with pytest.raises(ValueError, match="unknown metric"):
+        load_metric("bleu")
+
+
+def test_tensorboard_logging_writes_event_files(tmp_path, text_file):
+    train(_args(tmp_path, train_file=text_file, max_steps=2, report_to="tensorboard"))
+    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
