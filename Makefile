@@ -22,6 +22,7 @@ test: setup
 
 demo: setup
 	$(PY) -m linearformers.demo
+	$(PY) -m linearformers.training.demo
 
 lint: setup
 	$(VENV)/bin/ruff check linearformers tests benchmarks examples

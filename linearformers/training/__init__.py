@@ -3,7 +3,7 @@ modules, atomic checkpoints."""
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import check_block_size, load_raw_dataset, prepare_dataset
-from .loop import TrainArguments, build_model, default_tokenizer, evaluate_model, train
+from .loop import TrainArguments, build_model, default_tokenizer, evaluate_model, new_config, train
 from .metrics import load_metric
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "load_checkpoint",
     "load_metric",
     "load_raw_dataset",
+    "new_config",
     "prepare_dataset",
     "save_checkpoint",
     "train",

@@ -92,27 +92,41 @@ class TrainArguments:
     progress_bar: bool = True
 
 
-def _new_config(args: TrainArguments, tokenizer, num_labels: int | None):
-    if args.family not in FAMILIES:
-        raise ValueError(f"unknown family {args.family!r}; choose one of {sorted(FAMILIES)}")
+def new_config(
+    family: str,
+    task: str,
+    tokenizer,
+    block_size: int,
+    overrides: str | None = None,
+    num_labels: int | None = None,
+):
+    """A config for a new model of ``family`` sized for ``tokenizer`` and ``block_size``.
+
+    ``overrides`` is a comma-separated list of config fields with JSON values, e.g.
+    ``hidden_size=256,num_hidden_layers=4,position_embedding_type="rotary"``.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
     fields = dict(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id or 0,
-        is_decoder=args.task == "clm",
-        max_position_embeddings=max(args.block_size, 512),
+        is_decoder=task == "clm",
+        max_position_embeddings=max(block_size, 512),
     )
-    if args.family == "linformer":
+    if family == "linformer":
         fields["max_seq_length"] = fields["max_position_embeddings"]
-        fields["projected_length"] = min(256, args.block_size)
-    for item in filter(None, (args.config_overrides or "").split(",")):
+        fields["projected_length"] = min(256, block_size)
+    for item in filter(None, (overrides or "").split(",")):
         key, _, value = item.partition("=")
         key = key.strip()
-        if key not in FAMILIES[args.family].__dataclass_fields__:
-            raise ValueError(f"config_overrides names {key!r}, which is not a {FAMILIES[args.family].__name__} field")
+        if key not in FAMILIES[family].__dataclass_fields__:
+            raise ValueError(f"config_overrides names {key!r}, which is not a {FAMILIES[family].__name__} field")
         fields[key] = json.loads(value) if value.strip() not in ("", "None") else None
     if num_labels is not None:
         fields["num_labels"] = num_labels
-    return FAMILIES[args.family](**fields)
+    return FAMILIES[family](**fields)
 
 
 def build_model(args: TrainArguments, tokenizer, labels: list[str] | None):
@@ -124,7 +138,14 @@ def build_model(args: TrainArguments, tokenizer, labels: list[str] | None):
             extra["label2id"] = {name: i for i, name in enumerate(labels)}
         config = AutoConfig.from_pretrained(args.model_name_or_path, **extra)
         return auto.from_pretrained(args.model_name_or_path, config=config)
-    config = _new_config(args, tokenizer, None if labels is None else len(labels))
+    config = new_config(
+        args.family,
+        args.task,
+        tokenizer,
+        args.block_size,
+        args.config_overrides,
+        None if labels is None else len(labels),
+    )
     if labels is not None:
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
@@ -205,7 +226,10 @@ def train(args: TrainArguments) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer())
     # fail on a block size the model cannot take before any data work
     planned = AutoConfig.from_pretrained(args.model_name_or_path) if args.model_name_or_path else None
-    check_block_size(planned or _new_config(args, tokenizer, None), args.block_size)
+    check_block_size(
+        planned or new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides),
+        args.block_size,
+    )
     raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=args.seed)
     with accelerator.main_process_first():
         data, labels = prepare_dataset(raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column)
