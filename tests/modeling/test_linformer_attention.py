@@ -168,3 +168,17 @@ def test_bad_arguments_raise_clear_errors():
         linformer_attention(q, k, v, torch.randn(5, 4, 32))
     with pytest.raises(ValueError, match="past the Linformer's max_seq_length=32"):
         causal_linformer_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], torch.randn(4, 32), None, None, 32)
+
+
+def test_blockwise_recompute_for_long_sequences_gives_the_same_values_and_gradients(monkeypatch):
+    from linearformers.modeling.attention import linformer as module
+
+    q, k, v = (x.requires_grad_() for x in _qkv(n=40))
+    e = torch.randn(8, 64)
+    out = linformer_attention(q, k, v, e)
+    grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    monkeypatch.setattr(module, "_QUERY_BLOCK", 16)  # 3 query blocks, recomputed in backward
+    blocked = linformer_attention(q, k, v, e)
+    torch.testing.assert_close(blocked, out)
+    for a, b in zip(torch.autograd.grad(blocked.pow(2).sum(), (q, k, v)), grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv
 
@@ -82,9 +83,12 @@ def project_sequence(
     b, h, n, d = x.shape
     if method == "learned":
         proj = proj[..., :n].to(x.dtype)
-        if proj.dim() == 2:
-            return torch.matmul(proj, x), None  # (k, n) @ (b, h, n, d)
-        return torch.matmul(proj.unsqueeze(0), x), None  # (1, h, k, n) @ (b, h, n, d)
+        k_len = proj.shape[-2]
+        if proj.dim() == 2:  # one (k, n) @ (n, b h d) product: no broadcast copy of E per batch and head
+            flat = torch.matmul(proj, x.permute(2, 0, 1, 3).reshape(n, b * h * d))
+            return flat.view(k_len, b, h, d).permute(1, 2, 0, 3), None
+        flat = torch.matmul(proj, x.permute(1, 2, 0, 3).reshape(h, n, b * d))  # (h, k, n) @ (h, n, b d)
+        return flat.view(h, k_len, b, d).permute(2, 0, 1, 3), None
     if window is None or window <= 0:
         raise ValueError(f"the {method!r} projection needs a positive window (kernel = stride), got {window}")
     pad = (-n) % window
@@ -150,14 +154,32 @@ def linformer_attention(
     kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
     vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
     scale = d**-0.5 if scale is None else scale
-    logits = torch.matmul(q.float(), kp.float().transpose(-1, -2)) * scale  # (b, h, n, k)
+    kp, vp = kp.float(), vp.float()
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kp, vp))
+    if not needs_grad or q.shape[2] <= _QUERY_BLOCK or dropout_p > 0:
+        return _attend_slots(q, kp, vp, slot_mask, scale, dropout_p).to(q.dtype)
+    # training on long sequences: the (n x k) logits and probabilities of a block of queries are recomputed in
+    # backward instead of stored, so memory stays O(block k) instead of O(n k) per head
+    blocks = [
+        checkpoint(_attend_slots, q[:, :, i : i + _QUERY_BLOCK], kp, vp, slot_mask, scale, 0.0, use_reentrant=False)
+        for i in range(0, q.shape[2], _QUERY_BLOCK)
+    ]
+    return torch.cat(blocks, dim=2).to(q.dtype)
+
+
+_QUERY_BLOCK = 1024
+
+
+def _attend_slots(q, kp, vp, slot_mask, scale, dropout_p):
+    """softmax(q kpᵀ · scale) vp over the k slots, in float32; slots without a real token are masked."""
+    logits = torch.matmul(q.float(), kp.transpose(-1, -2)) * scale  # (b, h, n, k)
     if slot_mask is not None:
         logits = logits.masked_fill(~slot_mask[:, None, None, :], float("-inf"))
         logits = torch.nan_to_num(logits, neginf=-1e30)  # a sequence with no real token at all
     probs = torch.softmax(logits, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, vp.float()).to(q.dtype)
+    return torch.matmul(probs, vp)
 
 
 def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:
