@@ -78,7 +78,7 @@ def project_sequence(
     """Project x (batch, heads, n, d), already compacted, along the sequence to (batch, heads, k', d).
 
     ``lengths`` (batch,) holds each sequence's real-token count (None: all n). Returns the projection and a
-    (batch, k') bool mask of the slots that hold at least one real token (None when every slot does).
+    (batch, 1, k') bool mask of the slots that hold at least one real token (None when every slot does).
     """
     b, h, n, d = x.shape
     if method == "learned":
@@ -111,7 +111,7 @@ def project_sequence(
         out = F.conv1d(flat, proj.to(x.dtype), stride=window).transpose(1, 2).reshape(b, h, slots, d)
     else:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
-    return out, (None if bool(slot_mask.all()) else slot_mask)
+    return out, (None if bool(slot_mask.all()) else slot_mask[:, None, :])
 
 
 def linformer_attention(
@@ -152,6 +152,13 @@ def linformer_attention(
         k, v = compact(k, mask), compact(v, mask)
         lengths = mask.sum(1)
     kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
+    if method == "learned":
+        # a slot no real token wrote to (possible with a sparse E, e.g. the identity of a converted model, on a
+        # sequence shorter than n) holds a zero key; it must not take a share of the softmax
+        first = slot_first_writes(e_proj).to(k.device)  # (k,) or (h, k)
+        real = torch.full((b,), n, device=k.device) if lengths is None else lengths
+        written = first.view(1, -1, first.shape[-1]) < real.view(b, 1, 1)  # (b, 1 or h, k)
+        slot_mask = None if bool(written.all()) else written
     vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
     scale = d**-0.5 if scale is None else scale
     kp, vp = kp.float(), vp.float()
@@ -174,7 +181,7 @@ def _attend_slots(q, kp, vp, slot_mask, scale, dropout_p):
     """softmax(q kpᵀ · scale) vp over the k slots, in float32; slots without a real token are masked."""
     logits = torch.matmul(q.float(), kp.transpose(-1, -2)) * scale  # (b, h, n, k)
     if slot_mask is not None:
-        logits = logits.masked_fill(~slot_mask[:, None, None, :], float("-inf"))
+        logits = logits.masked_fill(~slot_mask[:, :, None, :], float("-inf"))
         logits = torch.nan_to_num(logits, neginf=-1e30)  # a sequence with no real token at all
     probs = torch.softmax(logits, dim=-1)
     if dropout_p > 0:

@@ -1,0 +1,335 @@
+"""Convert pretrained BERT / GPT-2 checkpoints into Linformer / Performer models.
+
+FAVOR+ approximates the softmax attention a checkpoint was trained with, and Linformer at k = n with E = F = I
+*is* that attention, so every pretrained weight carries over; only the new parameters are initialized:
+  * Linformer E / F: the identity when k = n (the converted model then equals the original exactly, causal
+    included), otherwise mean pooling over windows of n / k positions (each slot starts as the average of its
+    window's keys / values);
+  * Performer: its random features (a buffer drawn from the config's seed);
+  * local-head relative-position biases: zeros.
+
+    python -m linearformers.modeling.convert bert-folder out-folder --family performer --num_random_features 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..configuration import LinformerConfig, PerformerConfig
+from . import linformer as linformer_models
+from . import performer as performer_models
+from .base import LinearAttentionModel
+from .layers import LinformerAttention
+
+FAMILIES = {"linformer": (LinformerConfig, linformer_models), "performer": (PerformerConfig, performer_models)}
+BERT_HEADS = {
+    "BertModel": "Model",
+    "BertForMaskedLM": "ForMaskedLM",
+    "BertForSequenceClassification": "ForSequenceClassification",
+    "BertForTokenClassification": "ForTokenClassification",
+    "BertForQuestionAnswering": "ForQuestionAnswering",
+    "BertForMultipleChoice": "ForMultipleChoice",
+}
+# head weights: BERT name -> ours
+BERT_HEAD_WEIGHTS = {
+    "ForMaskedLM": {
+        "cls.predictions.transform.dense": "lm_head.dense",
+        "cls.predictions.transform.LayerNorm": "lm_head.LayerNorm",
+        "cls.predictions.decoder": "lm_head.decoder",
+        "cls.predictions": "lm_head.decoder",  # the separate output bias
+    },
+    "ForSequenceClassification": {"classifier": "classifier"},
+    "ForMultipleChoice": {"classifier": "classifier"},
+    "ForTokenClassification": {"classifier": "score"},
+    "ForQuestionAnswering": {"qa_outputs": "qa_outputs"},
+}
+BERT_LAYER = {
+    "attention.self.query": "attention.q_proj",
+    "attention.self.key": "attention.k_proj",
+    "attention.self.value": "attention.v_proj",
+    "attention.output.dense": "attention.o_proj",
+    "attention.output.LayerNorm": "attention_norm",
+    "intermediate.dense": "mlp.up_proj",
+    "output.dense": "mlp.down_proj",
+    "output.LayerNorm": "mlp_norm",
+}
+
+
+@dataclass
+class ConversionReport:
+    """What the conversion did: source -> target weights, new parameters initialized, source keys ignored."""
+
+    source: str
+    target: str
+    mapped: list[tuple[str, str]] = field(default_factory=list)
+    initialized: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [
+            f"converted {self.source} -> {self.target}",
+            f"  mapped {len(self.mapped)} weights",
+            f"  initialized {len(self.initialized)} new tensors: {', '.join(self.initialized) or '-'}",
+        ]
+        if self.ignored:
+            lines.append(f"  ignored {len(self.ignored)} source tensors: {', '.join(self.ignored)}")
+        return "\n".join(lines)
+
+
+def _load(source) -> PreTrainedModel:
+    if isinstance(source, PreTrainedModel):
+        return source
+    if isinstance(source, str | Path):
+        if not Path(source).exists():
+            raise ValueError(f"checkpoint folder {str(source)!r} does not exist")
+        config = json.loads((Path(source) / "config.json").read_text())
+        architecture = (config.get("architectures") or ["BertModel"])[0]
+        import transformers
+
+        return getattr(transformers, architecture).from_pretrained(source)
+    raise TypeError(f"source must be a folder or a transformers model, got {type(source).__name__}")
+
+
+def _attention_fields(max_positions: int, overrides: dict, family: str) -> dict:
+    """The user's attention settings; a Linformer defaults to n = max positions and k = n (exact at start)."""
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    if family == "linformer":
+        fields.setdefault("max_seq_length", max_positions)
+        fields.setdefault("projected_length", fields["max_seq_length"])
+    return fields
+
+
+def _init_new(model: nn.Module, report: ConversionReport) -> None:
+    """Identity (k = n) or window-mean pooling for Linformer E / F; Performer features are already drawn."""
+    for name, module in model.named_modules():
+        if isinstance(module, LinformerAttention):
+            for attr in ("e_proj", "f_proj"):
+                param = getattr(module, attr)
+                if param is not None:
+                    _pooling_init(param, module.config.projection)
+                    report.initialized.append(f"{name}.{attr}")
+        if isinstance(module, LinearAttentionModel) and module.shared_projection is not None:
+            _pooling_init(module.shared_projection, "learned")
+            report.initialized.append(f"{name}.shared_projection".lstrip("."))
+        if getattr(module, "relative_bias", None) is not None:
+            nn.init.zeros_(module.relative_bias)
+            report.initialized.append(f"{name}.relative_bias")
+        if hasattr(module, "random_features"):
+            report.initialized.append(f"{name}.random_features")
+
+
+@torch.no_grad()
+def _pooling_init(param: torch.Tensor, projection: str) -> None:
+    if projection == "conv":  # (d, d, window): per-channel mean over the window
+        window = param.shape[-1]
+        param.zero_()
+        idx = torch.arange(param.shape[0])
+        param[idx, idx, :] = 1.0 / window
+        return
+    k, n = param.shape[-2:]
+    matrix = torch.zeros(k, n)
+    for slot in range(k):
+        lo, hi = slot * n // k, max((slot + 1) * n // k, slot * n // k + 1)
+        matrix[slot, lo:hi] = 1.0 / (hi - lo)
+    param.copy_(matrix.expand_as(param))
+
+
+def _apply(model: nn.Module, state: dict, mapping: list[tuple[str, str]], report: ConversionReport) -> None:
+    target = model.state_dict()
+    used = set()
+    new_state = {}
+    for src, dst in mapping:
+        if dst not in target:
+            raise ValueError(f"conversion maps {src} to {dst}, which {type(model).__name__} does not have")
+        if tuple(state[src].shape) != tuple(target[dst].shape):
+            raise ValueError(f"shape mismatch: {src} {tuple(state[src].shape)} vs {dst} {tuple(target[dst].shape)}")
+        new_state[dst] = state[src]
+        used.add(src)
+        report.mapped.append((src, dst))
+    model.load_state_dict(new_state, strict=False)
+    report.ignored = sorted(set(state) - used)
+    covered = set(new_state) | {name + suffix for name in report.initialized for suffix in ("", ".weight")}
+    tied = {k for k in target if k.endswith("lm_head.weight") or k.endswith("lm_head.decoder.weight")}
+    missing = sorted(k for k in target if k not in covered and k not in tied and not k.endswith("feature_redraws"))
+    if missing:
+        raise ValueError(f"conversion left these weights of {type(model).__name__} without a source: {missing}")
+
+
+def convert_bert(source, family: str = "performer", **config_overrides):
+    """Convert a ``BertModel`` / ``BertFor*`` (folder or model) into the matching ``Linformer*`` / ``Performer*``.
+
+    ``config_overrides`` set the attention fields (e.g. ``num_random_features=256`` or
+    ``projected_length=128``). Returns ``(model, ConversionReport)``.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    bert = _load(source)
+    head = BERT_HEADS.get(type(bert).__name__)
+    if head is None:
+        raise ValueError(f"cannot convert {type(bert).__name__}; supported: {sorted(BERT_HEADS)}")
+    bc = bert.config
+    config_cls, models = FAMILIES[family]
+    fields = dict(
+        vocab_size=bc.vocab_size,
+        hidden_size=bc.hidden_size,
+        num_hidden_layers=bc.num_hidden_layers,
+        num_attention_heads=bc.num_attention_heads,
+        intermediate_size=bc.intermediate_size,
+        hidden_act=bc.hidden_act,
+        hidden_dropout_prob=bc.hidden_dropout_prob,
+        attention_probs_dropout_prob=bc.attention_probs_dropout_prob,
+        max_position_embeddings=bc.max_position_embeddings,
+        type_vocab_size=bc.type_vocab_size,
+        layer_norm_eps=bc.layer_norm_eps,
+        initializer_range=bc.initializer_range,
+        pad_token_id=bc.pad_token_id,
+        num_labels=bc.num_labels,
+        id2label=bc.id2label,
+        label2id=bc.label2id,
+        problem_type=bc.problem_type,
+    )
+    fields.update(_attention_fields(bc.max_position_embeddings, config_overrides, family))
+    config = config_cls(**fields)
+    model = getattr(models, config_cls.__name__.removesuffix("Config") + head)(config)
+    state = bert.state_dict()
+    prefix = "" if head == "Model" else "bert."
+    ours = "" if head == "Model" else "model."
+    mapping = []
+    for key in state:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        if rest.startswith("embeddings.") and "position_ids" not in rest and "token_type_ids" not in rest:
+            mapping.append((key, ours + rest))
+        elif rest.startswith("encoder.layer."):
+            i, sub = rest[len("encoder.layer.") :].split(".", 1)
+            module, param = sub.rsplit(".", 1)
+            mapping.append((key, f"{ours}layers.{i}.{BERT_LAYER[module]}.{param}"))
+        elif rest.startswith("pooler.") and ours + rest in model.state_dict():
+            mapping.append((key, ours + rest))
+    for src_module, dst_module in BERT_HEAD_WEIGHTS.get(head, {}).items():
+        for param in ("weight", "bias"):
+            src = f"{src_module}.{param}"
+            dst = f"{dst_module}.{param}"
+            if src in state and dst not in {d for _, d in mapping}:
+                mapping.append((src, dst))
+    report = ConversionReport(type(bert).__name__, type(model).__name__)
+    _init_new(model, report)
+    if not any(src.startswith(prefix + "pooler.") for src in state):
+        # BERT's token-classification and QA heads carry no pooler; ours (transformers' generic heads) keep the
+        # base model's, unused by the head: it stays at its fresh initialization
+        report.initialized += [k for k in model.state_dict() if k.startswith(ours + "pooler.")]
+    _apply(model, state, mapping, report)
+    model.tie_weights()
+    return model.eval(), report
+
+
+def convert_gpt2(source, family: str = "performer", **config_overrides):
+    """Convert a ``GPT2LMHeadModel`` (folder or model) into ``LinformerForCausalLM`` / ``PerformerForCausalLM``.
+
+    GPT-2's Conv1D weights are transposed into nn.Linear layout and ``c_attn`` is split into q, k, v.
+    Returns ``(model, ConversionReport)``.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    gpt2 = _load(source)
+    if type(gpt2).__name__ != "GPT2LMHeadModel":
+        raise ValueError(f"cannot convert {type(gpt2).__name__}; pass a GPT2LMHeadModel")
+    gc = gpt2.config
+    config_cls, models = FAMILIES[family]
+    fields = dict(
+        vocab_size=gc.vocab_size,
+        hidden_size=gc.n_embd,
+        num_hidden_layers=gc.n_layer,
+        num_attention_heads=gc.n_head,
+        intermediate_size=gc.n_inner or 4 * gc.n_embd,
+        hidden_act=gc.activation_function,
+        hidden_dropout_prob=gc.resid_pdrop,
+        attention_probs_dropout_prob=gc.attn_pdrop,
+        max_position_embeddings=gc.n_positions,
+        layer_norm_eps=gc.layer_norm_epsilon,
+        initializer_range=gc.initializer_range,
+        is_decoder=True,
+        type_vocab_size=0,
+        bos_token_id=gc.bos_token_id,
+        eos_token_id=gc.eos_token_id,
+        pad_token_id=None,
+    )
+    fields.update(_attention_fields(gc.n_positions, config_overrides, family))
+    config = config_cls(**fields)
+    model = getattr(models, config_cls.__name__.removesuffix("Config") + "ForCausalLM")(config)
+    src = gpt2.state_dict()
+    state, mapping = {}, []
+
+    def put(name, tensor, dst):
+        state[name] = tensor
+        mapping.append((name, dst))
+
+    put("transformer.wte.weight", src["transformer.wte.weight"], "model.embeddings.word_embeddings.weight")
+    put("transformer.wpe.weight", src["transformer.wpe.weight"], "model.embeddings.position_embeddings.weight")
+    for p in ("weight", "bias"):
+        put(f"transformer.ln_f.{p}", src[f"transformer.ln_f.{p}"], f"model.final_norm.{p}")
+    for i in range(gc.n_layer):
+        h, ours = f"transformer.h.{i}.", f"model.layers.{i}."
+        for p in ("weight", "bias"):
+            put(h + f"ln_1.{p}", src[h + f"ln_1.{p}"], ours + f"attention_norm.{p}")
+            put(h + f"ln_2.{p}", src[h + f"ln_2.{p}"], ours + f"mlp_norm.{p}")
+        qkv_w = src[h + "attn.c_attn.weight"].T.chunk(3, dim=0)  # Conv1D (in, 3 out) -> 3 x Linear (out, in)
+        qkv_b = src[h + "attn.c_attn.bias"].chunk(3)
+        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), qkv_w, qkv_b):
+            put(h + f"attn.c_attn.weight[{name}]", w.contiguous(), ours + f"attention.{name}.weight")
+            put(h + f"attn.c_attn.bias[{name}]", b.contiguous(), ours + f"attention.{name}.bias")
+        for conv, linear in (
+            ("attn.c_proj", "attention.o_proj"),
+            ("mlp.c_fc", "mlp.up_proj"),
+            ("mlp.c_proj", "mlp.down_proj"),
+        ):
+            put(h + conv + ".weight", src[h + conv + ".weight"].T.contiguous(), ours + linear + ".weight")
+            put(h + conv + ".bias", src[h + conv + ".bias"], ours + linear + ".bias")
+    report = ConversionReport(type(gpt2).__name__, type(model).__name__)
+    _init_new(model, report)
+    _apply(model, state, mapping, report)
+    model.tie_weights()
+    used = {name.split("[")[0] for name, _ in mapping}
+    report.ignored = sorted(set(src) - used - {"lm_head.weight"})  # lm_head is tied to the embeddings
+    return model.eval(), report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Convert a BERT / GPT-2 checkpoint to Linformer / Performer")
+    parser.add_argument("source", help="folder of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
+    parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
+    parser.add_argument("--num_random_features", type=int)
+    parser.add_argument("--projected_length", type=int)
+    parser.add_argument("--max_seq_length", type=int)
+    args = parser.parse_args(argv)
+    config = json.loads((Path(args.source) / "config.json").read_text()) if Path(args.source).is_dir() else {}
+    convert = convert_gpt2 if config.get("model_type") == "gpt2" else convert_bert
+    overrides = {k: getattr(args, k) for k in ("num_random_features", "projected_length", "max_seq_length")}
+    if args.family == "performer":
+        overrides = {"num_random_features": overrides["num_random_features"]}
+    else:
+        overrides.pop("num_random_features")
+    model, report = convert(args.source, args.family, **overrides)
+    model.save_pretrained(args.output)
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(args.source).save_pretrained(args.output)
+    except (OSError, ValueError):
+        pass
+    print(report)
+
+
+__all__ = ["ConversionReport", "convert_bert", "convert_gpt2"]
+
+if __name__ == "__main__":
+    main()

