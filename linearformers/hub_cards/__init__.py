@@ -1,6 +1,14 @@
 """Model cards and the Hub export: weights + config (auto_map) + tokenizer + card + self-contained code."""
 
 from .card import render_model_card
-from .export import auto_map_for, flatten_module, push_to_hub, save_for_hub, write_remote_code
+from .export import auto_map_for, flatten_module, push_to_hub, remote_modules, save_for_hub, write_remote_code
 
-__all__ = ["auto_map_for", "flatten_module", "push_to_hub", "render_model_card", "save_for_hub", "write_remote_code"]
+__all__ = [
+    "auto_map_for",
+    "flatten_module",
+    "push_to_hub",
+    "remote_modules",
+    "render_model_card",
+    "save_for_hub",
+    "write_remote_code",
+]

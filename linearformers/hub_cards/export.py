@@ -20,25 +20,8 @@ from .card import render_model_card
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = PACKAGE_ROOT.name
-# every module the models need, as dotted names relative to the package; packages map to their __init__
-REMOTE_MODULES = (
-    "configuration",
-    "configuration.common",
-    "configuration.linformer",
-    "configuration.performer",
-    "modeling.attention",
-    "modeling.attention._checks",
-    "modeling.attention._favor_autograd",
-    "modeling.attention.favor",
-    "modeling.attention.linformer",
-    "modeling.attention.local",
-    "modeling.attention.softmax",
-    "modeling.layers",
-    "modeling.cache",
-    "modeling.base",
-    "modeling.linformer",
-    "modeling.performer",
-)
+# the modules the exported code starts from; everything they import relatively is found with ast (remote_modules)
+ROOT_MODULES = ("configuration.linformer", "configuration.performer", "modeling.linformer", "modeling.performer")
 AUTO_SUFFIXES = {
     "AutoModel": "Model",
     "AutoModelForMaskedLM": "ForMaskedLM",
@@ -72,20 +55,44 @@ def _resolve(dotted: str, node: ast.ImportFrom) -> str:
     return ".".join([*base, *(node.module.split(".") if node.module else [])])
 
 
+def _relative_imports(dotted: str) -> list[tuple[ast.ImportFrom, str]]:
+    """Every relative ``from ... import`` in module ``dotted``, with the package-relative module it names."""
+    source = _source_path(dotted).read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            target = _resolve(dotted, node)
+            if not _source_path(target).exists() or node.module is None:
+                raise ValueError(
+                    f"{dotted}: `from {'.' * node.level}{node.module or ''} import ...` cannot be flattened for the "
+                    "Hub; import names from a module (`from .module import name`)"
+                )
+            found.append((node, target))
+    return found
+
+
+def remote_modules() -> tuple[str, ...]:
+    """The package modules the Hub code needs: ``ROOT_MODULES`` and, transitively, every module they import
+    relatively (packages resolve to their ``__init__``), read from the package's current source."""
+    seen: list[str] = []
+    todo = list(ROOT_MODULES)
+    while todo:
+        dotted = todo.pop(0)
+        if dotted in seen:
+            continue
+        seen.append(dotted)
+        todo += [target for _, target in _relative_imports(dotted)]
+    return tuple(sorted(seen))
+
+
 def flatten_module(dotted: str) -> str:
     """The source of package module ``dotted`` with relative imports rewritten to flat same-folder imports."""
     source = _source_path(dotted).read_text()
     lines = source.splitlines(keepends=True)
     edits = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level > 0:
-            target = _resolve(dotted, node)
-            if target not in REMOTE_MODULES:
-                raise ValueError(
-                    f"{dotted} imports {target}, which the Hub export does not ship; add it to REMOTE_MODULES"
-                )
-            names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
-            edits.append((node.lineno, node.end_lineno, node.col_offset, f"from .{flat_name(target)} import {names}\n"))
+    for node, target in _relative_imports(dotted):
+        names = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+        edits.append((node.lineno, node.end_lineno, node.col_offset, f"from .{flat_name(target)} import {names}\n"))
     for start, end, indent, text in sorted(edits, reverse=True):
         lines[start - 1 : end] = [" " * indent + text]
     return "".join(lines)
@@ -94,8 +101,13 @@ def flatten_module(dotted: str) -> str:
 def write_remote_code(folder: str | Path) -> list[str]:
     """Write every needed module flat into ``folder``; returns the file names."""
     folder = Path(folder)
+    modules = remote_modules()
+    flat = [flat_name(dotted) for dotted in modules]
+    clashes = sorted({name for name in flat if flat.count(name) > 1})
+    if clashes:
+        raise ValueError(f"modules {clashes} would clash when flattened for the Hub; rename one of them")
     names = []
-    for dotted in REMOTE_MODULES:
+    for dotted in modules:
         name = flat_name(dotted) + ".py"
         (folder / name).write_text(flatten_module(dotted))
         names.append(name)

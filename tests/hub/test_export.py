@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from linearformers.hub_cards import flatten_module, push_to_hub, save_for_hub
+from linearformers.hub_cards.export import flat_name, remote_modules, write_remote_code
 from tests.conftest import tiny_config
 
 LOADER = """
@@ -163,6 +164,18 @@ def test_flattening_rewrites_every_relative_import():
     assert "from .configuration import LinformerConfig, PerformerConfig" in code
     assert "from .attention_linformer import slot_first_writes" in code
     assert "from .." not in code
+
+
+def test_remote_modules_follow_the_package_imports_transitively(tmp_path):
+    modules = remote_modules()
+    # reached only through favor.py, which the models import through modeling.attention's __init__
+    assert "modeling.attention._favor_autograd" in modules and "modeling.attention" in modules
+    written = set(write_remote_code(tmp_path))
+    assert written == {flat_name(m) + ".py" for m in modules}
+    for name in written:
+        for line in (tmp_path / name).read_text().splitlines():
+            if line.strip().startswith("from ."):
+                assert line.strip().split()[1][1:] + ".py" in written, (name, line)
 
 
 def test_push_to_hub_uploads_the_export(monkeypatch, tokenizer_dir):
