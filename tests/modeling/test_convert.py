@@ -176,3 +176,17 @@ def test_real_pretrained_minilm_bert_converts(tokenizer_dir):
         # a trained BERT's sharp attention needs many features (and a fine-tune): see the README's table
         coarse, fine = error(32), error(1024)
     assert fine < coarse < 1.5
+
+
+def test_linformer_below_n_starts_from_window_means():
+    bert = BertModel(BertConfig(**SMALL_BERT))
+    model, report = convert_bert(bert, "linformer", max_seq_length=64, projected_length=16)
+    expected = torch.zeros(16, 64)
+    for slot in range(16):
+        expected[slot, 4 * slot : 4 * slot + 4] = 0.25  # slot s averages positions 4s .. 4s + 3
+    projections = [(name, p) for name, p in model.named_parameters() if name.endswith(("e_proj", "f_proj"))]
+    assert projections
+    for name, param in projections:
+        for matrix in param.detach().reshape(-1, 16, 64):  # one per head under headwise sharing
+            torch.testing.assert_close(matrix, expected)
+        assert name in report.initialized
