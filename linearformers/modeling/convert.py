@@ -320,12 +320,13 @@ def main(argv: list[str] | None = None) -> None:
         overrides.pop("num_random_features")
     model, report = convert(args.source, args.family, **overrides)
     model.save_pretrained(args.output)
-    try:
+    # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
+    # builds an empty tokenizer of the model type, which would be saved as if it were real
+    tokenizer_files = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
+    if any((Path(args.source) / name).exists() for name in tokenizer_files):
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(args.source).save_pretrained(args.output)
-    except (OSError, ValueError):
-        pass
     print(report)
 
 
