@@ -189,3 +189,28 @@ def test_performer_without_learned_positions_generates_past_max_position_embeddi
     model = AutoModelForCausalLM.from_config(cfg).eval()
     out = model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=30, min_new_tokens=30, do_sample=False)
     assert out.shape == (1, 40)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 9])
+def test_max_new_tokens_bounds_the_generated_length(family, max_new_tokens):
+    model = _lm(family, num_local_heads=1, local_window=4)
+    assert model.generation_config.eos_token_id is None  # nothing can stop it early
+    ids = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(2))
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    assert out.shape == (2, 5 + max_new_tokens)
+    assert torch.equal(out, _recomputed_greedy(model, ids, max_new_tokens))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_row_that_emits_eos_is_padded_while_the_other_goes_on(family):
+    model = _lm(family)
+    ids = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(5))
+    free = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    eos = int(free[0, 6])  # row 0 emits it at its 2nd step
+    assert eos != 0 and eos not in free[1, 5:].tolist()  # the seed picks rows that differ and an eos that is not pad
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert out.shape == (2, 13)
+    first = free[0, 5:].tolist().index(eos)
+    assert out[0, 5 + first] == eos and bool((out[0, 6 + first :] == 0).all())
+    assert torch.equal(out[1], free[1])
