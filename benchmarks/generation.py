@@ -2,17 +2,24 @@
 
 All three models have GPT-2 small's shape (hidden 768, 12 layers, 12 heads, vocab 50257), random weights (speed
 only). For each context length the prompt is prefilled (not timed), then ``--steps`` single-token decoding steps
-are timed; the median is reported. Cache memory is the bytes held by the cache object after the prefill.
+are timed; the median is reported (the mean too, in the JSON). Cache memory is the bytes held by the cache object
+after the prefill. Each (model, context) runs in its own process, whose peak RSS (weights + prefill + decoding) is
+reported as well.
 
-    python benchmarks/generation.py                       # 512 .. 16384, ~15 min on 2 cores
-    python benchmarks/generation.py --contexts 512 2048 --steps 8
+    flock /tmp/bench.lock python benchmarks/generation.py            # 512 .. 16384, ~15 min on 2 cores
+    flock /tmp/bench.lock python benchmarks/generation.py --quick    # 512 and 2048, 8 steps
+    python benchmarks/generation.py --contexts 512 2048 --steps 8 --models performer gpt2
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +35,7 @@ from linearformers import (
 )
 
 RESULTS = Path(__file__).parent / "results"
+MODELS = ("performer", "linformer", "gpt2")
 COMMON = dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
 
 
@@ -86,7 +94,26 @@ def measure(model, name: str, context: int, steps: int) -> dict:
         token = out.logits[:, -1:].argmax(-1)
         if step >= 2:  # two warm-up steps
             times.append(time.perf_counter() - t0)
-    return {"ms_per_token": 1000 * statistics.median(times), "cache_mb": memory / 2**20}
+    return {
+        "ms_per_token": 1000 * statistics.median(times),
+        "mean_ms_per_token": 1000 * statistics.fmean(times),
+        "cache_mb": memory / 2**20,
+    }
+
+
+def worker(name: str, context: int, steps: int, max_len: int) -> None:
+    """One (model, context) in this process; prints its row as JSON with the process's peak RSS."""
+    torch.manual_seed(0)
+    row = measure(build(name, max_len), name, context, steps)
+    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps(row), flush=True)
+
+
+def run_isolated(name: str, context: int, steps: int, max_len: int, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name, str(context), "--steps", str(steps)]
+    cmd += ["--max-len", str(max_len), "--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -94,42 +121,58 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="contexts 512 and 2048, 8 steps")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "CONTEXT"), help=argparse.SUPPRESS)
+    parser.add_argument("--max-len", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    max_len = max(args.contexts) + args.steps + 8
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]), args.steps, args.max_len)
+        return
+    stem = "generation"
+    if args.quick:
+        args.contexts, args.steps, stem = [512, 2048], 8, "generation.quick"  # keeps the full run's files
+    # every model gets the same position limit, so a row does not depend on which contexts were asked for
+    max_len = max(max(args.contexts), 16384) + 256
     rows = {}
-    for name in ("performer", "linformer", "gpt2"):
-        model = build(name, max_len)
+    for name in args.models:
         rows[name] = {}
         for context in args.contexts:
-            rows[name][context] = measure(model, name, context, args.steps)
+            row = rows[name][context] = run_isolated(name, context, args.steps, max_len, args.threads)
             print(
-                f"{name:9s} context {context:6d}: {rows[name][context]['ms_per_token']:8.1f} ms/token, "
-                f"cache {rows[name][context]['cache_mb']:8.1f} MB",
+                f"{name:9s} context {context:6d}: {row['ms_per_token']:8.1f} ms/token, "
+                f"cache {row['cache_mb']:8.1f} MB, peak RSS {row['peak_rss_mb']:8.0f} MB",
                 flush=True,
             )
-        del model
+    if set(args.models) != set(MODELS):
+        print(json.dumps(rows, indent=2))
+        return  # the table, ratios and plot need all three models
     first = args.contexts[0]
     print(
         "\n| context | Performer ms/token | Linformer ms/token | GPT-2 ms/token | GPT-2 / Performer | "
-        "GPT-2 / Linformer | cache MB (Performer / Linformer / GPT-2) |"
+        "GPT-2 / Linformer | cache MB (Performer / Linformer / GPT-2) | peak RSS MB (Performer / Linformer / GPT-2) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for c in args.contexts:
         p, li, g = (rows[n][c] for n in ("performer", "linformer", "gpt2"))
         print(
             f"| {c} | {p['ms_per_token']:.1f} | {li['ms_per_token']:.1f} | {g['ms_per_token']:.1f} | "
             f"{g['ms_per_token'] / p['ms_per_token']:.2f}x | {g['ms_per_token'] / li['ms_per_token']:.2f}x | "
-            f"{p['cache_mb']:.2f} / {li['cache_mb']:.2f} / {g['cache_mb']:.0f} |"
+            f"{p['cache_mb']:.2f} / {li['cache_mb']:.2f} / {g['cache_mb']:.0f} | "
+            f"{p['peak_rss_mb']:.0f} / {li['peak_rss_mb']:.0f} / {g['peak_rss_mb']:.0f} |"
         )
     last = args.contexts[-1]
     flat = rows["performer"][last]["ms_per_token"] / rows["performer"][first]["ms_per_token"]
     print(f"\nPerformer per-token latency {last} vs {first}: {flat:.2f}x (target <= 1.2x)")
     speedup = rows["gpt2"][last]["ms_per_token"] / rows["performer"][last]["ms_per_token"]
     print(f"GPT-2 / Performer per token at {last}: {speedup:.2f}x (target >= 4x)")
+    ratios = [rows["gpt2"][c]["ms_per_token"] / rows["performer"][c]["ms_per_token"] for c in args.contexts]
+    growing = all(b > a for a, b in itertools.pairwise(ratios))
+    print(f"GPT-2 / Performer ratio grows with every context step: {growing}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "generation.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+    meta = {"threads": args.threads, "steps": args.steps, "torch": torch.__version__, "max_len": max_len}
+    (RESULTS / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     try:
         import matplotlib
 
@@ -150,7 +193,7 @@ def main() -> None:
         ax.legend()
     fig.suptitle("Decoding at GPT-2 small size, 2 CPU threads")
     fig.tight_layout()
-    fig.savefig(RESULTS / "generation.png", dpi=120)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":
