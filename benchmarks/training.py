@@ -1,0 +1,156 @@
+"""Masked-LM training throughput (tokens/s, forward + backward + AdamW step) and peak memory vs sequence length.
+
+Four models of the same size (hidden 512, 4 layers, 8 heads of 64, intermediate 2048, vocab 30522), batch 1:
+  * Performer (m=256) and Linformer (k=256), our BERT-style MaskedLM;
+  * "identity": the same stack with attention replaced by identity (each head returns its values): the
+    physical bound, what the rest of the model costs;
+  * BERT: transformers' BertForMaskedLM with SDPA.
+Each measurement runs in its own subprocess (peak memory = ru_maxrss above the process's baseline). Ratios are
+to the identity model, measured in one run.
+
+    python benchmarks/training.py                       # 512 .. 16384, ~15 min on 2 cores
+    python benchmarks/training.py --lengths 1024 4096 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+SHAPE = dict(
+    vocab_size=30522,
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    intermediate_size=2048,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+MODELS = ("identity", "performer", "linformer", "bert")
+
+
+def build(name: str, n: int):
+    from transformers import BertConfig, BertForMaskedLM
+
+    from linearformers import LinformerConfig, LinformerForMaskedLM, PerformerConfig, PerformerForMaskedLM
+    from linearformers.modeling.layers import LinearAttention
+
+    positions = max(n, 512)
+    if name == "bert":
+        return BertForMaskedLM(BertConfig(**SHAPE, max_position_embeddings=positions, attn_implementation="sdpa"))
+    if name == "linformer":
+        return LinformerForMaskedLM(
+            LinformerConfig(**SHAPE, max_position_embeddings=positions, max_seq_length=n, projected_length=min(256, n))
+        )
+    model = PerformerForMaskedLM(
+        PerformerConfig(
+            **SHAPE, max_position_embeddings=positions, num_random_features=256, feature_redraw_interval=None
+        )
+    )
+    if name == "identity":
+        for module in model.modules():
+            if isinstance(module, LinearAttention):
+                module.global_attention = lambda q, k, v, *args: v  # attention removed: values pass through
+    return model
+
+
+def worker(name: str, n: int, steps: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build(name, n).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(1000, 30000, (1, n))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::7] = ids[:, ::7]  # ~15% of positions carry a label, as in MLM
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    times = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step:
+            times.append(time.perf_counter() - t0)
+    seconds = min(times)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
+    return {"tokens_per_s": n / seconds, "seconds": seconds, "peak_mb": peak}
+
+
+def _cell(row: dict | None, ident: dict | None, bert: dict | None) -> str:
+    """Table cell: tokens/s (fraction of the identity model, ratio to BERT)."""
+    if not row or not ident:
+        return "-"
+    vs_bert = f", {row['tokens_per_s'] / bert['tokens_per_s']:.2f}x" if bert else ""
+    return f"{row['tokens_per_s']:.0f} ({row['tokens_per_s'] / ident['tokens_per_s']:.0%}{vs_bert})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, metavar=("NAME", "N"))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads)))
+        return
+    rows: dict[str, dict[int, dict | None]] = {name: {} for name in MODELS}
+    for n in args.lengths:
+        for name in MODELS:
+            steps = 1 if (name == "bert" and n >= 16384) else args.steps
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                name,
+                str(n),
+                "--steps",
+                str(steps),
+                "--threads",
+                str(args.threads),
+            ]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
+                rows[name][n] = json.loads(done.stdout.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, subprocess.CalledProcessError):
+                rows[name][n] = None
+            row = rows[name][n]
+            shown = f"{row['tokens_per_s']:8.0f} tok/s, {row['peak_mb']:6.0f} MB" if row else "failed / timed out"
+            print(f"n={n:6d} {name:10s} {shown}", flush=True)
+    print(
+        "\n| n | identity tok/s | Performer tok/s (vs identity, vs BERT) | Linformer tok/s (vs identity, vs BERT) | "
+        "BERT SDPA tok/s | peak MB (identity / Performer / Linformer / BERT) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for n in args.lengths:
+        ident, bert = rows["identity"][n], rows["bert"][n]
+        mems = " / ".join(f"{rows[m][n]['peak_mb']:.0f}" if rows[m][n] else "-" for m in MODELS)
+        bert_cell = f"{bert['tokens_per_s']:.0f}" if bert else "-"
+        print(
+            f"| {n} | {ident['tokens_per_s']:.0f} | {_cell(rows['performer'][n], ident, bert)} | "
+            f"{_cell(rows['linformer'][n], ident, bert)} | {bert_cell} | {mems} |"
+            if ident
+            else f"| {n} | - | - | - | {bert_cell} | {mems} |"
+        )
+    print("\nTarget: at n >= 4096 both families reach >= 80% of the identity model's throughput")
+    for n in args.lengths:
+        if n >= 4096 and rows["identity"][n]:
+            for name in ("performer", "linformer"):
+                if rows[name][n]:
+                    frac = rows[name][n]["tokens_per_s"] / rows["identity"][n]["tokens_per_s"]
+                    print(f"  {name} at {n}: {frac:.0%} {'met' if frac >= 0.8 else 'MISSED'}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "training.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
