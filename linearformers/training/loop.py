@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -340,5 +339,5 @@ def train(args: TrainArguments) -> dict:
         "model": unwrapped,
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
-        "rank": int(os.environ.get("RANK", 0)),
+        "rank": accelerator.process_index,
     }
