@@ -170,15 +170,69 @@ def test_bad_arguments_raise_clear_errors():
         causal_linformer_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], torch.randn(4, 32), None, None, 32)
 
 
-def test_blockwise_recompute_for_long_sequences_gives_the_same_values_and_gradients(monkeypatch):
-    from linearformers.modeling.attention import linformer as module
+def _reference_linformer(q, k, v, e, f, bias, keep=None):
+    """The plain autograd formula: softmax(q (E k)ᵀ scale + bias) (F v), optional dropout multiplier."""
+    kp, vp = torch.matmul(e[..., : k.shape[2]], k), torch.matmul(f[..., : v.shape[2]], v)
+    logits = torch.matmul(q, kp.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if bias is not None:
+        logits = logits + bias
+    probs = torch.softmax(logits, dim=-1)
+    return torch.matmul(probs if keep is None else probs * keep, vp)
 
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_hand_written_backward_matches_autograd_over_several_query_blocks(monkeypatch, per_head):
+    from linearformers.modeling.attention import _linformer_autograd as module
+
+    monkeypatch.setattr(module, "_ROWS", 16)  # 40 queries: 3 blocks, the last one short
+    q, k, v = (x.double().float().requires_grad_() for x in _qkv(n=40))
+    shape = (q.shape[1], 8, 64) if per_head else (8, 64)
+    g = torch.Generator().manual_seed(1)
+    e, f = (torch.randn(shape, generator=g).requires_grad_() for _ in range(2))
+    out = linformer_attention(q, k, v, e, f)
+    ref = _reference_linformer(q, k, v, e, f, None)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v, e, f))
+    want = torch.autograd.grad((ref * weights).sum(), (q, k, v, e, f))
+    for name, a, b in zip("qkvef", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=f"gradient of {name}")
+
+
+def test_hand_written_backward_with_dropout_regenerates_the_forward_mask(monkeypatch):
+    from linearformers.modeling.attention import _linformer_autograd as module
+
+    monkeypatch.setattr(module, "_ROWS", 16)
     q, k, v = (x.requires_grad_() for x in _qkv(n=40))
-    e = torch.randn(8, 64)
-    out = linformer_attention(q, k, v, e)
-    grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
-    monkeypatch.setattr(module, "_QUERY_BLOCK", 16)  # 3 query blocks, recomputed in backward
-    blocked = linformer_attention(q, k, v, e)
-    torch.testing.assert_close(blocked, out)
-    for a, b in zip(torch.autograd.grad(blocked.pow(2).sum(), (q, k, v)), grads):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    torch.manual_seed(123)
+    out = linformer_attention(q, k, v, e, dropout_p=0.3)
+    torch.manual_seed(123)
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    b, h, n = q.shape[:3]
+    keep = torch.cat([module._dropout_keep((b, h, min(16, n - i), 8), 0.3, seed, j, "cpu") for j, i in enumerate(range(0, n, 16))], dim=2)
+    assert 0.1 < (keep == 0).float().mean() < 0.5  # dropout really drops
+    ref = _reference_linformer(q, k, v, e, e, None, keep)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v, e))
+    want = torch.autograd.grad((ref * weights).sum(), (q, k, v, e))
+    for name, a, c in zip("qkve", got, want):
+        torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    torch.manual_seed(124)
+    assert not torch.allclose(linformer_attention(q, k, v, e, dropout_p=0.3), out)  # a new draw per call
+
+
+def test_unwritten_slots_are_masked_in_the_hand_written_backward():
+    # identity E at k = n on a shorter sequence: slots n'..n were never written and must take no share
+    q, k, v = (x.requires_grad_() for x in _qkv(n=20))
+    eye = torch.eye(32)
+    out = linformer_attention(q, k, v, eye)
+    bias = torch.zeros(32)
+    bias[20:] = float("-inf")
+    ref = _reference_linformer(q, k, v, eye, eye, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    got = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    want = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)

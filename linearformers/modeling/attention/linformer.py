@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv
+from ._linformer_autograd import SequenceProjection, SlotAttention
 
 METHODS = ("learned", "pool", "conv")
 
@@ -151,42 +151,25 @@ def linformer_attention(
     if mask is not None:
         k, v = compact(k, mask), compact(v, mask)
         lengths = mask.sum(1)
-    kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
     if method == "learned":
+        # by hand (see _linformer_autograd): E x per head in place, no permuted copies
+        kp, vp = SequenceProjection.apply(k, e_proj), SequenceProjection.apply(v, f_proj)
         # a slot no real token wrote to (possible with a sparse E, e.g. the identity of a converted model, on a
         # sequence shorter than n) holds a zero key; it must not take a share of the softmax
         first = slot_first_writes(e_proj).to(k.device)  # (k,) or (h, k)
         real = torch.full((b,), n, device=k.device) if lengths is None else lengths
         written = first.view(1, -1, first.shape[-1]) < real.view(b, 1, 1)  # (b, 1 or h, k)
         slot_mask = None if bool(written.all()) else written
-    vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
+    else:
+        kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
+        vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
     scale = d**-0.5 if scale is None else scale
-    kp, vp = kp.float(), vp.float()
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kp, vp))
-    if not needs_grad or q.shape[2] <= _QUERY_BLOCK or dropout_p > 0:
-        return _attend_slots(q, kp, vp, slot_mask, scale, dropout_p).to(q.dtype)
-    # training on long sequences: the (n x k) logits and probabilities of a block of queries are recomputed in
-    # backward instead of stored, so memory stays O(block k) instead of O(n k) per head
-    blocks = [
-        checkpoint(_attend_slots, q[:, :, i : i + _QUERY_BLOCK], kp, vp, slot_mask, scale, 0.0, use_reentrant=False)
-        for i in range(0, q.shape[2], _QUERY_BLOCK)
-    ]
-    return torch.cat(blocks, dim=2).to(q.dtype)
-
-
-_QUERY_BLOCK = 1024
-
-
-def _attend_slots(q, kp, vp, slot_mask, scale, dropout_p):
-    """softmax(q kpᵀ · scale) vp over the k slots, in float32; slots without a real token are masked."""
-    logits = torch.matmul(q.float(), kp.transpose(-1, -2)) * scale  # (b, h, n, k)
+    bias = None
     if slot_mask is not None:
-        logits = logits.masked_fill(~slot_mask[:, :, None, :], float("-inf"))
-        logits = torch.nan_to_num(logits, neginf=-1e30)  # a sequence with no real token at all
-    probs = torch.softmax(logits, dim=-1)
-    if dropout_p > 0:
-        probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, vp)
+        bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
+        bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
+    # flash-style over the k slots (see _linformer_autograd): O(block k) extra memory per head, dropout included
+    return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p).to(q.dtype)
 
 
 def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:
