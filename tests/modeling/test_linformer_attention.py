@@ -210,7 +210,10 @@ def test_hand_written_backward_with_dropout_regenerates_the_forward_mask(monkeyp
     torch.manual_seed(123)
     seed = int(torch.randint(0, 2**62, (1,)).item())
     b, h, n = q.shape[:3]
-    keep = torch.cat([module._dropout_keep((b, h, min(16, n - i), 8), 0.3, seed, j, "cpu") for j, i in enumerate(range(0, n, 16))], dim=2)
+    keep = torch.cat(
+        [module._dropout_keep((b, h, min(16, n - i), 8), 0.3, seed, j, "cpu") for j, i in enumerate(range(0, n, 16))],
+        dim=2,
+    )
     assert 0.1 < (keep == 0).float().mean() < 0.5  # dropout really drops
     ref = _reference_linformer(q, k, v, e, e, None, keep)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

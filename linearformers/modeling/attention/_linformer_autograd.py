@@ -109,7 +109,7 @@ class SequenceProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, proj = ctx.saved_tensors
-        b, h, n, d = x.shape
+        b, h, n, _ = x.shape
         e = proj[..., :n].to(x.dtype)
         g = g.to(x.dtype).contiguous()
         dx = None
