@@ -231,6 +231,7 @@ def test_blockwise_walk_over_long_sequences_matches_one_block(causal, monkeypatc
     out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
     grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     monkeypatch.setattr(_favor_autograd, "_ROWS", 16)  # 5 blocks instead of 1
+    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)
     out_blocks = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
     torch.testing.assert_close(out_blocks, out, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(out_blocks.pow(2).sum(), (q, k, v)), grads):

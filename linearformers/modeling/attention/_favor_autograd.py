@@ -66,6 +66,9 @@ def _out_grad(g, out, den):
 _ROWS = 256  # bidirectional: feature maps are built this many positions at a time, never for the whole sequence
 
 
+_CAUSAL_ROWS = 256  # causal: positions per block (a whole number of chunks); one saved state per block
+
+
 def _row_slices(n):
     return [slice(i, min(i + _ROWS, n)) for i in range(0, n, _ROWS)]
 
@@ -127,12 +130,24 @@ class FavorBidirectional(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def _shift(inclusive, forward):
-    """Exclusive scan from an inclusive one along dim 2, by shifting (subtracting would cancel catastrophically)."""
-    zero = torch.zeros_like(inclusive[:, :, :1])
-    if forward:
-        return torch.cat([zero, inclusive[:, :, :-1]], dim=2)
-    return torch.cat([inclusive[:, :, 1:], zero], dim=2)
+def _exclusive_prefix(writes, state):
+    """prefix[j] = state + sum_{i<j} writes[j] along dim 2 (a few chunks per block: plain adds, no cumsum).
+    Returns (prefix, state after the last chunk)."""
+    prefix = torch.empty_like(writes)
+    prefix[:, :, 0] = state
+    for j in range(1, writes.shape[2]):
+        torch.add(prefix[:, :, j - 1], writes[:, :, j - 1], out=prefix[:, :, j])
+    return prefix, prefix[:, :, -1] + writes[:, :, -1]
+
+
+def _exclusive_suffix(grads, carry):
+    """suffix[j] = carry + sum_{i>j} grads[i] along dim 2. Returns (suffix, carry + sum of all grads)."""
+    suffix = torch.empty_like(grads)
+    last = grads.shape[2] - 1
+    suffix[:, :, last] = carry
+    for j in range(last - 1, -1, -1):
+        torch.add(suffix[:, :, j + 1], grads[:, :, j + 1], out=suffix[:, :, j])
+    return suffix, suffix[:, :, 0] + grads[:, :, 0]
 
 
 def _chunks(x, nc, c):
@@ -140,9 +155,10 @@ def _chunks(x, nc, c):
 
 
 class FavorCausal(torch.autograd.Function):
-    """Chunked causal FAVOR+ (chunks of C positions), walked in blocks of about _ROWS positions so that feature
-    maps never exist for the whole sequence. Saves the running state at each block start; backward walks the
-    blocks in reverse, carrying the suffix sum. Also returns the final state (S, z), not differentiable."""
+    """Chunked causal FAVOR+ (chunks of C positions), walked in blocks of about _CAUSAL_ROWS positions so that
+    feature maps never exist for the whole sequence. Saves the running state at each block start; backward
+    walks the blocks in reverse, carrying the suffix sum. Also returns the final state (S, z), not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
@@ -157,11 +173,13 @@ class FavorCausal(torch.autograd.Function):
             keep = torch.ones(1, 1, n + pad, 1, device=v.device)
             keep[:, :, n:] = 0
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        tril = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
         state = torch.zeros(b, h, w.shape[0], d + 1, dtype=torch.float32, device=v.device)
-        starts, outs, dens = [], [], []
-        for rows in _blocks(n + pad, c):
-            starts.append(state)
+        out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
+        den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
+        blocks = _blocks(n + pad, c)
+        starts = torch.empty(len(blocks), *state.shape, dtype=torch.float32, device=v.device)
+        for index, rows in enumerate(blocks):
+            starts[index] = state
             keep_r = None if keep is None else keep[:, :, rows]
             phi_k, _ = _features(kf[:, :, rows].float(), w, half_w_sq, s, kernel, False, eps)
             if keep_r is not None:
@@ -169,19 +187,15 @@ class FavorCausal(torch.autograd.Function):
             nc = phi_k.shape[2] // c
             pk = _chunks(phi_k, nc, c)
             va = _chunks(_augment(vf[:, :, rows].float(), keep_r), nc, c)
-            writes = torch.matmul(pk.transpose(-1, -2), va)  # (b, h, nc, m, d + 1)
-            inclusive = torch.cumsum(writes, dim=2)
-            prefix = _shift(inclusive, forward=True).add_(state.unsqueeze(2))
+            prefix, state = _exclusive_prefix(torch.matmul(pk.transpose(-1, -2), va), state)  # (b, h, nc, m, d+1)
             phi_q, _ = _features(qf[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
             pq = _chunks(phi_q, nc, c)
-            scores = torch.matmul(pq, pk.transpose(-1, -2)).masked_fill_(~tril, 0.0)
+            scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()
             num = torch.matmul(scores, va).add_(torch.matmul(pq, prefix)).view(b, h, nc * c, d + 1)
-            den = num[..., -1:].clamp_min(_TINY)
-            outs.append(num[..., :-1] / den)
-            dens.append(den)
-            state = state + inclusive[:, :, -1]
-        out, den = torch.cat(outs, dim=2), torch.cat(dens, dim=2)
-        ctx.save_for_backward(q, k, v, w, keep, torch.stack(starts), out, den)
+            den_r = num[..., -1:].clamp_min(_TINY)
+            den[:, :, rows] = den_r
+            out[:, :, rows] = num[..., :-1].div_(den_r)
+        ctx.save_for_backward(q, k, v, w, keep, starts, out, den)
         ctx.settings = (kernel, scale, eps, c, pad)
         state_s, state_z = state[..., :-1], state[..., -1]
         ctx.mark_non_differentiable(state_s, state_z)
@@ -196,7 +210,6 @@ class FavorCausal(torch.autograd.Function):
         b, h, n, d = v.shape
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
         gf = _pad_rows(g, pad).float()
-        tril = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
         dq = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         dk = torch.empty_like(dq)
         dv = torch.empty_like(dq)
@@ -213,24 +226,19 @@ class FavorCausal(torch.autograd.Function):
             if keep_r is not None:
                 phi_k.mul_(keep_r)
             pk = _chunks(phi_k, nc, c)
-            writes = torch.matmul(pk.transpose(-1, -2), va)
-            prefix = _shift(torch.cumsum(writes, dim=2), forward=True).add_(starts[index].unsqueeze(2))
-            del writes
+            prefix, _ = _exclusive_prefix(torch.matmul(pk.transpose(-1, -2), va), starts[index])
             # queries: dphi_q = g_aug Prefixᵀ + ((g_aug V_augᵀ) ⊙ tril) phi_k
-            gv = torch.matmul(g_aug, va.transpose(-1, -2)).masked_fill_(~tril, 0.0)
+            gv = torch.matmul(g_aug, va.transpose(-1, -2)).tril_()
             dphi_q = torch.matmul(g_aug, prefix.transpose(-1, -2)).add_(torch.matmul(gv, pk))
             del prefix
             phi_q, qs = _features(qf[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
             pq = _chunks(phi_q, nc, c)
             # keys and values: the suffix of later chunks' phi_qᵀ g_aug, inside this block and after it
-            dprefix = torch.matmul(pq.transpose(-1, -2), g_aug)  # (b, h, nc, m, d + 1)
-            inclusive = torch.flip(torch.cumsum(torch.flip(dprefix, [2]), dim=2), [2])
-            suffix = _shift(inclusive, forward=False).add_(carry.unsqueeze(2))
-            carry = carry + inclusive[:, :, 0]
-            scores = torch.matmul(pq, pk.transpose(-1, -2)).masked_fill_(~tril, 0.0)
+            suffix, carry = _exclusive_suffix(torch.matmul(pq.transpose(-1, -2), g_aug), carry)
+            scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()
             dv_aug = torch.matmul(pk, suffix).add_(torch.matmul(scores.transpose(-1, -2), g_aug))
             dphi_k = torch.matmul(va, suffix.transpose(-1, -2)).add_(torch.matmul(gv.transpose(-1, -2), pq))
-            del scores, gv, suffix, dprefix
+            del scores, gv, suffix
             length = nc * c
             dq[:, :, rows] = _feature_grad(dphi_q.view(b, h, length, -1), phi_q, qs, w, s, kernel, True, eps)
             dk[:, :, rows] = _feature_grad(dphi_k.view(b, h, length, -1), phi_k, ks, w, s, kernel, False, eps)
@@ -255,5 +263,5 @@ def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
 
 def _blocks(length: int, c: int) -> list[slice]:
     """Consecutive blocks of a multiple of c positions, about _ROWS each, covering [0, length)."""
-    step = c * max(1, _ROWS // c)
+    step = c * max(1, _CAUSAL_ROWS // c)
     return [slice(i, min(i + step, length)) for i in range(0, length, step)]
