@@ -25,16 +25,20 @@ _TINY = 1e-30
 
 
 def _features(x, w, half_w_sq, s, kernel, is_query, eps):
-    """phi(x) in float32, (b, h, n, m). Row-constant factors of phi(q) are dropped: they cancel in N / D."""
+    """phi(x) in float32, (b, h, n, m). The constant and per-row terms of the exponent ride along as extra
+    columns of x and w, so the exponent comes out of one matmul. Row-constant factors of phi(q) are dropped:
+    they cancel in N / D."""
     xs = x * s
-    u = torch.matmul(xs, w.T)
     if kernel == "relu":
-        return torch.relu_(u).add_(eps), xs
-    if is_query:
-        u.add_(half_w_sq)
+        return torch.relu_(torch.matmul(xs, w.T)).add_(eps), xs
+    ones = torch.ones_like(xs[..., :1])
+    if is_query:  # w·x' + |w|²/2, then minus its row maximum
+        u = torch.matmul(torch.cat([xs, ones], -1), torch.cat([w, half_w_sq[:, None]], -1).T)
         u.sub_(u.amax(dim=-1, keepdim=True))
-    else:
-        u.sub_(half_w_sq).sub_(0.5 * xs.pow(2).sum(-1, keepdim=True))
+    else:  # w·x' - |x'|²/2 - |w|²/2 = -|w - x'|²/2
+        x_aug = torch.cat([xs, xs.pow(2).sum(-1, keepdim=True).mul_(-0.5), ones], -1)
+        w_aug = torch.cat([w, torch.ones_like(half_w_sq)[:, None], -half_w_sq[:, None]], -1)
+        u = torch.matmul(x_aug, w_aug.T)
     return u.exp_(), xs
 
 
@@ -44,10 +48,11 @@ def _feature_grad(dphi, phi, xs, w, s, kernel, is_query, eps):
         du = dphi.mul_(phi > eps)
         return torch.matmul(du, w).mul_(s)
     du = dphi.mul_(phi)
-    dx = torch.matmul(du, w)
-    if not is_query:
-        dx.sub_(xs * du.sum(-1, keepdim=True))
-    return dx.mul_(s)
+    if is_query:
+        return torch.matmul(du, w).mul_(s)
+    # keys: dx = du W - x' Σ_m du; the row sum rides along as an extra column of W
+    dx_aug = torch.matmul(du, torch.cat([w, torch.ones_like(w[:, :1])], -1))
+    return dx_aug[..., :-1].sub_(xs * dx_aug[..., -1:]).mul_(s)
 
 
 def _augment(v, keep):
@@ -130,35 +135,27 @@ class FavorBidirectional(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def _exclusive_prefix(writes, state):
-    """prefix[j] = state + sum_{i<j} writes[j] along dim 2 (a few chunks per block: plain adds, no cumsum).
-    Returns (prefix, state after the last chunk)."""
-    prefix = torch.empty_like(writes)
-    prefix[:, :, 0] = state
-    for j in range(1, writes.shape[2]):
-        torch.add(prefix[:, :, j - 1], writes[:, :, j - 1], out=prefix[:, :, j])
-    return prefix, prefix[:, :, -1] + writes[:, :, -1]
+def _to_chunks(x, nc, c):
+    """(b, h, nc c, f) -> chunk-major (nc, b h, c, f), contiguous: every chunk's slice is one dense batch."""
+    b, h, _, f = x.shape
+    return x.unflatten(2, (nc, c)).permute(2, 0, 1, 3, 4).reshape(nc, b * h, c, f)
 
 
-def _exclusive_suffix(grads, carry):
-    """suffix[j] = carry + sum_{i>j} grads[i] along dim 2. Returns (suffix, carry + sum of all grads)."""
-    suffix = torch.empty_like(grads)
-    last = grads.shape[2] - 1
-    suffix[:, :, last] = carry
-    for j in range(last - 1, -1, -1):
-        torch.add(suffix[:, :, j + 1], grads[:, :, j + 1], out=suffix[:, :, j])
-    return suffix, suffix[:, :, 0] + grads[:, :, 0]
-
-
-def _chunks(x, nc, c):
-    return x.view(*x.shape[:2], nc, c, x.shape[-1])
+def _from_chunks(y, target):
+    """Write chunk-major y (nc, b h, c, f) into target (b, h, nc c, f) (a view of the result)."""
+    b, h, _, f = target.shape
+    nc, _, c, _ = y.shape
+    target.unflatten(2, (nc, c)).copy_(y.view(nc, b, h, c, f).permute(1, 2, 0, 3, 4))
 
 
 class FavorCausal(torch.autograd.Function):
     """Chunked causal FAVOR+ (chunks of C positions), walked in blocks of about _CAUSAL_ROWS positions so that
-    feature maps never exist for the whole sequence. Saves the running state at each block start; backward
-    walks the blocks in reverse, carrying the suffix sum. Also returns the final state (S, z), not
-    differentiable."""
+    feature maps never exist for the whole sequence. Inside a block, tensors are chunk-major (nc, b h, C, .):
+    the intra-chunk (triangular) parts of all chunks are batched, and the running state S = Σ phi(k) [v, 1]ᵀ is
+    carried chunk by chunk with in-place batched GEMMs (baddbmm_) on dense slices, so no per-chunk prefix tensor
+    is ever built. Forward saves the state at each block start; backward walks the blocks in reverse,
+    rebuilding the state forward inside each block for dphi(Q) and carrying the gradient of the state backward
+    for dphi(K) and dV. Also returns the final state (S, z), not differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
@@ -173,30 +170,30 @@ class FavorCausal(torch.autograd.Function):
             keep = torch.ones(1, 1, n + pad, 1, device=v.device)
             keep[:, :, n:] = 0
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        state = torch.zeros(b, h, w.shape[0], d + 1, dtype=torch.float32, device=v.device)
+        state = torch.zeros(b * h, w.shape[0], d + 1, dtype=torch.float32, device=v.device)
         out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
         blocks = _blocks(n + pad, c)
         starts = torch.empty(len(blocks), *state.shape, dtype=torch.float32, device=v.device)
         for index, rows in enumerate(blocks):
             starts[index] = state
-            keep_r = None if keep is None else keep[:, :, rows]
-            phi_k, _ = _features(kf[:, :, rows].float(), w, half_w_sq, s, kernel, False, eps)
+            nc = (rows.stop - rows.start) // c
+            keep_r = None if keep is None else _to_chunks(keep[:, :, rows].expand(b, h, -1, 1), nc, c)
+            pk, _ = _features(_to_chunks(kf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, False, eps)
             if keep_r is not None:
-                phi_k.mul_(keep_r)
-            nc = phi_k.shape[2] // c
-            pk = _chunks(phi_k, nc, c)
-            va = _chunks(_augment(vf[:, :, rows].float(), keep_r), nc, c)
-            prefix, state = _exclusive_prefix(torch.matmul(pk.transpose(-1, -2), va), state)  # (b, h, nc, m, d+1)
-            phi_q, _ = _features(qf[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
-            pq = _chunks(phi_q, nc, c)
-            scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()
-            num = torch.matmul(scores, va).add_(torch.matmul(pq, prefix)).view(b, h, nc * c, d + 1)
+                pk.mul_(keep_r)
+            pq, _ = _features(_to_chunks(qf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, True, eps)
+            va = _augment(_to_chunks(vf[:, :, rows].float(), nc, c), keep_r)
+            num = torch.matmul(torch.matmul(pq, pk.transpose(-1, -2)).tril_(), va)  # (nc, b h, c, e)
+            for j in range(nc):
+                num[j].baddbmm_(pq[j], state)
+                state.baddbmm_(pk[j].transpose(1, 2), va[j])
             den_r = num[..., -1:].clamp_min(_TINY)
-            den[:, :, rows] = den_r
-            out[:, :, rows] = num[..., :-1].div_(den_r)
+            _from_chunks(den_r, den[:, :, rows])
+            _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
         ctx.save_for_backward(q, k, v, w, keep, starts, out, den)
         ctx.settings = (kernel, scale, eps, c, pad)
+        state = state.view(b, h, *state.shape[1:])
         state_s, state_z = state[..., :-1], state[..., -1]
         ctx.mark_non_differentiable(state_s, state_z)
         return out[:, :, :n].to(v.dtype), state_s, state_z
@@ -213,37 +210,36 @@ class FavorCausal(torch.autograd.Function):
         dq = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         dk = torch.empty_like(dq)
         dv = torch.empty_like(dq)
-        carry = torch.zeros_like(starts[0])  # gradient reaching the state from all later blocks
+        carry = torch.zeros_like(starts[0])  # d(loss)/d(state) from all later positions, (b h, m, e)
         blocks = _blocks(n + pad, c)
         for index in range(len(blocks) - 1, -1, -1):
             rows = blocks[index]
-            keep_r = None if keep is None else keep[:, :, rows]
-            g_aug = _out_grad(gf[:, :, rows], out[:, :, rows], den[:, :, rows])
-            nc = g_aug.shape[2] // c
-            g_aug = _chunks(g_aug, nc, c)
-            va = _chunks(_augment(vf[:, :, rows].float(), keep_r), nc, c)
-            phi_k, ks = _features(kf[:, :, rows].float(), w, half_w_sq, s, kernel, False, eps)
+            nc = (rows.stop - rows.start) // c
+            keep_r = None if keep is None else _to_chunks(keep[:, :, rows].expand(b, h, -1, 1), nc, c)
+            gc = _to_chunks(_out_grad(gf[:, :, rows], out[:, :, rows], den[:, :, rows]), nc, c)
+            va = _augment(_to_chunks(vf[:, :, rows].float(), nc, c), keep_r)
+            pk, ks = _features(_to_chunks(kf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, False, eps)
             if keep_r is not None:
-                phi_k.mul_(keep_r)
-            pk = _chunks(phi_k, nc, c)
-            prefix, _ = _exclusive_prefix(torch.matmul(pk.transpose(-1, -2), va), starts[index])
-            # queries: dphi_q = g_aug Prefixᵀ + ((g_aug V_augᵀ) ⊙ tril) phi_k
-            gv = torch.matmul(g_aug, va.transpose(-1, -2)).tril_()
-            dphi_q = torch.matmul(g_aug, prefix.transpose(-1, -2)).add_(torch.matmul(gv, pk))
-            del prefix
-            phi_q, qs = _features(qf[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
-            pq = _chunks(phi_q, nc, c)
-            # keys and values: the suffix of later chunks' phi_qᵀ g_aug, inside this block and after it
-            suffix, carry = _exclusive_suffix(torch.matmul(pq.transpose(-1, -2), g_aug), carry)
-            scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()
-            dv_aug = torch.matmul(pk, suffix).add_(torch.matmul(scores.transpose(-1, -2), g_aug))
-            dphi_k = torch.matmul(va, suffix.transpose(-1, -2)).add_(torch.matmul(gv.transpose(-1, -2), pq))
-            del scores, gv, suffix
-            length = nc * c
-            dq[:, :, rows] = _feature_grad(dphi_q.view(b, h, length, -1), phi_q, qs, w, s, kernel, True, eps)
-            dk[:, :, rows] = _feature_grad(dphi_k.view(b, h, length, -1), phi_k, ks, w, s, kernel, False, eps)
-            dv_r = dv_aug.view(b, h, length, -1)[..., :-1]
-            dv[:, :, rows] = dv_r if keep_r is None else dv_r * keep_r
+                pk.mul_(keep_r)
+            pq, qs = _features(_to_chunks(qf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, True, eps)
+            gv = torch.matmul(gc, va.transpose(-1, -2)).tril_()  # d(scores), (nc, b h, c, c)
+            dphi_q = torch.matmul(gv, pk)
+            state = starts[index].clone()
+            for j in range(nc):  # forward through the block: the state before each chunk
+                dphi_q[j].baddbmm_(gc[j], state.transpose(1, 2))
+                state.baddbmm_(pk[j].transpose(1, 2), va[j])
+            del state
+            dv_aug = torch.matmul(torch.matmul(pq, pk.transpose(-1, -2)).tril_().transpose(-1, -2), gc)
+            dphi_k = torch.matmul(gv.transpose(-1, -2), pq)
+            del gv
+            for j in range(nc - 1, -1, -1):  # backward through the block: the gradient of later chunks
+                dv_aug[j].baddbmm_(pk[j], carry)
+                dphi_k[j].baddbmm_(va[j], carry.transpose(1, 2))
+                carry.baddbmm_(pq[j].transpose(1, 2), gc[j])
+            _from_chunks(_feature_grad(dphi_q, pq, qs, w, s, kernel, True, eps), dq[:, :, rows])
+            _from_chunks(_feature_grad(dphi_k, pk, ks, w, s, kernel, False, eps), dk[:, :, rows])
+            dv_r = dv_aug[..., :-1]
+            _from_chunks(dv_r if keep_r is None else dv_r * keep_r, dv[:, :, rows])
         return (
             dq[:, :, :n].to(q.dtype),
             dk[:, :, :n].to(k.dtype),
