@@ -28,7 +28,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, HEADS, DIM = 768, 12, 64
-M_FEATURES, K_PROJ, CHUNK = 256, 256, 128
+M_FEATURES, K_PROJ, CHUNK = 256, 256, 64
 KERNELS = [
     "sdpa",
     "sdpa_causal",

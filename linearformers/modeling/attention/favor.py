@@ -137,7 +137,7 @@ def favor_attention(
     key_padding_mask: torch.Tensor | None = None,
     kernel: str = "softmax",
     scale: float | None = None,
-    chunk_size: int = 128,
+    chunk_size: int = 64,
     kernel_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
