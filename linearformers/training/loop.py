@@ -322,7 +322,11 @@ def train(args: TrainArguments) -> dict:
     accelerator.wait_for_everyone()
     final = output / "final"
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(final, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    # every rank takes part: under FSDP this gathers the full (unsharded) weights from the shards
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped.save_pretrained(
+        final, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final)
         summary = {"results": results, "train_loss": history, "steps": progress["step"]}

@@ -95,6 +95,61 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
     assert one["loss"][-1] < one["loss"][0]
 
 
+def test_fsdp2_two_processes_shard_train_and_save_full_weights(tmp_path):
+    """FSDP2 full shard (fully_shard per layer and at the root) over 2 CPU processes with gloo: the same losses
+    and weights as one process with the same global batch, identical FAVOR+ redraws on both ranks, and a saved
+    checkpoint that holds the full, gathered weights (not one rank's shards) and loads with from_pretrained.
+
+    Accelerate enables FSDP only on accelerators (on CPU it stays MULTI_CPU), so this drives torch's FSDP2
+    directly, with the same full-state-dict gather that Accelerate's get_state_dict uses for FSDP2 before the
+    training loop's final save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    worker = Path(__file__).parent / "_fsdp_run.py"
+    subprocess.run(
+        [sys.executable, str(worker), str(tmp_path / "single"), str(tmp_path / "single-model")],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29541",
+            str(worker),
+            str(tmp_path / "fsdp"),
+            str(tmp_path / "fsdp-model"),
+        ],
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = torch.load(tmp_path / "single-rank0.pt")
+    rank0, rank1 = torch.load(tmp_path / "fsdp-rank0.pt"), torch.load(tmp_path / "fsdp-rank1.pt")
+    assert rank0["sharded"] and rank0["world"] == 2 and not one["sharded"]
+    # 5 training forwards with a redraw every 2: both ranks drew the same features as the single process
+    for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+    torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
+    assert one["loss"][-1] < one["loss"][0]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-model").state_dict()
+    for key, value in one["state"].items():
+        assert rank0["state"][key].shape == value.shape, key  # gathered, not a shard
+        torch.testing.assert_close(rank0["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=f"saved {key}")
+
+
 def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     args = [
         "--task",
