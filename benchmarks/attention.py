@@ -89,7 +89,13 @@ def _layer(name: str, n: int):
                 return self.o(out.transpose(1, 2).reshape(1, n, HIDDEN))
 
         return SdpaLayer()
-    common = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=max(n, 512))
+    # no attention dropout: the SDPA layer and the peer run without it
+    common = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        max_position_embeddings=max(n, 512),
+        attention_probs_dropout_prob=0.0,
+    )
     if name == "layer_linformer":
         config = LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n)
     else:
