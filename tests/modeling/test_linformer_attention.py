@@ -239,3 +239,26 @@ def test_unwritten_slots_are_masked_in_the_hand_written_backward():
     want = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
     for a, c in zip(got, want):
         torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_prefill_without_gradients_walks_blocks_with_the_same_result(monkeypatch, masked):
+    from linearformers.modeling.attention import linformer as module
+
+    q, k, v = _qkv(n=40)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    mask = None
+    if masked:
+        mask = torch.ones(2, 40, dtype=torch.bool)
+        mask[0, :5] = False  # left padding in the first row
+    with torch.no_grad():
+        whole, whole_state = causal_linformer_attention(
+            q, k, v, e, key_padding_mask=mask, chunk_size=8, return_state=True
+        )
+        monkeypatch.setattr(module, "_PREFILL_ROWS", 16)  # 3 blocks: 16, 16, 8
+        blocks, block_state = causal_linformer_attention(
+            q, k, v, e, key_padding_mask=mask, chunk_size=8, return_state=True
+        )
+    torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
+    for a, b in zip(block_state, whole_state):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -231,11 +231,27 @@ def causal_linformer_attention(
         if initial_state is not None or start:
             raise ValueError("key_padding_mask applies to a prefill from position 0, not to a continued state")
         q, k, v = compact(q, mask), compact(k, mask), compact(v, mask)
-    out, state = _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, e_proj, f_proj))
+    if needs_grad or q.shape[2] <= _PREFILL_ROWS:
+        out, state = _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start)
+    else:
+        # inference on a long prompt (a generate() prefill): walk blocks of _PREFILL_ROWS positions, carrying the
+        # slot state, so the per-chunk states and logits exist for one block at a time instead of the whole prompt
+        outs, state = [], initial_state
+        for i in range(0, q.shape[2], _PREFILL_ROWS):
+            rows = slice(i, i + _PREFILL_ROWS)
+            part, state = _causal_linformer_chunked(
+                q[:, :, rows], k[:, :, rows], v[:, :, rows], e_proj, f_proj, scale, chunk_size, state, start + i
+            )
+            outs.append(part)
+        out = torch.cat(outs, dim=2)
     if mask is not None:
         out = uncompact(out, mask)
     out = out.to(q.dtype)
     return (out, state) if return_state else out
+
+
+_PREFILL_ROWS = 1024  # positions per block of a causal Linformer prefill without gradients
 
 
 def _as_heads(proj: torch.Tensor) -> torch.Tensor:
