@@ -274,11 +274,41 @@ class LinformerAttention(LinearAttention):
             out, state = causal_linformer_step(
                 q, k, v, e, f, state, position_ids[:, -1], first_writes=self._slot_first_writes(e)
             )
-        else:
-            raise ValueError(
-                "a cached causal Linformer takes one new token per step after the prefill; got "
-                f"{q.shape[2]} tokens. Call without past_key_values to recompute the prefix."
-            )
+        else:  # a continued prefill: a long prompt fed in pieces
+            if key_mask is not None:
+                raise ValueError(
+                    "a cached causal Linformer continues with real tokens only; padding belongs in the first "
+                    "(prefill) call. Call without past_key_values to recompute the prefix."
+                )
+            start = position_ids[:, :1]
+            offsets = torch.arange(q.shape[2], device=q.device)
+            if bool((start == start[0]).all()) and bool((position_ids == start + offsets).all()):
+                out, state = causal_linformer_attention(
+                    q,
+                    k,
+                    v,
+                    e,
+                    f,
+                    chunk_size=self.config.causal_chunk_size,
+                    initial_state=state,
+                    start=int(start[0, 0]),
+                    return_state=True,
+                )
+            else:  # rows at different positions (after a left-padded prefill): one exact step per token
+                outs = []
+                for t in range(q.shape[2]):
+                    piece, state = causal_linformer_step(
+                        q[:, :, t : t + 1],
+                        k[:, :, t : t + 1],
+                        v[:, :, t : t + 1],
+                        e,
+                        f,
+                        state,
+                        position_ids[:, t],
+                        first_writes=self._slot_first_writes(e),
+                    )
+                    outs.append(piece)
+                out = torch.cat(outs, dim=2)
         cache.set_state(self.layer_idx, state)
         return out
 

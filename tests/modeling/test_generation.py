@@ -214,3 +214,36 @@ def test_a_batch_row_that_emits_eos_is_padded_while_the_other_goes_on(family):
     first = free[0, 5:].tolist().index(eos)
     assert out[0, 5 + first] == eos and bool((out[0, 6 + first :] == 0).all())
     assert torch.equal(out[1], free[1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_a_prompt_fed_in_pieces_through_the_cache_equals_one_pass(family, left_padded):
+    """Chunked prefill: the cache continues with several tokens at a time, and after a left-padded first piece
+    the rows sit at different positions. (Local heads still take one token per step after the prefill.)"""
+    model = _lm(family)
+    ids = torch.randint(1, 99, (2, 23), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 23, dtype=torch.long)
+    if left_padded:
+        mask[0, :3] = 0
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, use_cache=False).logits
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        pieces = [
+            model(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
+            for a, b in ((0, 7), (7, 16), (16, 17), (17, 23))
+        ]
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], whole[real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_cached_linformer_refuses_padding_after_the_prefill():
+    model = _lm("linformer")
+    ids = torch.randint(1, 99, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True)
+        mask[1, 8] = 0
+        with pytest.raises(ValueError, match="padding belongs in the first"):
+            model(ids[:, 6:], attention_mask=mask, past_key_values=cache, use_cache=True)
