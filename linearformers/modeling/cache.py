@@ -54,7 +54,8 @@ class LinearAttentionCache(DynamicCache):
         relative_bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """Causal local heads with the window kept in the cache: prefill computes the whole window attention,
-        a one-token step reads the cached window plus the new token."""
+        a one-token step reads the cached window plus the new token, and several new tokens (a prefill fed in
+        pieces) attend over the cached window followed by themselves."""
         b, h, n, d = k.shape
         valid = torch.ones(b, n, dtype=k.dtype, device=k.device) if key_mask is None else key_mask.to(k.dtype)
         packed = torch.cat([k, v, valid[:, None, :, None].expand(b, h, n, 1)], dim=-1).transpose(-1, -2)
@@ -65,9 +66,19 @@ class LinearAttentionCache(DynamicCache):
             full = self.update_conv_state(packed, layer_idx, 0, conv_kernel_size=window - 1)
         if not has_window:
             return local_attention(q, k, v, window, causal=True, key_padding_mask=key_mask, relative_bias=relative_bias)
-        if n != 1:
-            raise ValueError(f"a cached local head takes one new token per step after the prefill, got {n}")
-        full = full.transpose(-1, -2)  # (b, h, window, 2d + 1)
+        full = full.transpose(-1, -2)  # (b, h, window - 1 + n, 2d + 1): the cached window, then the new tokens
+        if n != 1:  # a continued prefill: window attention over [cached window, new tokens], the new rows kept
+            queries = torch.cat([q.new_zeros(b, h, full.shape[2] - n, d), q], dim=2)
+            out = local_attention(
+                queries,
+                full[..., :d],
+                full[..., d : 2 * d],
+                window,
+                causal=True,
+                key_padding_mask=full[:, 0, :, -1] > 0.5,
+                relative_bias=relative_bias,
+            )
+            return out[:, :, -n:]
         return local_attention_step(
             q,
             full[..., :d],

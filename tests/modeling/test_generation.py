@@ -219,9 +219,12 @@ def test_a_batch_row_that_emits_eos_is_padded_while_the_other_goes_on(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("left_padded", [False, True])
 def test_a_prompt_fed_in_pieces_through_the_cache_equals_one_pass(family, left_padded):
-    """Chunked prefill: the cache continues with several tokens at a time, and after a left-padded first piece
-    the rows sit at different positions. (Local heads still take one token per step after the prefill.)"""
-    model = _lm(family)
+    """Chunked prefill: the cache continues with several tokens at a time (local heads too, pieces shorter and
+    longer than their window), and after a left-padded first piece the rows sit at different positions."""
+    model = _lm(family, num_local_heads=1, local_window=4, local_relative_bias=True)
+    for module in model.modules():  # a non-zero relative bias, so distances inside the window matter
+        if getattr(module, "relative_bias", None) is not None:
+            torch.nn.init.normal_(module.relative_bias)
     ids = torch.randint(1, 99, (2, 23), generator=torch.Generator().manual_seed(5))
     mask = torch.ones(2, 23, dtype=torch.long)
     if left_padded:
