@@ -149,8 +149,10 @@ def favor_attention(
         projection: (num_features, head_dim) random features from :func:`draw_random_features`.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk C. Memory O(n (m + d) + n C + m d n / C): per-chunk sums of phi(k) vᵀ and
-            their exclusive prefix, never the O(n m d) per-position prefix tensor. Time O(n m d + n C (m + d)).
+        chunk_size: causal chunk C. Time O(n m d + n C (m + d)). Memory: the running state S = Σ phi(k) vᵀ
+            (m x d per head) is carried chunk by chunk in place, and training saves one state per block of
+            256 positions, so O(n d + m d n / 256) is kept for backward plus O(256 (m + C)) of work space;
+            never the O(n m d) per-position prefix tensor, nor an (n x m) feature map.
         initial_state: causal only, a (S, z) state from an earlier call: S (b, h, m, d_v), z (b, h, m).
         return_state: causal only, also return the final state (S, z) for recurrent decoding.
 
