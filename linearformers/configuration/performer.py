@@ -36,7 +36,7 @@ class PerformerConfig(LinearAttentionConfig):
     feature_redraw_interval: int | None = 1000
     feature_seed: int = 0
     kernel_eps: float = 1e-3
-    causal_chunk_size: int = 64
+    causal_chunk_size: int = 32
 
     def _sequence_limit(self) -> tuple[int, str] | None:
         if self.position_embedding_type == "absolute":

@@ -236,3 +236,34 @@ def test_blockwise_walk_over_long_sequences_matches_one_block(causal, monkeypatc
     torch.testing.assert_close(out_blocks, out, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(out_blocks.pow(2).sum(), (q, k, v)), grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_backward_twice_through_a_retained_graph_and_under_saved_tensor_hooks(monkeypatch):
+    """Backward drops each block's saved state and scores once used; a second backward (retain_graph) rebuilds
+    them, and under saved-tensor hooks (non-reentrant checkpointing, offloading) they go through the hooks."""
+    from linearformers.modeling.attention import _favor_autograd
+
+    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)  # several blocks
+    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
+    w = draw_random_features(24, 16, seed=2)
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out_hooked = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    # q, k, v, w, the output and its denominator, then 4 block-start states and 4 blocks of scores
+    states = [s for s in packed if s == (2 * 3, 24, 17)]
+    scores = [s for s in packed if s[1:] == (2 * 3, 8, 8)]
+    assert len(states) == 4 and len(scores) == 4
+    for a, b in zip(torch.autograd.grad(out_hooked, (q, k, v), g), first):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -1,10 +1,11 @@
 """FAVOR+ forward and backward by hand: feature maps are recomputed in backward instead of stored.
 
 Autograd through the plain formulation keeps several (n x m) tensors per head alive (projections, exp
-outputs, masks), four to eight times the size of q. Here forward saves only q, k, v, the output, its
-denominator and, for causal attention, the per-chunk prefix states (m x d each, n / C of them); backward
-recomputes phi(q) and phi(k), one at a time. The denominator rides along as an extra column of v ([v, 1]), so
-numerator and denominator come out of the same matmul.
+outputs, masks), four to eight times the size of q. Here forward saves only q, k, v, the output and its
+denominator, and for causal attention the state at each block start and the intra-chunk scores (C per
+position); backward recomputes phi(q) and phi(k) block by block. The denominator rides along as an extra
+column of v ([v, 1]), so numerator and denominator come out of the same matmul. Blocks are worked in buffers
+allocated once per call: a fresh allocation per block costs page faults that show up as ~10% of the time.
 
 Gradients, with out = N / D, N = phi(Q) (phi(K)ᵀ V), D = phi(Q) (phi(K)ᵀ 1), g = dL/dout:
     g_aug = [g / D, -(g · out) / D]                         (n x (d + 1))
@@ -24,48 +25,48 @@ import torch
 _TINY = 1e-30
 
 
-def _features(x, w, half_w_sq, s, kernel, is_query, eps):
-    """phi(x) in float32, (b, h, n, m). The constant and per-row terms of the exponent ride along as extra
-    columns of x and w, so the exponent comes out of one matmul. Row-constant factors of phi(q) are dropped:
-    they cancel in N / D."""
-    xs = x * s
-    if kernel == "relu":
-        return torch.relu_(torch.matmul(xs, w.T)).add_(eps), xs
-    ones = torch.ones_like(xs[..., :1])
-    if is_query:  # w·x' + |w|²/2, then minus its row maximum
-        u = torch.matmul(torch.cat([xs, ones], -1), torch.cat([w, half_w_sq[:, None]], -1).T)
-        u.sub_(u.amax(dim=-1, keepdim=True))
-    else:  # w·x' - |x'|²/2 - |w|²/2 = -|w - x'|²/2
-        x_aug = torch.cat([xs, xs.pow(2).sum(-1, keepdim=True).mul_(-0.5), ones], -1)
-        w_aug = torch.cat([w, torch.ones_like(half_w_sq)[:, None], -half_w_sq[:, None]], -1)
-        u = torch.matmul(x_aug, w_aug.T)
-    return u.exp_(), xs
+class _FeatureMap:
+    """phi for one call. sqrt(scale) is folded into W, and the constant and per-row terms of the exponent ride
+    along as extra columns of x and W, so each feature map is one matmul and one exp, built once per call:
 
+        keys:    w·x' - |x'|²/2 - |w|²/2 = -|w - x'|²/2      x' = sqrt(scale) x
+        queries: w·x' + |w|²/2, minus its row maximum       (row-constant factors cancel in N / D)
+    """
 
-def _feature_grad(dphi, phi, xs, w, s, kernel, is_query, eps):
-    """Back through phi(x): returns dL/dx for dL/dphi."""
-    if kernel == "relu":
-        du = dphi.mul_(phi > eps)
-        return torch.matmul(du, w).mul_(s)
-    du = dphi.mul_(phi)
-    if is_query:
-        return torch.matmul(du, w).mul_(s)
-    # keys: dx = du W - x' Σ_m du; the row sum rides along as an extra column of W
-    dx_aug = torch.matmul(du, torch.cat([w, torch.ones_like(w[:, :1])], -1))
-    return dx_aug[..., :-1].sub_(xs * dx_aug[..., -1:]).mul_(s)
+    def __init__(self, w, scale, kernel, eps):
+        self.kernel, self.eps, self.scale = kernel, eps, scale
+        self.ws = w * math.sqrt(scale)  # (m, d)
+        half_w_sq = 0.5 * w.pow(2).sum(-1, keepdim=True)
+        ones = torch.ones_like(half_w_sq)
+        self.wq = torch.cat([self.ws, half_w_sq], -1).T.contiguous()  # (d + 1, m)
+        self.wk = torch.cat([self.ws, ones, -half_w_sq], -1).T.contiguous()  # (d + 2, m)
+        self.wk_grad = torch.cat([self.ws, ones], -1)  # (m, d + 1): the last column sums du over m
+        if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
+            zeros = torch.zeros_like(half_w_sq)
+            self.wq = torch.cat([self.ws, zeros], -1).T.contiguous()
+            self.wk = torch.cat([self.ws, zeros, zeros], -1).T.contiguous()
+            self.wk_grad = torch.cat([self.ws, zeros], -1)
 
+    def into(self, x_aug, out, is_query):
+        """phi into ``out`` (..., m) from an augmented x: [x, 1] for queries, [x, -scale |x|²/2, 1] for keys."""
+        u = torch.matmul(x_aug, self.wq if is_query else self.wk, out=out)
+        if self.kernel == "relu":
+            return torch.relu_(u).add_(self.eps)
+        if is_query:
+            u.sub_(u.amax(dim=-1, keepdim=True))
+        return u.exp_()
 
-def _augment(v, keep):
-    """[v, 1] with padded rows zeroed: (b, h, n, d + 1)."""
-    ones = torch.ones_like(v[..., :1])
-    v_aug = torch.cat([v, ones], dim=-1)
-    return v_aug if keep is None else v_aug * keep
-
-
-def _out_grad(g, out, den):
-    # rows whose every visible key is padding have den clamped to _TINY and out = 0: they pass no gradient
-    g_num = torch.where(den > _TINY, g / den, torch.zeros_like(g))
-    return torch.cat([g_num, -(g_num * out).sum(-1, keepdim=True)], dim=-1)
+    def grad_into(self, dphi, phi, x_aug, out, is_query):
+        """Back through phi into ``out``: (..., d) for queries, (..., d + 1) for keys, whose first d columns
+        are dL/dx. dphi is overwritten."""
+        du = dphi.mul_(phi > self.eps) if self.kernel == "relu" else dphi.mul_(phi)
+        if is_query:
+            return torch.matmul(du, self.ws, out=out)
+        torch.matmul(du, self.wk_grad, out=out)
+        if self.kernel != "relu":
+            d = out.shape[-1] - 1
+            out[..., :d].addcmul_(x_aug[..., :d], out[..., d:], value=-self.scale)
+        return out
 
 
 _ROWS = 256  # bidirectional: feature maps are built this many positions at a time, never for the whole sequence
@@ -78,30 +79,50 @@ def _row_slices(n):
     return [slice(i, min(i + _ROWS, n)) for i in range(0, n, _ROWS)]
 
 
+def _inverse(den):
+    """1 / D, and 0 for rows whose every visible key is padding (D clamped to _TINY, out = 0): they pass no
+    gradient."""
+    return torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))
+
+
+class _BlockWork:
+    """_Work for the bidirectional walk: blocks of _ROWS positions (one "chunk" each), plus one for a shorter
+    last block."""
+
+    def __init__(self, b, h, d, m, n, device, backward=False):
+        self.args = (b, h, d, m, device, backward)
+        self.works = {}
+
+    def __call__(self, rows):
+        r = rows.stop - rows.start
+        if r not in self.works:
+            b, h, d, m, device, backward = self.args
+            self.works[r] = _Work(b, h, d, m, r, 1, device, backward)
+        return self.works[r]
+
+
 class FavorBidirectional(torch.autograd.Function):
     """Bidirectional FAVOR+. Feature maps exist for at most _ROWS positions at a time, in forward and backward:
-    extra memory O(_ROWS m) per head instead of O(n m)."""
+    extra memory O(_ROWS m) per head instead of O(n m), in buffers reused block after block."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps):
-        s = math.sqrt(scale)
-        half_w_sq = 0.5 * w.pow(2).sum(-1)
-        n = k.shape[2]
-        kv = None
-        for rows in _row_slices(n):
-            phi_k, _ = _features(k[:, :, rows].float(), w, half_w_sq, s, kernel, False, eps)
-            keep_r = None if keep is None else keep[:, :, rows]
-            if keep_r is not None:
-                phi_k.mul_(keep_r)
-            part = torch.matmul(phi_k.transpose(-1, -2), _augment(v[:, :, rows].float(), keep_r))
-            kv = part if kv is None else kv.add_(part)  # (b, h, m, d + 1)
+        phi = _FeatureMap(w, scale, kernel, eps)
+        b, h, n, d = q.shape
+        m = w.shape[0]
+        kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
+        work = _BlockWork(b, h, d, m, n, v.device)
+        for rows in _row_slices(k.shape[2]):
+            pk, va, _ = work(rows).keys(phi, k, v, keep, rows, 1)
+            kv.baddbmm_(pk[0].transpose(1, 2), va[0])
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         den = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        for rows in _row_slices(q.shape[2]):
-            phi_q, _ = _features(q[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
-            num = torch.matmul(phi_q, kv)
-            den[:, :, rows] = num[..., -1:].clamp_min(_TINY)
-            out[:, :, rows] = num[..., :-1] / den[:, :, rows]
+        for rows in _row_slices(n):
+            wr = work(rows)
+            num = torch.matmul(wr.queries(phi, q, rows, 1), kv, out=wr.num[:1])
+            den_r = num[..., -1:].clamp_min(_TINY)
+            _from_chunks(den_r, den[:, :, rows])
+            _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
         ctx.save_for_backward(q, k, v, w, keep, kv, out, den)
         ctx.settings = (kernel, scale, eps)
         return out.to(v.dtype)
@@ -110,28 +131,29 @@ class FavorBidirectional(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, w, keep, kv, out, den = ctx.saved_tensors
         kernel, scale, eps = ctx.settings
-        s = math.sqrt(scale)
-        half_w_sq = 0.5 * w.pow(2).sum(-1)
+        phi = _FeatureMap(w, scale, kernel, eps)
+        b, h, n, d = q.shape
+        work = _BlockWork(b, h, d, w.shape[0], n, v.device, backward=True)
+        inv = _inverse(den)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dkv = None
-        for rows in _row_slices(q.shape[2]):
-            g_aug = _out_grad(g[:, :, rows].float(), out[:, :, rows], den[:, :, rows])
-            phi_q, qs = _features(q[:, :, rows].float(), w, half_w_sq, s, kernel, True, eps)
-            part = torch.matmul(phi_q.transpose(-1, -2), g_aug)  # (b, h, m, d + 1)
-            dkv = part if dkv is None else dkv.add_(part)
-            dphi_q = torch.matmul(g_aug, kv.transpose(-1, -2))
-            dq[:, :, rows] = _feature_grad(dphi_q, phi_q, qs, w, s, kernel, True, eps)
+        dkv = torch.zeros_like(kv)
+        for rows in _row_slices(n):
+            wr = work(rows)
+            gc = wr.out_grad(g, out, inv, rows, 1)
+            pq = wr.queries(phi, q, rows, 1)
+            dkv.baddbmm_(pq[0].transpose(1, 2), gc[0])
+            dphi = torch.matmul(gc, kv.transpose(-1, -2), out=wr.dphi[:1])
+            _from_chunks(phi.grad_into(dphi, pq, None, wr.scratch[:1], True), dq[:, :, rows])
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows in _row_slices(k.shape[2]):
-            keep_r = None if keep is None else keep[:, :, rows]
-            phi_k, ks = _features(k[:, :, rows].float(), w, half_w_sq, s, kernel, False, eps)
-            if keep_r is not None:
-                phi_k.mul_(keep_r)
-            dv_r = torch.matmul(phi_k, dkv[..., :-1])
-            dv[:, :, rows] = dv_r if keep_r is None else dv_r * keep_r
-            dphi_k = torch.matmul(_augment(v[:, :, rows].float(), keep_r), dkv.transpose(-1, -2))
-            dk[:, :, rows] = _feature_grad(dphi_k, phi_k, ks, w, s, kernel, False, eps)
+            wr = work(rows)
+            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1)
+            dv_r = torch.matmul(pk, dkv[..., :-1], out=wr.scratch[:1])
+            _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
+            dphi = torch.matmul(va, dkv.transpose(-1, -2), out=wr.dphi[:1])
+            dk_r = phi.grad_into(dphi, pk, wr.xk[:1], wr.dx[:1], False)[..., :d]
+            _from_chunks(dk_r, dk[:, :, rows])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -148,51 +170,144 @@ def _from_chunks(y, target):
     target.unflatten(2, (nc, c)).copy_(y.view(nc, b, h, c, f).permute(1, 2, 0, 3, 4))
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """True under saved-tensor hooks (non-reentrant activation checkpointing, save_on_cpu): then everything
+    backward needs goes through save_for_backward, so the hooks see it."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except Exception:  # pragma: no cover - a torch without the private query: take the safe path
+        return True
+
+
+class _Work:
+    """Chunk-major work space of the causal walk for one block, (nc, b h, C, .), allocated once per call and
+    reused block after block: fresh allocations of this size cost page faults on every block."""
+
+    def __init__(self, b, h, d, m, c, nc, device, backward=False):
+        new = lambda f: torch.empty(nc, b * h, c, f, dtype=torch.float32, device=device)  # noqa: E731
+        self.b, self.h, self.d, self.c = b, h, d, c
+        self.xq, self.xk, self.va = new(d + 1), new(d + 2), new(d + 1)
+        self.xq[..., d] = 1
+        self.xk[..., d:] = 1
+        self.pq, self.pk = new(m), new(m)
+        if backward:
+            self.gc, self.scratch, self.dx, self.dphi = new(d + 1), new(d), new(d + 1), new(m)
+            self.gv = new(c)
+        else:
+            self.num = new(d + 1)
+
+    def load(self, buf, x, rows, nc):
+        """Copy rows of x (b, h, L, f) into the first nc chunks of buf, chunk-major, as float32."""
+        f = x.shape[-1]
+        view = buf[:nc, ..., :f].unflatten(1, (self.b, self.h))  # (nc, b, h, c, f)
+        view.copy_(x[:, :, rows].unflatten(2, (nc, self.c)).permute(2, 0, 1, 3, 4))
+        return buf[:nc]
+
+    def chunks(self, x, rows, nc):
+        """Rows of a (b|1, h|1, L, 1) tensor as chunk-major (nc, b h, c, 1) (small: one column)."""
+        return _to_chunks(x[:, :, rows].expand(self.b, self.h, -1, 1), nc, self.c)
+
+    def keys(self, phi, k, v, keep, rows, nc):
+        """phi(k) (padded keys zeroed), [v, 1] (padded rows zeroed) and the chunk-major mask for one block."""
+        d = self.d
+        xk = self.load(self.xk, k, rows, nc)
+        if phi.kernel != "relu":
+            xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
+            xk[..., d : d + 1] *= -0.5 * phi.scale
+        pk = phi.into(xk, self.pk[:nc], False)
+        va = self.load(self.va, v, rows, nc)
+        keep_r = None
+        if keep is not None:
+            keep_r = self.chunks(keep, rows, nc)
+            pk.mul_(keep_r)
+            va[..., :d].mul_(keep_r)
+            va[..., d:] = keep_r
+        else:
+            va[..., d] = 1
+        return pk, va, keep_r
+
+    def queries(self, phi, q, rows, nc):
+        return phi.into(self.load(self.xq, q, rows, nc), self.pq[:nc], True)
+
+    def out_grad(self, g, out, inv, rows, nc):
+        """g_aug = [g / D, -(g · out) / D] for one block; inv = 1 / D, 0 where every visible key is padding."""
+        d = self.d
+        gc = self.load(self.gc, g, rows, nc)
+        gc[..., :d].mul_(self.chunks(inv, rows, nc))
+        scratch = self.load(self.scratch, out, rows, nc).mul_(gc[..., :d])
+        torch.sum(scratch, -1, keepdim=True, out=gc[..., d:]).neg_()
+        return gc
+
+
+def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None):
+    """The forward walk of chunked causal FAVOR+ over (padded) q, k, v. Returns the state at each block start,
+    each block's intra-chunk scores tril(phi(Q) phi(K)ᵀ) (chunk-major, (nc, b h, C, C)) and the final state;
+    writes the output and its denominator into ``out`` / ``den`` when given."""
+    b, h, length, d = vf.shape
+    m = phi.ws.shape[0]
+    blocks = _blocks(length, c)
+    work = _Work(b, h, d, m, c, (blocks[0].stop - blocks[0].start) // c, vf.device)
+    state = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=vf.device)
+    starts, scores = [], []
+    for rows in blocks:
+        starts.append(state.clone())
+        nc = (rows.stop - rows.start) // c
+        pk, va, _ = work.keys(phi, kf, vf, keep, rows, nc)
+        pq = work.queries(phi, qf, rows, nc)
+        score = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (nc, b h, c, c)
+        scores.append(score)
+        num = torch.matmul(score, va, out=work.num[:nc])  # (nc, b h, c, e)
+        for j in range(nc):
+            num[j].baddbmm_(pq[j], state)
+            state.baddbmm_(pk[j].transpose(1, 2), va[j])
+        if out is not None:
+            den_r = num[..., -1:].clamp_min(_TINY)
+            _from_chunks(den_r, den[:, :, rows])
+            _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
+    return starts, scores, state
+
+
 class FavorCausal(torch.autograd.Function):
     """Chunked causal FAVOR+ (chunks of C positions), walked in blocks of about _CAUSAL_ROWS positions so that
     feature maps never exist for the whole sequence. Inside a block, tensors are chunk-major (nc, b h, C, .):
     the intra-chunk (triangular) parts of all chunks are batched, and the running state S = Σ phi(k) [v, 1]ᵀ is
     carried chunk by chunk with in-place batched GEMMs (baddbmm_) on dense slices, so no per-chunk prefix tensor
-    is ever built. Forward saves the state at each block start; backward walks the blocks in reverse,
-    rebuilding the state forward inside each block for dphi(Q) and carrying the gradient of the state backward
-    for dphi(K) and dV. Also returns the final state (S, z), not differentiable."""
+    is ever built. Backward walks the blocks in reverse, rebuilding the state forward inside each block for
+    dphi(Q) and carrying the gradient of the state backward for dphi(K) and dV.
+
+    Forward keeps, per block, the state at its start (m x (d + 1) per head) and the intra-chunk scores
+    (C per position), so backward need not recompute them. Backward drops each block's pair as soon as it is
+    used, so this memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of
+    backward at about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
+    activation checkpointing, offloading) the pairs go through save_for_backward instead, so the hooks manage
+    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z),
+    not differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
         b, h, n, d = v.shape
         c = min(chunk, n)
         pad = (-n) % c
-        s = math.sqrt(scale)
-        half_w_sq = 0.5 * w.pow(2).sum(-1)
+        phi = _FeatureMap(w, scale, kernel, eps)
         if keep is not None:
             keep = torch.nn.functional.pad(keep, (0, 0, 0, pad))
         elif pad:
             keep = torch.ones(1, 1, n + pad, 1, device=v.device)
             keep[:, :, n:] = 0
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        state = torch.zeros(b * h, w.shape[0], d + 1, dtype=torch.float32, device=v.device)
         out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
-        blocks = _blocks(n + pad, c)
-        starts = torch.empty(len(blocks), *state.shape, dtype=torch.float32, device=v.device)
-        for index, rows in enumerate(blocks):
-            starts[index] = state
-            nc = (rows.stop - rows.start) // c
-            keep_r = None if keep is None else _to_chunks(keep[:, :, rows].expand(b, h, -1, 1), nc, c)
-            pk, _ = _features(_to_chunks(kf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, False, eps)
-            if keep_r is not None:
-                pk.mul_(keep_r)
-            pq, _ = _features(_to_chunks(qf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, True, eps)
-            va = _augment(_to_chunks(vf[:, :, rows].float(), nc, c), keep_r)
-            num = torch.matmul(torch.matmul(pq, pk.transpose(-1, -2)).tril_(), va)  # (nc, b h, c, e)
-            for j in range(nc):
-                num[j].baddbmm_(pq[j], state)
-                state.baddbmm_(pk[j].transpose(1, 2), va[j])
-            den_r = num[..., -1:].clamp_min(_TINY)
-            _from_chunks(den_r, den[:, :, rows])
-            _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
-        ctx.save_for_backward(q, k, v, w, keep, starts, out, den)
+        starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den)
         ctx.settings = (kernel, scale, eps, c, pad)
+        if _saved_tensor_hooks_active():
+            ctx.save_for_backward(q, k, v, w, keep, out, den, *starts, *scores)
+            ctx.blocks = None
+        else:
+            ctx.save_for_backward(q, k, v, w, keep, out, den)
+            ctx.blocks = (starts, scores)  # popped by backward, block by block
         state = state.view(b, h, *state.shape[1:])
         state_s, state_z = state[..., :-1], state[..., -1]
         ctx.mark_non_differentiable(state_s, state_z)
@@ -200,46 +315,50 @@ class FavorCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _gs, _gz):
-        q, k, v, w, keep, starts, out, den = ctx.saved_tensors
+        q, k, v, w, keep, out, den, *saved = ctx.saved_tensors
         kernel, scale, eps, c, pad = ctx.settings
-        s = math.sqrt(scale)
-        half_w_sq = 0.5 * w.pow(2).sum(-1)
+        phi = _FeatureMap(w, scale, kernel, eps)
         b, h, n, d = v.shape
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        gf = _pad_rows(g, pad).float()
+        blocks = _blocks(n + pad, c)
+        if saved:
+            starts, scores = [t.clone() for t in saved[: len(blocks)]], list(saved[len(blocks) :])
+        elif ctx.blocks is not None:
+            (starts, scores), ctx.blocks = ctx.blocks, None
+        else:  # a second backward through a retained graph
+            starts, scores, _ = _causal_walk(qf, kf, vf, keep, phi, c)
+        gf = _pad_rows(g, pad)
         dq = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         dk = torch.empty_like(dq)
         dv = torch.empty_like(dq)
         carry = torch.zeros_like(starts[0])  # d(loss)/d(state) from all later positions, (b h, m, e)
-        blocks = _blocks(n + pad, c)
+        carry_v = carry[..., :-1]  # the part that reaches v
+        work = _Work(b, h, d, w.shape[0], c, (blocks[0].stop - blocks[0].start) // c, v.device, backward=True)
+        inv = _inverse(den)
         for index in range(len(blocks) - 1, -1, -1):
             rows = blocks[index]
+            state, score = starts.pop(), scores.pop()
             nc = (rows.stop - rows.start) // c
-            keep_r = None if keep is None else _to_chunks(keep[:, :, rows].expand(b, h, -1, 1), nc, c)
-            gc = _to_chunks(_out_grad(gf[:, :, rows], out[:, :, rows], den[:, :, rows]), nc, c)
-            va = _augment(_to_chunks(vf[:, :, rows].float(), nc, c), keep_r)
-            pk, ks = _features(_to_chunks(kf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, False, eps)
-            if keep_r is not None:
-                pk.mul_(keep_r)
-            pq, qs = _features(_to_chunks(qf[:, :, rows].float(), nc, c), w, half_w_sq, s, kernel, True, eps)
-            gv = torch.matmul(gc, va.transpose(-1, -2)).tril_()  # d(scores), (nc, b h, c, c)
-            dphi_q = torch.matmul(gv, pk)
-            state = starts[index].clone()
+            pk, va, keep_r = work.keys(phi, kf, vf, keep, rows, nc)
+            pq = work.queries(phi, qf, rows, nc)
+            gc = work.out_grad(gf, out, inv, rows, nc)
+            gv = torch.matmul(gc, va.transpose(-1, -2), out=work.gv[:nc]).tril_()  # d(scores), (nc, b h, c, c)
+            dphi = torch.matmul(gv, pk, out=work.dphi[:nc])  # dphi(Q)
             for j in range(nc):  # forward through the block: the state before each chunk
-                dphi_q[j].baddbmm_(gc[j], state.transpose(1, 2))
+                dphi[j].baddbmm_(gc[j], state.transpose(1, 2))
                 state.baddbmm_(pk[j].transpose(1, 2), va[j])
             del state
-            dv_aug = torch.matmul(torch.matmul(pq, pk.transpose(-1, -2)).tril_().transpose(-1, -2), gc)
-            dphi_k = torch.matmul(gv.transpose(-1, -2), pq)
-            del gv
+            _from_chunks(phi.grad_into(dphi, pq, None, work.scratch[:nc], True), dq[:, :, rows])
+            dv_r = torch.matmul(score.transpose(-1, -2), gc[..., :-1], out=work.scratch[:nc])
+            del score
+            dphi = torch.matmul(gv.transpose(-1, -2), pq, out=work.dphi[:nc])  # dphi(K)
             for j in range(nc - 1, -1, -1):  # backward through the block: the gradient of later chunks
-                dv_aug[j].baddbmm_(pk[j], carry)
-                dphi_k[j].baddbmm_(va[j], carry.transpose(1, 2))
+                dv_r[j].baddbmm_(pk[j], carry_v)
+                dphi[j].baddbmm_(va[j], carry.transpose(1, 2))
                 carry.baddbmm_(pq[j].transpose(1, 2), gc[j])
-            _from_chunks(_feature_grad(dphi_q, pq, qs, w, s, kernel, True, eps), dq[:, :, rows])
-            _from_chunks(_feature_grad(dphi_k, pk, ks, w, s, kernel, False, eps), dk[:, :, rows])
-            dv_r = dv_aug[..., :-1]
-            _from_chunks(dv_r if keep_r is None else dv_r * keep_r, dv[:, :, rows])
+            _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
+            dk_r = phi.grad_into(dphi, pk, work.xk[:nc], work.dx[:nc], False)[..., :d]
+            _from_chunks(dk_r, dk[:, :, rows])
         return (
             dq[:, :, :n].to(q.dtype),
             dk[:, :, :n].to(k.dtype),

@@ -137,7 +137,7 @@ def favor_attention(
     key_padding_mask: torch.Tensor | None = None,
     kernel: str = "softmax",
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     kernel_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
@@ -150,9 +150,10 @@ def favor_attention(
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
         chunk_size: causal chunk C. Time O(n m d + n C (m + d)). Memory: the running state S = Σ phi(k) vᵀ
-            (m x d per head) is carried chunk by chunk in place, and training saves one state per block of
-            256 positions, so O(n d + m d n / 256) is kept for backward plus O(256 (m + C)) of work space;
-            never the O(n m d) per-position prefix tensor, nor an (n x m) feature map.
+            (m x d per head) is carried chunk by chunk in place. Training keeps the state at the start of
+            each block of 256 positions and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
+            backward frees block by block as it goes, plus O(256 (m + C)) of work space; never the O(n m d)
+            per-position prefix tensor, nor an (n x m) feature map.
         initial_state: causal only, a (S, z) state from an earlier call: S (b, h, m, d_v), z (b, h, m).
         return_state: causal only, also return the final state (S, z) for recurrent decoding.
 
