@@ -260,9 +260,9 @@ def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None):
         score = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (nc, b h, c, c)
         scores.append(score)
         num = torch.matmul(score, va, out=work.num[:nc])  # (nc, b h, c, e)
-        for j in range(nc):
-            num[j].baddbmm_(pq[j], state)
-            state.baddbmm_(pk[j].transpose(1, 2), va[j])
+        for num_j, pq_j, pk_t, va_j in zip(num, pq, pk.transpose(-1, -2), va):  # chunk by chunk
+            num_j.baddbmm_(pq_j, state)
+            state.baddbmm_(pk_t, va_j)
         if out is not None:
             den_r = num[..., -1:].clamp_min(_TINY)
             _from_chunks(den_r, den[:, :, rows])
@@ -332,7 +332,7 @@ class FavorCausal(torch.autograd.Function):
         dk = torch.empty_like(dq)
         dv = torch.empty_like(dq)
         carry = torch.zeros_like(starts[0])  # d(loss)/d(state) from all later positions, (b h, m, e)
-        carry_v = carry[..., :-1]  # the part that reaches v
+        carry_v, carry_t = carry[..., :-1], carry.transpose(1, 2)  # views: the part that reaches v, and Cᵀ
         work = _Work(b, h, d, w.shape[0], c, (blocks[0].stop - blocks[0].start) // c, v.device, backward=True)
         inv = _inverse(den)
         for index in range(len(blocks) - 1, -1, -1):
@@ -344,18 +344,20 @@ class FavorCausal(torch.autograd.Function):
             gc = work.out_grad(gf, out, inv, rows, nc)
             gv = torch.matmul(gc, va.transpose(-1, -2), out=work.gv[:nc]).tril_()  # d(scores), (nc, b h, c, c)
             dphi = torch.matmul(gv, pk, out=work.dphi[:nc])  # dphi(Q)
-            for j in range(nc):  # forward through the block: the state before each chunk
-                dphi[j].baddbmm_(gc[j], state.transpose(1, 2))
-                state.baddbmm_(pk[j].transpose(1, 2), va[j])
-            del state
+            state_t = state.transpose(1, 2)
+            for dphi_j, gc_j, pk_t, va_j in zip(dphi, gc, pk.transpose(-1, -2), va):  # the state before each chunk
+                dphi_j.baddbmm_(gc_j, state_t)
+                state.baddbmm_(pk_t, va_j)
+            del state, state_t
             _from_chunks(phi.grad_into(dphi, pq, None, work.scratch[:nc], True), dq[:, :, rows])
             dv_r = torch.matmul(score.transpose(-1, -2), gc[..., :-1], out=work.scratch[:nc])
             del score
             dphi = torch.matmul(gv.transpose(-1, -2), pq, out=work.dphi[:nc])  # dphi(K)
-            for j in range(nc - 1, -1, -1):  # backward through the block: the gradient of later chunks
-                dv_r[j].baddbmm_(pk[j], carry_v)
-                dphi[j].baddbmm_(va[j], carry.transpose(1, 2))
-                carry.baddbmm_(pq[j].transpose(1, 2), gc[j])
+            chunks = zip(dv_r, dphi, pk, va, pq.transpose(-1, -2), gc)
+            for dv_j, dphi_j, pk_j, va_j, pq_t, gc_j in reversed(list(chunks)):  # the gradient of later chunks
+                dv_j.baddbmm_(pk_j, carry_v)
+                dphi_j.baddbmm_(va_j, carry_t)
+                carry.baddbmm_(pq_t, gc_j)
             _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
             dk_r = phi.grad_into(dphi, pk, work.xk[:nc], work.dx[:nc], False)[..., :d]
             _from_chunks(dk_r, dk[:, :, rows])
