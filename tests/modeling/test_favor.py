@@ -267,3 +267,20 @@ def test_causal_backward_twice_through_a_retained_graph_and_under_saved_tensor_h
     assert len(states) == 4 and len(scores) == 4
     for a, b in zip(torch.autograd.grad(out_hooked, (q, k, v), g), first):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_causal_backward_hands_freed_blocks_back_to_the_os(monkeypatch):
+    from linearformers.modeling.attention import _favor_autograd
+
+    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
+    w = draw_random_features(24, 16, seed=2)
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    expected = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+    calls = []
+    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)  # 4 blocks
+    monkeypatch.setattr(_favor_autograd, "_TRIM_BYTES", 1)  # trim after every freed block
+    monkeypatch.setattr(_favor_autograd, "_MALLOC_TRIM", lambda pad: calls.append(pad))
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    for a, b in zip(torch.autograd.grad(out.pow(2).sum(), (q, k, v)), expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert calls == [0] * 4  # once per block: each pop passes the 1-byte threshold

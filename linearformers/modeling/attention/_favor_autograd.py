@@ -18,11 +18,28 @@ Through the softmax features phi = exp(u + const), du = dphi * phi, and dx = s (
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 
 import torch
 
 _TINY = 1e-30
+_TRIM_BYTES = 16 * 2**20  # causal backward: hand freed CPU memory back to the OS every this many bytes
+
+
+def _find_malloc_trim():
+    """glibc's malloc_trim, or None elsewhere. glibc keeps freed blocks of a few MB in its heap, so memory that
+    backward frees block by block would otherwise stay in the process next to the gradients filling in."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
 
 
 class _FeatureMap:
@@ -280,8 +297,9 @@ class FavorCausal(torch.autograd.Function):
 
     Forward keeps, per block, the state at its start (m x (d + 1) per head) and the intra-chunk scores
     (C per position), so backward need not recompute them. Backward drops each block's pair as soon as it is
-    used, so this memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of
-    backward at about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
+    used (on CPU with glibc, handing it back to the OS every 16 MB: glibc would keep it in its heap), so this
+    memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of backward at
+    about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
     activation checkpointing, offloading) the pairs go through save_for_backward instead, so the hooks manage
     them. A second backward through a retained graph recomputes them. Also returns the final state (S, z),
     not differentiable."""
@@ -335,9 +353,14 @@ class FavorCausal(torch.autograd.Function):
         carry_v, carry_t = carry[..., :-1], carry.transpose(1, 2)  # views: the part that reaches v, and Cᵀ
         work = _Work(b, h, d, w.shape[0], c, (blocks[0].stop - blocks[0].start) // c, v.device, backward=True)
         inv = _inverse(den)
+        freed = 0
         for index in range(len(blocks) - 1, -1, -1):
             rows = blocks[index]
             state, score = starts.pop(), scores.pop()
+            freed += state.nbytes + score.nbytes
+            if freed >= _TRIM_BYTES and _MALLOC_TRIM is not None and v.device.type == "cpu":
+                _MALLOC_TRIM(0)
+                freed = 0
             nc = (rows.stop - rows.start) // c
             pk, va, keep_r = work.keys(phi, kf, vf, keep, rows, nc)
             pq = work.queries(phi, qf, rows, nc)
