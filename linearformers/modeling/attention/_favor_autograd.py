@@ -340,7 +340,7 @@ class FavorCausal(torch.autograd.Function):
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
         blocks = _blocks(n + pad, c)
         if saved:
-            starts, scores = [t.clone() for t in saved[: len(blocks)]], list(saved[len(blocks) :])
+            starts, scores = list(saved[: len(blocks)]), list(saved[len(blocks) :])
         elif ctx.blocks is not None:
             (starts, scores), ctx.blocks = ctx.blocks, None
         else:  # a second backward through a retained graph
@@ -357,6 +357,8 @@ class FavorCausal(torch.autograd.Function):
         for index in range(len(blocks) - 1, -1, -1):
             rows = blocks[index]
             state, score = starts.pop(), scores.pop()
+            if saved:  # the saved tensor itself: the walk below advances a copy
+                state = state.clone()
             freed += state.nbytes + score.nbytes
             if freed >= _TRIM_BYTES and _MALLOC_TRIM is not None and v.device.type == "cpu":
                 _MALLOC_TRIM(0)
