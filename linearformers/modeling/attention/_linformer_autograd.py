@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-_ROWS = 512
+_ROWS = 256
 
 
 def _row_slices(n: int) -> list[slice]:
