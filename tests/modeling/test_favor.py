@@ -284,3 +284,26 @@ def test_causal_backward_hands_freed_blocks_back_to_the_os(monkeypatch):
     for a, b in zip(torch.autograd.grad(out.pow(2).sum(), (q, k, v)), expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert calls == [0] * 4  # once per block: each pop passes the 1-byte threshold
+
+
+def test_causal_forward_without_a_graph_keeps_nothing_for_backward(monkeypatch):
+    from linearformers.modeling.attention import _favor_autograd
+
+    kept = []
+    walk = _favor_autograd._causal_walk
+
+    def spy(*args, **kwargs):
+        starts, scores, state = walk(*args, **kwargs)
+        kept.append(len(starts) + len(scores))
+        return starts, scores, state
+
+    monkeypatch.setattr(_favor_autograd, "_causal_walk", spy)
+    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
+    w = draw_random_features(24, 16, seed=2)
+    out, state = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
+    with torch.no_grad():  # generate()'s prefill
+        out_ng, state_ng = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
+    assert kept[0] > 0 and kept[1] == 0
+    torch.testing.assert_close(out_ng, out.detach(), rtol=0, atol=0)
+    for a, b in zip(state_ng, state):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -259,10 +259,11 @@ class _Work:
         return gc
 
 
-def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None):
+def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None, for_backward=True):
     """The forward walk of chunked causal FAVOR+ over (padded) q, k, v. Returns the state at each block start,
-    each block's intra-chunk scores tril(phi(Q) phi(K)ᵀ) (chunk-major, (nc, b h, C, C)) and the final state;
-    writes the output and its denominator into ``out`` / ``den`` when given."""
+    each block's intra-chunk scores tril(phi(Q) phi(K)ᵀ) (chunk-major, (nc, b h, C, C); both lists empty unless
+    ``for_backward``) and the final state; writes the output and its denominator into ``out`` / ``den`` when
+    given."""
     b, h, length, d = vf.shape
     m = phi.ws.shape[0]
     blocks = _blocks(length, c)
@@ -270,12 +271,14 @@ def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None):
     state = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=vf.device)
     starts, scores = [], []
     for rows in blocks:
-        starts.append(state.clone())
+        if for_backward:
+            starts.append(state.clone())
         nc = (rows.stop - rows.start) // c
         pk, va, _ = work.keys(phi, kf, vf, keep, rows, nc)
         pq = work.queries(phi, qf, rows, nc)
         score = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (nc, b h, c, c)
-        scores.append(score)
+        if for_backward:
+            scores.append(score)
         num = torch.matmul(score, va, out=work.num[:nc])  # (nc, b h, c, e)
         for num_j, pq_j, pk_t, va_j in zip(num, pq, pk.transpose(-1, -2), va):  # chunk by chunk
             num_j.baddbmm_(pq_j, state)
@@ -305,7 +308,7 @@ class FavorCausal(torch.autograd.Function):
     not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True):
         b, h, n, d = v.shape
         c = min(chunk, n)
         pad = (-n) % c
@@ -318,7 +321,7 @@ class FavorCausal(torch.autograd.Function):
         qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
         out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
-        starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den)
+        starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den, for_backward)
         ctx.settings = (kernel, scale, eps, c, pad)
         if _saved_tensor_hooks_active():
             ctx.save_for_backward(q, k, v, w, keep, out, den, *starts, *scores)
@@ -390,6 +393,7 @@ class FavorCausal(torch.autograd.Function):
             dq[:, :, :n].to(q.dtype),
             dk[:, :, :n].to(k.dtype),
             dv[:, :, :n].to(v.dtype),
+            None,
             None,
             None,
             None,

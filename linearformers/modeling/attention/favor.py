@@ -178,7 +178,9 @@ def favor_attention(
         # hand-written backward that recomputes the feature maps (see _favor_autograd)
         if not causal:
             return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
-        out, s_final, z_final = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size)
+        # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
+        track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        out, s_final, z_final = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track)
         return (out, (s_final, z_final)) if return_state else out
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
