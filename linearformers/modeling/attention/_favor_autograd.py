@@ -25,6 +25,7 @@ import sys
 import torch
 
 _TINY = 1e-30
+_LOG2E = 1.0 / math.log(2.0)
 _TRIM_BYTES = 16 * 2**20  # causal backward: hand freed CPU memory back to the OS every this many bytes
 
 
@@ -44,7 +45,8 @@ _MALLOC_TRIM = _find_malloc_trim()
 
 class _FeatureMap:
     """phi for one call. sqrt(scale) is folded into W, and the constant and per-row terms of the exponent ride
-    along as extra columns of x and W, so each feature map is one matmul and one exp, built once per call:
+    along as extra columns of x and W, so each feature map is one matmul and one exp2 (log2 e folded into W),
+    built once per call:
 
         keys:    w·x' - |x'|²/2 - |w|²/2 = -|w - x'|²/2      x' = sqrt(scale) x
         queries: w·x' + |w|²/2, minus its row maximum       (row-constant factors cancel in N / D)
@@ -55,8 +57,9 @@ class _FeatureMap:
         self.ws = w * math.sqrt(scale)  # (m, d)
         half_w_sq = 0.5 * w.pow(2).sum(-1, keepdim=True)
         ones = torch.ones_like(half_w_sq)
-        self.wq = torch.cat([self.ws, half_w_sq], -1).T.contiguous()  # (d + 1, m)
-        self.wk = torch.cat([self.ws, ones, -half_w_sq], -1).T.contiguous()  # (d + 2, m)
+        # in base 2, exp(u) = 2^(u log2 e): exp2 runs ~1.5x faster than exp on CPU, and the factor rides in W
+        self.wq = (torch.cat([self.ws, half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 1, m)
+        self.wk = (torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 2, m)
         self.wk_grad = torch.cat([self.ws, ones], -1)  # (m, d + 1): the last column sums du over m
         if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
             zeros = torch.zeros_like(half_w_sq)
@@ -71,7 +74,7 @@ class _FeatureMap:
             return torch.relu_(u).add_(self.eps)
         if is_query:
             u.sub_(u.amax(dim=-1, keepdim=True))
-        return u.exp_()
+        return u.exp2_()
 
     def grad_into(self, dphi, phi, x_aug, out, is_query):
         """Back through phi into ``out``: (..., d) for queries, (..., d + 1) for keys, whose first d columns
@@ -215,6 +218,17 @@ class _Work:
             self.gv = new(c)
         else:
             self.num = new(d + 1)
+        self._each = {}
+
+    def each(self, name, nc, transposed=False):
+        """The first nc chunks of a work buffer as a list of (b h, C, .) views (transposed: (b h, ., C)), built
+        once per call: the buffers are reused block after block, and slicing them anew for every chunk of every
+        block costs ~1% of the walk."""
+        key = (name, transposed)
+        if key not in self._each:
+            buf = getattr(self, name)
+            self._each[key] = (buf.transpose(-1, -2) if transposed else buf).unbind(0)
+        return self._each[key][:nc]
 
     def load(self, buf, x, rows, nc):
         """Copy rows of x (b, h, L, f) into the first nc chunks of buf, chunk-major, as float32."""
@@ -280,7 +294,8 @@ def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None, for_backward=True
         if for_backward:
             scores.append(score)
         num = torch.matmul(score, va, out=work.num[:nc])  # (nc, b h, c, e)
-        for num_j, pq_j, pk_t, va_j in zip(num, pq, pk.transpose(-1, -2), va):  # chunk by chunk
+        each = (work.each(name, nc, name == "pk") for name in ("num", "pq", "pk", "va"))
+        for num_j, pq_j, pk_t, va_j in zip(*each):  # chunk by chunk
             num_j.baddbmm_(pq_j, state)
             state.baddbmm_(pk_t, va_j)
         if out is not None:
@@ -373,7 +388,8 @@ class FavorCausal(torch.autograd.Function):
             gv = torch.matmul(gc, va.transpose(-1, -2), out=work.gv[:nc]).tril_()  # d(scores), (nc, b h, c, c)
             dphi = torch.matmul(gv, pk, out=work.dphi[:nc])  # dphi(Q)
             state_t = state.transpose(1, 2)
-            for dphi_j, gc_j, pk_t, va_j in zip(dphi, gc, pk.transpose(-1, -2), va):  # the state before each chunk
+            each = (work.each(name, nc, name == "pk") for name in ("dphi", "gc", "pk", "va"))
+            for dphi_j, gc_j, pk_t, va_j in zip(*each):  # the state before each chunk
                 dphi_j.baddbmm_(gc_j, state_t)
                 state.baddbmm_(pk_t, va_j)
             del state, state_t
@@ -381,7 +397,7 @@ class FavorCausal(torch.autograd.Function):
             dv_r = torch.matmul(score.transpose(-1, -2), gc[..., :-1], out=work.scratch[:nc])
             del score
             dphi = torch.matmul(gv.transpose(-1, -2), pq, out=work.dphi[:nc])  # dphi(K)
-            chunks = zip(dv_r, dphi, pk, va, pq.transpose(-1, -2), gc)
+            chunks = zip(*(work.each(name, nc, name == "pq") for name in ("scratch", "dphi", "pk", "va", "pq", "gc")))
             for dv_j, dphi_j, pk_j, va_j, pq_t, gc_j in reversed(list(chunks)):  # the gradient of later chunks
                 dv_j.baddbmm_(pk_j, carry_v)
                 dphi_j.baddbmm_(va_j, carry_t)
