@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "N"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--quick", action="store_true", help="lengths 512 .. 4096")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best counts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=300)
     args = parser.parse_args()
