@@ -11,6 +11,8 @@ that configuration alone. Ratios are to SDPA in the same run. The peers are inst
 
     python benchmarks/attention.py                      # 512 .. 16384, ~15 min on 2 cores
     python benchmarks/attention.py --quick              # 512 .. 4096
+    python benchmarks/attention.py --paired performer_causal --lengths 4096 16384 --pairs 5
+                                                        # ratios to SDPA from alternating runs
 """
 
 from __future__ import annotations
@@ -168,6 +170,33 @@ def run(name: str, n: int, repeats: int, threads: int, timeout: int) -> dict | N
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threads: int, timeout: int) -> dict:
+    """Each kernel against its SDPA baseline, in alternating subprocesses, ``pairs`` times per length: a ratio per
+    pair, measured within seconds of each other, so drift of the shared machine over minutes cancels."""
+    out = {}
+    for n in lengths:
+        for name in names:
+            ref = "sdpa_causal" if name.endswith("causal") else "sdpa"
+            ratios = []
+            for _ in range(pairs):
+                a, b = run(ref, n, repeats, threads, timeout), run(name, n, repeats, threads, timeout)
+                if a and b:
+                    ratios.append(a["seconds"] / b["seconds"])
+                    print(
+                        f"n={n:6d} {name:18s} {b['seconds']:.3f} s vs {ref} {a['seconds']:.3f} s: {ratios[-1]:.2f}x",
+                        flush=True,
+                    )
+            if ratios:
+                ratios.sort()
+                out[f"{name}@{n}"] = ratios
+                print(
+                    f"n={n:6d} {name:18s} median {ratios[len(ratios) // 2]:.2f}x, "
+                    f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} pairs",
+                    flush=True,
+                )
+    return out
+
+
 def _fmt(row: dict | None, ref: dict | None) -> str:
     if row is None:
         return "skipped"
@@ -183,9 +212,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best counts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=300)
+    parser.add_argument("--paired", nargs="+", metavar="NAME", help="only these kernels, each against its SDPA")
+    parser.add_argument("--pairs", type=int, default=5, help="with --paired: alternating runs per length")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads)))
+        return
+    if args.paired:
+        unknown = sorted(set(args.paired) - set(KERNELS))
+        if unknown:
+            parser.error(f"--paired takes kernel names from {KERNELS}, not {unknown}")
+        lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
+        ratios = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / "attention_paired.json"  # kernel@n -> sorted ratios; later runs replace their own keys
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**merged, **ratios}, indent=2))
         return
     lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     rate = matmul_rate(args.threads)
