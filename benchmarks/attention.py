@@ -218,18 +218,17 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads)))
         return
+    lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     if args.paired:
         unknown = sorted(set(args.paired) - set(KERNELS))
         if unknown:
             parser.error(f"--paired takes kernel names from {KERNELS}, not {unknown}")
-        lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
         ratios = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
         RESULTS.mkdir(exist_ok=True)
         path = RESULTS / "attention_paired.json"  # kernel@n -> sorted ratios; later runs replace their own keys
         merged = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**merged, **ratios}, indent=2))
         return
-    lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     rate = matmul_rate(args.threads)
     print(f"float32 matmul rate: {rate / 1e9:.0f} GFLOP/s ({args.threads} threads)", flush=True)
     rows: dict[str, dict[int, dict | None]] = {name: {} for name in KERNELS + LAYERS}
