@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+import types
+import typing
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
 POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rotary")
+
+
+def _matches(value, hint) -> bool:
+    """Whether value fits a field's annotation (int, float, bool, str, None, list[...] and unions of them).
+    bool is not an int here, and an int is a float."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, (list, tuple)) and all(_matches(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("NoneType", "None")
 
 
 @strict(accept_kwargs=True)
@@ -66,7 +96,21 @@ class LinearAttentionConfig(PreTrainedConfig):
         """The longest input this config's attention accepts, and the field that sets it (None: no limit)."""
         return None
 
+    def _check_field_types(self):
+        """TypeError naming the field for a value of the wrong type (hidden_size=16.0, is_decoder="yes"), instead
+        of a failure deep inside model construction. (@strict cannot check these: the annotations are strings.)"""
+        for klass in type(self).__mro__:
+            if klass is LinearAttentionConfig.__base__:
+                break
+            for name, hint in inspect.get_annotations(klass, eval_str=True).items():
+                value = getattr(self, name, None)
+                if not _matches(value, hint):
+                    raise TypeError(
+                        f"{type(self).__name__}.{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}"
+                    )
+
     def validate_architecture(self):
+        self._check_field_types()
         positive = (
             "vocab_size",
             "hidden_size",
@@ -86,14 +130,19 @@ class LinearAttentionConfig(PreTrainedConfig):
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
                 "pick a head count that divides it"
             )
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.layer_norm_eps <= 0 or self.initializer_range < 0:
-            raise ValueError(
-                f"layer_norm_eps must be > 0 and initializer_range >= 0, got {self.layer_norm_eps}, "
-                f"{self.initializer_range}"
-            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:  # False for NaN too
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        for name, low in (("layer_norm_eps", "> 0"), ("initializer_range", ">= 0"), ("rope_theta", "> 0")):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
+                raise ValueError(f"{name} must be a finite number {low}, got {value}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and not 0 <= token < self.vocab_size:
+                    raise ValueError(f"{name}={value} is not a token id of the vocabulary [0, {self.vocab_size})")
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"unknown hidden_act {self.hidden_act!r}; choose one of transformers' ACT2FN keys")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:

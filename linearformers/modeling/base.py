@@ -101,7 +101,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         self.pooler = LinearAttentionPooler(config) if add_pooling_layer and not config.is_decoder else None
         shared = getattr(config, "sharing", None) == "layerwise" and getattr(config, "projection", None) == "learned"
         self.shared_projection = (
-            nn.Parameter(torch.empty(config.projected_length, config.max_seq_length)) if shared else None
+            nn.Parameter(torch.empty(config.projected_length_for(0), config.max_seq_length)) if shared else None
         )
         # training forward passes seen, for FAVOR+ redraws; saved, so a resumed run redraws on the same schedule
         self.register_buffer("feature_redraws", torch.zeros((), dtype=torch.long), persistent=True)
@@ -183,7 +183,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
             past_key_values.seen_tokens += length
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
-        pooled = self.pooler(hidden_states) if self.pooler is not None else None
+        pooled = self.pooler(hidden_states, key_mask) if self.pooler is not None else None
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=pooled,
@@ -292,6 +292,10 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
     """Pools like the stack it sits on: BERT's [CLS] pooler for the encoder, the last real token for a decoder.
     Single-label, multi-label and regression follow ``config.problem_type`` (transformers' loss)."""
 
+    # the loss is a per-example mean that ignores num_items_in_batch: Trainer must scale it for gradient
+    # accumulation itself (with **kwargs in forward it would assume the loss already did, and steps would be N x)
+    accepts_loss_kwargs = False
+
     def __init__(self, config):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -326,11 +330,14 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
             pooled = outputs.pooler_output
         else:
             hidden = outputs.last_hidden_state
-            if attention_mask is None:
+            real = attention_mask
+            if real is None and input_ids is not None and self.config.pad_token_id is not None:
+                real = input_ids != self.config.pad_token_id  # as transformers' decoder heads do
+            if real is None:
                 last = torch.full((hidden.shape[0],), hidden.shape[1] - 1, device=hidden.device)
             else:  # rightmost real token, for left or right padding
                 positions = torch.arange(hidden.shape[1], device=hidden.device)
-                last = (positions * attention_mask.to(hidden.device).long()).argmax(-1)
+                last = (positions * real.to(hidden.device).long()).argmax(-1)
             pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         logits = self.classifier(self.dropout(pooled))
         loss = None
@@ -342,6 +349,8 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
 class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
     """BERT's multiple-choice head: each (context, choice) pair is encoded, pooled and scored; softmax over
     choices. Inputs are (batch, num_choices, length)."""
+
+    accepts_loss_kwargs = False  # a mean over examples, as for sequence classification
 
     def __init__(self, config):
         super().__init__(config)

@@ -366,15 +366,21 @@ class LinearAttentionLayer(GradientCheckpointingLayer):
 
 
 class LinearAttentionPooler(nn.Module):
-    """BERT's pooler: tanh(W h_[CLS])."""
+    """BERT's pooler: tanh(W h_[CLS]), [CLS] being each row's first real token: with left padding position 0 is
+    a pad, and padding must not change an answer."""
 
     def __init__(self, config: LinearAttentionConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = nn.Tanh()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden_states[:, 0]))
+    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if key_mask is None:
+            first = hidden_states[:, 0]
+        else:  # argmax gives the first True; a row of padding only pools position 0
+            rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+            first = hidden_states[rows, key_mask.to(hidden_states.device).int().argmax(-1)]
+        return self.activation(self.dense(first))
 
 
 class MaskedLMHead(nn.Module):

@@ -46,7 +46,9 @@ class PerformerForMultipleChoice(LinearAttentionForMultipleChoice, PerformerPreT
 
 
 class PerformerForTokenClassification(GenericForTokenClassification, PerformerPreTrainedModel):
-    pass
+    # transformers' generic head averages its loss without Trainer's num_items_in_batch: Trainer must scale it
+    # for gradient accumulation itself, or each accumulated step would be N x too large
+    accepts_loss_kwargs = False
 
 
 class PerformerForQuestionAnswering(GenericForQuestionAnswering, PerformerPreTrainedModel):

@@ -241,6 +241,45 @@ def test_linformer_per_layer_k():
     assert model.layers[1].attention.e_proj.shape == (16, 64)
 
 
+def test_layerwise_sharing_uses_the_per_layer_k():
+    cfg = tiny_config("linformer", sharing="layerwise", projected_length=32, projected_length_per_layer=[8, 8])
+    model = AutoModel.from_config(cfg)
+    assert model.shared_projection.shape == (8, 64)
+    assert model(torch.randint(1, 99, (1, 10))).last_hidden_state.shape == (1, 10, 32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("auto", [AutoModelForSequenceClassification, AutoModelForMultipleChoice])
+def test_pooled_heads_give_the_same_answer_with_left_or_right_padding(family, auto):
+    """The pooler reads each row's first real token ([CLS]), not position 0, which left padding fills."""
+    torch.manual_seed(0)
+    model = auto.from_config(tiny_config(family, num_labels=3)).eval()
+    seq = torch.randint(1, 99, (7,))
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros(2, 10, dtype=torch.long)
+    ids[0, :7], mask[0, :7] = seq, 1  # right padding
+    ids[1, 3:], mask[1, 3:] = seq, 1  # left padding
+    if auto is AutoModelForMultipleChoice:
+        ids, mask, alone = ids[:, None], mask[:, None], seq[None, None]
+    else:
+        alone = seq[None]
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits
+        single = model(input_ids=alone).logits
+    torch.testing.assert_close(padded, single.expand_as(padded), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_sequence_classification_without_a_mask_pools_the_last_non_pad_token(family):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config(family, is_decoder=True, num_labels=2))
+    model.eval()
+    seq = torch.randint(1, 99, (1, 6))
+    padded = torch.cat([seq, torch.zeros(1, 3, dtype=torch.long)], 1)  # pad_token_id = 0, no attention_mask
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded).logits, model(seq).logits, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "problem_type,labels",
     [
