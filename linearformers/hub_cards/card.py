@@ -29,8 +29,7 @@ TEMPLATE = """---
 
 # {{ title }}
 
-A {{ family }} {{ kind }} for Hugging Face transformers, built with
-[linearformers](https://pypi.org/project/linearformers/): {{ attention_summary }}
+A {{ family }} {{ kind }} for Hugging Face transformers, built with linearformers: {{ attention_summary }}
 
 ## Attention
 
@@ -38,7 +37,8 @@ A {{ family }} {{ kind }} for Hugging Face transformers, built with
 
 ## How to load
 
-With the package installed (`pip install linearformers`), the Auto classes know the model; no remote code runs:
+With the `linearformers` package installed (`pip install .` in its source tree), the Auto classes know the model;
+no remote code runs:
 
 ```python
 import linearformers  # registers "{{ model_type }}" with transformers' Auto classes
@@ -78,7 +78,12 @@ def _attention_text(config) -> tuple[str, str, list[str]]:
             f"FAVOR+ attention (Choromanski et al., 2021) with m={config.num_random_features} "
             f"{'orthogonal' if config.orthogonal_features else 'i.i.d.'} random features and the {config.kernel} kernel."
         )
-        redraw = f"every {config.feature_redraw_interval} training steps" if config.feature_redraw_interval else "never"
+        redraw = (
+            f"every {config.feature_redraw_interval} training forward passes (micro-batches: with gradient "
+            "accumulation, more often than every that many optimizer steps)"
+            if config.feature_redraw_interval
+            else "never"
+        )
         details = (
             f"- random features per head: m = {config.num_random_features} ({config.kernel} kernel), saved with "
             f"the weights; redrawn {redraw}, deterministically from feature_seed={config.feature_seed}\n"
@@ -86,7 +91,13 @@ def _attention_text(config) -> tuple[str, str, list[str]]:
             f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
             f"{local}"
         )
-        limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
+        if config.kernel == "softmax":
+            limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
+        else:
+            limits = [
+                "The ReLU kernel is an attention of its own, not an approximation of softmax attention: weights "
+                "trained with softmax attention do not carry over unchanged."
+            ]
         if config.position_embedding_type == "absolute":
             limits.append(f"Learned absolute positions: at most {config.max_position_embeddings} tokens.")
         else:
@@ -94,7 +105,8 @@ def _attention_text(config) -> tuple[str, str, list[str]]:
     else:
         summary = (
             f"Linformer attention (Wang et al., 2020), keys and values projected along the sequence from "
-            f"n={config.max_seq_length} to k={config.projected_length} ({config.projection} projection, "
+            f"n={config.max_seq_length} to k={config.projected_length_per_layer or config.projected_length} "
+            f"({config.projection} projection, "
             f"{config.sharing} sharing)."
         )
         details = (

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from .card import render_model_card
 
@@ -158,6 +160,16 @@ def save_for_hub(
     return folder
 
 
+def check_repo_id(repo_id) -> None:
+    """ValueError unless ``repo_id`` is a valid Hub id of the form ``owner/name``."""
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ValueError(f"repo_id must look like 'owner/name', got {repo_id!r}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"repo_id {repo_id!r} is not a valid Hub id: {error}") from None
+
+
 def push_to_hub(
     model,
     tokenizer,
@@ -174,8 +186,7 @@ def push_to_hub(
     token: str | None = None,
 ):
     """Export with :func:`save_for_hub` into a temporary folder and upload it to ``repo_id``."""
-    if not repo_id or "/" not in repo_id:
-        raise ValueError(f"repo_id must look like 'owner/name', got {repo_id!r}")
+    check_repo_id(repo_id)
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_layers import GenericForQuestionAnswering, GenericForTokenClassification
 from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithPast,
@@ -300,8 +301,7 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = self.base_model_class(config)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -357,8 +357,7 @@ class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
         if config.is_decoder:
             raise ValueError(f"{type(self).__name__} needs a bidirectional encoder config; got is_decoder=True")
         self.model = self.base_model_class(config)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
@@ -396,3 +395,44 @@ class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
             # transformers' loss_function has no multiple-choice entry
             loss = nn.functional.cross_entropy(logits.float(), labels.to(logits.device))
         return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+def _classifier_dropout(config) -> float:
+    """BERT's rule: classifier_dropout, else hidden_dropout_prob."""
+    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+class LinearAttentionForTokenClassification(GenericForTokenClassification):
+    """transformers' generic token-classification head (forward and weight names ``model``, ``score``), with the
+    stack built from ``base_model_class`` rather than ``AutoModel.from_config``: from exported remote code that
+    call would need ``trust_remote_code`` again and fail. Dropout follows BERT (classifier_dropout, else
+    hidden_dropout_prob)."""
+
+    # the generic loss is a mean that ignores num_items_in_batch: Trainer must scale it for gradient accumulation
+    # itself (with **kwargs in forward it would assume the loss already did, and steps would be N x)
+    accepts_loss_kwargs = False
+
+    def __init__(self, config):
+        super(GenericForTokenClassification, self).__init__(config)  # the PreTrainedModel, not the generic init
+        self.num_labels = config.num_labels
+        self.model = self.base_model_class(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class LinearAttentionForQuestionAnswering(GenericForQuestionAnswering):
+    """transformers' generic extractive-QA head (``model``, ``qa_outputs``), with the stack built from
+    ``base_model_class`` (see LinearAttentionForTokenClassification)."""
+
+    def __init__(self, config):
+        super(GenericForQuestionAnswering, self).__init__(config)
+        self.model = self.base_model_class(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)

@@ -314,11 +314,13 @@ class LinformerAttention(LinearAttention):
 
 
 def build_attention(config: LinearAttentionConfig, layer_idx: int) -> LinearAttention:
-    if isinstance(config, PerformerConfig):
+    # by model_type, not isinstance: transformers loads an exported folder's config code and model code as two
+    # separate module copies, so the config object's class need not be the PerformerConfig imported here
+    if config.model_type == PerformerConfig.model_type:
         return PerformerAttention(config, layer_idx)
-    if isinstance(config, LinformerConfig):
+    if config.model_type == LinformerConfig.model_type:
         return LinformerAttention(config, layer_idx)
-    raise TypeError(f"no attention for config type {type(config).__name__}")
+    raise TypeError(f"no attention for config type {type(config).__name__} (model_type {config.model_type!r})")
 
 
 class LinearAttentionMLP(nn.Module):

@@ -7,14 +7,14 @@ GPT-2-style decoder (config.is_decoder=True): LinformerForCausalLM.
 
 from __future__ import annotations
 
-from transformers.modeling_layers import GenericForQuestionAnswering, GenericForTokenClassification
-
 from ..configuration.linformer import LinformerConfig
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
     LinearAttentionForMultipleChoice,
+    LinearAttentionForQuestionAnswering,
     LinearAttentionForSequenceClassification,
+    LinearAttentionForTokenClassification,
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
@@ -45,18 +45,12 @@ class LinformerForMultipleChoice(LinearAttentionForMultipleChoice, LinformerPreT
     base_model_class = LinformerModel
 
 
-class LinformerForTokenClassification(GenericForTokenClassification, LinformerPreTrainedModel):
-    # transformers' generic head averages its loss without Trainer's num_items_in_batch: Trainer must scale it
-    # for gradient accumulation itself, or each accumulated step would be N x too large
-    accepts_loss_kwargs = False
+class LinformerForTokenClassification(LinearAttentionForTokenClassification, LinformerPreTrainedModel):
+    base_model_class = LinformerModel
 
 
-class LinformerForQuestionAnswering(GenericForQuestionAnswering, LinformerPreTrainedModel):
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.model.set_input_embeddings(value)
+class LinformerForQuestionAnswering(LinearAttentionForQuestionAnswering, LinformerPreTrainedModel):
+    base_model_class = LinformerModel
 
 
 __all__ = [

@@ -7,14 +7,14 @@ GPT-2-style decoder (config.is_decoder=True): PerformerForCausalLM.
 
 from __future__ import annotations
 
-from transformers.modeling_layers import GenericForQuestionAnswering, GenericForTokenClassification
-
 from ..configuration.performer import PerformerConfig
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
     LinearAttentionForMultipleChoice,
+    LinearAttentionForQuestionAnswering,
     LinearAttentionForSequenceClassification,
+    LinearAttentionForTokenClassification,
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
@@ -45,18 +45,12 @@ class PerformerForMultipleChoice(LinearAttentionForMultipleChoice, PerformerPreT
     base_model_class = PerformerModel
 
 
-class PerformerForTokenClassification(GenericForTokenClassification, PerformerPreTrainedModel):
-    # transformers' generic head averages its loss without Trainer's num_items_in_batch: Trainer must scale it
-    # for gradient accumulation itself, or each accumulated step would be N x too large
-    accepts_loss_kwargs = False
+class PerformerForTokenClassification(LinearAttentionForTokenClassification, PerformerPreTrainedModel):
+    base_model_class = PerformerModel
 
 
-class PerformerForQuestionAnswering(GenericForQuestionAnswering, PerformerPreTrainedModel):
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.model.set_input_embeddings(value)
+class PerformerForQuestionAnswering(LinearAttentionForQuestionAnswering, PerformerPreTrainedModel):
+    base_model_class = PerformerModel
 
 
 __all__ = [

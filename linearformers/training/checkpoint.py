@@ -36,6 +36,8 @@ def _fsync_tree(folder: Path) -> None:
 
 def save_checkpoint(accelerator: Accelerator, root: str | Path, progress: dict, keep: int = 2) -> Path:
     """Write checkpoint ``step-<step>`` under ``root`` atomically; keep the newest ``keep``. All processes call it."""
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (the checkpoint just written is always kept), got {keep!r}")
     root = Path(root)
     name = f"step-{progress['step']:08d}"
     final, tmp = root / name, root / f".tmp-{name}"
@@ -57,8 +59,10 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, progress: dict, 
             os.fsync(handle.fileno())
         os.replace(pointer_tmp, root / POINTER)
         _fsync_dir(root)
-        old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
-        for path in old:
+        # prune the oldest of this run's line: never the folder just written (which "latest" names), and never
+        # a higher-numbered folder, which is not this run's to delete
+        earlier = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name < name)
+        for path in earlier[: max(len(earlier) - (keep - 1), 0)]:
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

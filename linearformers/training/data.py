@@ -77,6 +77,13 @@ def prepare_dataset(
     if task == "classification":
         labels = sorted({str(x) for x in raw["train"][label_column]})
         index = {name: i for i, name in enumerate(labels)}
+        for name, split in raw.items():
+            unknown = sorted({str(x) for x in split[label_column]} - set(labels))
+            if unknown:
+                raise ValueError(
+                    f"the {name} split has labels the train split lacks: {unknown[:10]}; the model's classes come "
+                    f"from train ({labels[:10]}{', ...' if len(labels) > 10 else ''})"
+                )
 
         def encode(batch):
             enc = tokenizer(batch[text_column], truncation=True, max_length=block_size)

@@ -77,6 +77,7 @@ def main() -> None:
                 eval_every=max(args.steps // 3, 1),
                 save_every=max(args.steps // 3, 1),
                 report_to="tensorboard",
+                overwrite_output_dir=True,  # the demo owns its output folder: a rerun starts over
             )
         )
         seconds = time.perf_counter() - start

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,12 +84,59 @@ class TrainArguments:
     save_every: int = 50
     keep_checkpoints: int = 2
     resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest"})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "a fresh run (no --resume) deletes an earlier run's checkpoints instead of refusing to start"
+        },
+    )
     seed: int = 0
     cpu: bool = False
     report_to: str = field(default="none", metadata={"help": "none, tensorboard or trackio"})
     push_to_hub: bool = False
     hub_model_id: str | None = None
     progress_bar: bool = True
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes: ``a=1,b=[2,3],c="x,y"`` -> three items."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, char in enumerate(text):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def parse_overrides(overrides: str | None, config_class) -> dict:
+    """``hidden_size=128,position_embedding_type=rotary,projected_length_per_layer=[64,128]`` -> a dict. Values
+    are JSON (numbers, true/false, null or None, lists, quoted strings); anything else is taken as a plain
+    string, so ``rotary`` and ``"rotary"`` are the same. The config's own checks then judge each value."""
+    fields = {}
+    for item in _split_top_level(overrides or ""):
+        key, equals, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not equals or not key:
+            raise ValueError(f"config_overrides item {item!r} is not of the form field=value")
+        if key not in config_class.__dataclass_fields__:
+            raise ValueError(f"config_overrides names {key!r}, which is not a {config_class.__name__} field")
+        if value in ("", "None", "null"):
+            fields[key] = None
+            continue
+        try:
+            fields[key] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key] = value
+    return fields
 
 
 def new_config(
@@ -117,12 +165,7 @@ def new_config(
     if family == "linformer":
         fields["max_seq_length"] = fields["max_position_embeddings"]
         fields["projected_length"] = min(256, block_size)
-    for item in filter(None, (overrides or "").split(",")):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in FAMILIES[family].__dataclass_fields__:
-            raise ValueError(f"config_overrides names {key!r}, which is not a {FAMILIES[family].__name__} field")
-        fields[key] = json.loads(value) if value.strip() not in ("", "None") else None
+    fields.update(parse_overrides(overrides, FAMILIES[family]))
     if num_labels is not None:
         fields["num_labels"] = num_labels
     return FAMILIES[family](**fields)
@@ -200,14 +243,41 @@ def evaluate_model(model, loader, accelerator: Accelerator, task: str, masker=No
     return results
 
 
-def train(args: TrainArguments) -> dict:
-    """Train, evaluate and save; returns the final evaluation results."""
+def check_arguments(args: TrainArguments) -> None:
+    """ValueError naming the argument for values that would fail late or silently misbehave."""
     if args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; choose one of {TASKS}")
     if args.report_to not in ("none", "tensorboard", "trackio"):
         raise ValueError(f"report_to must be none, tensorboard or trackio, got {args.report_to!r}")
-    if args.push_to_hub and not args.hub_model_id:
-        raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/performer-small)")
+    at_least = {
+        "per_device_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 1,
+        "keep_checkpoints": 1,
+        "block_size": 1,
+        "warmup_steps": 0,
+        "eval_every": 0,
+        "save_every": 0,
+    }
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if args.push_to_hub:
+        if not args.hub_model_id:
+            raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/performer-small)")
+        from ..hub_cards.export import check_repo_id
+
+        check_repo_id(args.hub_model_id)  # before training, not after it
+
+
+def train(args: TrainArguments) -> dict:
+    """Train, evaluate and save; returns the final evaluation results."""
+    check_arguments(args)
     output = Path(args.output_dir)
     accelerator = Accelerator(
         cpu=args.cpu,
@@ -251,28 +321,52 @@ def train(args: TrainArguments) -> dict:
     if args.report_to != "none":
         accelerator.init_trackers("linearformers", config={k: str(v) for k, v in asdict(args).items()})
 
-    progress = {"step": 0, "epoch": 0, "batches": 0}
+    layout = {"per_device_batch_size": args.per_device_batch_size, "num_processes": accelerator.num_processes}
+    # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
+    progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
     checkpoints = output / "checkpoints"
     if args.resume:
         folder = latest_checkpoint(checkpoints)
         if folder is None:
             logger.warning(f"--resume: no checkpoint under {checkpoints}; starting from scratch")
         else:
-            progress = load_checkpoint(accelerator, folder)
+            progress = {**progress, **load_checkpoint(accelerator, folder)}
+            saved = progress["layout"]
+            if "rows" not in progress:  # a checkpoint from before rows were recorded: it had this layout's count
+                progress["rows"] = progress["batches"] * args.per_device_batch_size * accelerator.num_processes
+            if saved != layout:
+                logger.warning(
+                    f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
+                    "data position, but is no longer identical to an uninterrupted run"
+                )
+                progress["layout"] = layout
             accelerator.print(f"resumed from {folder} at step {progress['step']}")
+    elif checkpoints.is_dir() and any(checkpoints.iterdir()):
+        if not args.overwrite_output_dir:
+            raise ValueError(
+                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume true to continue it, "
+                "--overwrite_output_dir true to start over (deleting them), or choose another output_dir"
+            )
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(checkpoints)
+        accelerator.wait_for_everyone()
 
     bar = tqdm(
         total=args.max_steps, initial=progress["step"], disable=not (args.progress_bar and accelerator.is_main_process)
     )
-    history, results = [], {}
+    history, results = progress["train_loss"], {}
     model.train()
     while progress["step"] < args.max_steps:
         # the order of an epoch is a function of (seed, epoch); a resumed run drops the rows its processes
-        # already consumed (per-process batches are dealt round-robin, so k of them cover k * processes * size)
+        # already consumed (per-process batches are dealt round-robin, so each step of them covers
+        # processes * size rows)
         epoch_rows = data["train"].shuffle(seed=args.seed + progress["epoch"])
-        consumed = progress["batches"] * args.per_device_batch_size * accelerator.num_processes
-        if consumed:
-            epoch_rows = epoch_rows.select(range(min(consumed, len(epoch_rows)), len(epoch_rows)))
+        if progress["rows"] >= len(epoch_rows):  # the checkpoint fell on the epoch's last batch
+            progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
+            continue
+        if progress["rows"]:
+            epoch_rows = epoch_rows.select(range(progress["rows"], len(epoch_rows)))
         loader = accelerator.prepare_data_loader(
             DataLoader(
                 epoch_rows,
@@ -299,6 +393,7 @@ def train(args: TrainArguments) -> dict:
                     scheduler.step()
                 optimizer.zero_grad()
             progress["batches"] += 1
+            progress["rows"] += args.per_device_batch_size * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
             progress["step"] += 1
@@ -315,8 +410,7 @@ def train(args: TrainArguments) -> dict:
             if progress["step"] >= args.max_steps:
                 break
         else:
-            progress["epoch"] += 1
-            progress["batches"] = 0
+            progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
     bar.close()
     results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
     accelerator.wait_for_everyone()

@@ -1,4 +1,5 @@
-"""The Hub export loads in a fresh process that cannot import linearformers, from the Hub's own cache layout."""
+"""The Hub export loads in a fresh process that cannot import linearformers, from the Hub's own cache layout and from
+a plain folder, for every head."""
 
 import json
 import os
@@ -15,7 +16,10 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
@@ -37,6 +41,8 @@ auto = getattr(transformers, auto_name)
 model = auto.from_pretrained(repo, cache_dir=cache, local_files_only=True, trust_remote_code=True).eval()
 tokenizer = transformers.AutoTokenizer.from_pretrained(repo, cache_dir=cache, local_files_only=True)
 ids = tokenizer("Linear attention for long sequences.", return_tensors="pt").input_ids
+if auto_name == "AutoModelForMultipleChoice":
+    ids = ids[:, None].expand(-1, 2, -1)
 with torch.no_grad():
     result = model(ids) if auto_name != "AutoModelForCausalLM" else model(ids, use_cache=False)
 first = result[0]
@@ -68,15 +74,26 @@ def _isolated_python(script: Path, *args: str, cwd: Path) -> subprocess.Complete
 
 
 @pytest.mark.parametrize(
-    "family,auto,decoder",
+    "family,auto,decoder,layout",
     [
-        ("performer", AutoModelForMaskedLM, False),
-        ("linformer", AutoModelForSequenceClassification, False),
-        ("performer", AutoModelForCausalLM, True),
-        ("linformer", AutoModelForCausalLM, True),
+        ("performer", AutoModelForMaskedLM, False, "hub_cache"),
+        ("linformer", AutoModelForSequenceClassification, False, "hub_cache"),
+        ("performer", AutoModelForCausalLM, True, "hub_cache"),
+        ("linformer", AutoModelForCausalLM, True, "hub_cache"),
+        ("performer", AutoModelForTokenClassification, False, "hub_cache"),
+        ("linformer", AutoModelForQuestionAnswering, False, "hub_cache"),
+        ("performer", AutoModelForMultipleChoice, False, "hub_cache"),
+        ("linformer", AutoModel, False, "hub_cache"),
+        # a plain folder (save_for_hub's output, a local clone): transformers loads its config code and its model
+        # code as two module copies, so nothing may depend on the config's class identity
+        ("performer", AutoModelForCausalLM, True, "folder"),
+        ("linformer", AutoModelForTokenClassification, False, "folder"),
+        ("performer", AutoModelForQuestionAnswering, False, "folder"),
     ],
 )
-def test_export_loads_with_remote_code_where_the_package_is_missing(family, auto, decoder, tokenizer_dir, tmp_path):
+def test_export_loads_with_remote_code_where_the_package_is_missing(
+    family, auto, decoder, layout, tokenizer_dir, tmp_path
+):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = tiny_config(
         family,
@@ -88,11 +105,15 @@ def test_export_loads_with_remote_code_where_the_package_is_missing(family, auto
     )
     model = auto.from_config(config).eval()
     folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
-    _hub_cache(folder, tmp_path / "cache", "me/tiny")
+    repo = "me/tiny"
+    if layout == "hub_cache":
+        _hub_cache(folder, tmp_path / "cache", repo)
+    else:
+        repo = str(folder)
     script = tmp_path / "load.py"
     script.write_text(LOADER)
     done = _isolated_python(
-        script, "me/tiny", str(tmp_path / "cache"), auto.__name__, str(tmp_path / "out.pt"), cwd=tmp_path
+        script, repo, str(tmp_path / "cache"), auto.__name__, str(tmp_path / "out.pt"), cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     remote = torch.load(tmp_path / "out.pt")

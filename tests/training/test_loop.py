@@ -269,6 +269,14 @@ def test_bad_input_gets_a_clear_error(tmp_path, text_file):
         train(_args(tmp_path, train_file=text_file, config_overrides="hidden_sise=3"))
 
 
+def test_a_validation_label_missing_from_train_is_named(tmp_path):
+    train_csv, valid_csv = tmp_path / "train.csv", tmp_path / "valid.csv"
+    train_csv.write_text("text,label\n" + "good one,pos\nbad one,neg\n" * 10)
+    valid_csv.write_text("text,label\ngood,pos\nmeh,other\n")
+    with pytest.raises(ValueError, match=r"validation split has labels the train split lacks: \['other'\]"):
+        train(_args(tmp_path, task="classification", train_file=str(train_csv), validation_file=str(valid_csv)))
+
+
 def test_classification_trains_and_reports_accuracy_and_f1(tmp_path):
     csv = tmp_path / "data.csv"
     rows = (
@@ -303,3 +311,123 @@ def test_local_metric_modules_compute_offline():
 def test_tensorboard_logging_writes_event_files(tmp_path, text_file):
     train(_args(tmp_path, train_file=text_file, max_steps=2, report_to="tensorboard"))
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+def _interrupt_after_checkpoint(monkeypatch, step):
+    """Make the loop raise KeyboardInterrupt right after it has written the checkpoint of ``step``."""
+    import linearformers.training.loop as loop
+
+    original = loop.save_checkpoint
+
+    def save_then_stop(accelerator, root, progress, keep=2):
+        folder = original(accelerator, root, progress, keep=keep)
+        if progress["step"] == step:
+            raise KeyboardInterrupt
+        return folder
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
+
+
+def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_file, monkeypatch):
+    """The checkpoint falls on an epoch's last batch: the resumed run starts the next epoch, ends with the
+    uninterrupted run's weights, and its results keep the losses from before the interruption."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from linearformers.training.data import load_raw_dataset, prepare_dataset
+    from linearformers.training.loop import default_tokenizer
+
+    data, _ = prepare_dataset(
+        load_raw_dataset(text_file), AutoTokenizer.from_pretrained(default_tokenizer()), "clm", 32
+    )
+    per_epoch = -(-len(data["train"]) // 8)
+    common = dict(
+        train_file=text_file,
+        block_size=32,
+        per_device_batch_size=8,
+        max_steps=per_epoch + 3,
+        save_every=per_epoch,
+        lr_scheduler="constant",
+        config_overrides=TINY + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+    )
+    whole = train(_args(tmp_path / "whole", **common))
+    with monkeypatch.context() as patch:
+        _interrupt_after_checkpoint(patch, per_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            train(_args(tmp_path / "cut", **common))
+    resumed = train(_args(tmp_path / "cut", resume=True, **common))
+    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-5)
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch, caplog):
+    """Rows consumed are recorded, not batches: after 2 steps of 4 rows, a resume with batch 8 skips 8 rows,
+    not 16, and says that the run is no longer identical to an uninterrupted one."""
+    import json
+
+    common = dict(train_file=text_file, block_size=32, max_steps=4, save_every=2)
+    with monkeypatch.context() as patch:
+        _interrupt_after_checkpoint(patch, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train(_args(tmp_path, per_device_batch_size=4, **common))
+    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
+    assert (saved["rows"], saved["batches"], len(saved["train_loss"])) == (8, 2, 2)
+    train(_args(tmp_path, per_device_batch_size=8, resume=True, **common))
+    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
+    assert (saved["step"], saved["rows"], saved["layout"]["per_device_batch_size"]) == (4, 8 + 2 * 8, 8)
+
+
+def test_checkpoints_of_an_earlier_run_are_never_silently_mixed_or_pruned(tmp_path, text_file):
+    common = dict(train_file=text_file, block_size=16, save_every=2, keep_checkpoints=2)
+    train(_args(tmp_path, max_steps=6, **common))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000006"]
+    with pytest.raises(ValueError, match="holds the checkpoints of an earlier run"):
+        train(_args(tmp_path, max_steps=2, **common))
+    train(_args(tmp_path, max_steps=2, overwrite_output_dir=True, **common))
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000002"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be an integer >= 1, got 0"),
+        ("max_steps", -3, "max_steps must be an integer >= 1, got -3"),
+        ("save_every", -1, "save_every must be an integer >= 0, got -1"),
+        ("eval_every", -1, "eval_every must be an integer >= 0, got -1"),
+        ("warmup_steps", -5, "warmup_steps must be an integer >= 0, got -5"),
+        ("keep_checkpoints", 0, "keep_checkpoints must be an integer >= 1, got 0"),
+        ("learning_rate", float("nan"), "learning_rate must be a finite number >= 0, got nan"),
+        ("max_grad_norm", -1.0, "max_grad_norm must be a finite number >= 0"),
+    ],
+)
+def test_nonsense_numbers_are_refused_before_training(tmp_path, text_file, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        train(_args(tmp_path, train_file=text_file, **{field: value}))
+
+
+def test_a_malformed_hub_model_id_is_refused_before_training(tmp_path, text_file):
+    with pytest.raises(ValueError, match="repo_id must look like 'owner/name', got 'performer-small'"):
+        train(_args(tmp_path, train_file=text_file, push_to_hub=True, hub_model_id="performer-small"))
+    assert not (tmp_path / "final").exists()
+
+
+def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_value():
+    from linearformers import LinformerConfig
+    from linearformers.training.loop import parse_overrides
+
+    parsed = parse_overrides(
+        'position_embedding_type=rotary,projected_length_per_layer=[8, 16],sharing="layerwise"', LinformerConfig
+    )
+    assert parsed == {
+        "position_embedding_type": "rotary",
+        "projected_length_per_layer": [8, 16],
+        "sharing": "layerwise",
+    }
+    with pytest.raises(ValueError, match="'hidden_size' is not of the form field=value"):
+        parse_overrides("hidden_size", LinformerConfig)
+    with pytest.raises(TypeError, match="hidden_size must be int, got str '12a'"):
+        LinformerConfig(**parse_overrides("hidden_size=12a", LinformerConfig))
