@@ -80,6 +80,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(accelerator: Accelerator, folder: Path) -> dict:
-    """Restore Accelerate's state from ``folder`` and return its progress."""
-    accelerator.load_state(str(folder))
-    return json.loads((folder / "progress.json").read_text())
+    """Restore Accelerate's state from ``folder`` and return its progress. A checkpoint that does not fit the model
+    (another config or family) or is damaged raises a ValueError naming the folder, with the cause attached."""
+    try:
+        accelerator.load_state(str(folder))
+        return json.loads((folder / "progress.json").read_text())
+    except Exception as error:
+        raise ValueError(
+            f"cannot resume from checkpoint {folder}: {type(error).__name__}: {str(error)[:500]} (was it written by "
+            "a run with another model config or family, or is it damaged?)"
+        ) from error

@@ -431,3 +431,10 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
         parse_overrides("hidden_size", LinformerConfig)
     with pytest.raises(TypeError, match="hidden_size must be int, got str '12a'"):
         LinformerConfig(**parse_overrides("hidden_size=12a", LinformerConfig))
+
+
+def test_resuming_from_a_checkpoint_of_another_config_names_the_checkpoint(tmp_path, text_file):
+    train(_args(tmp_path, train_file=text_file, max_steps=2, save_every=2))
+    other = TINY.replace("hidden_size=32", "hidden_size=64")
+    with pytest.raises(ValueError, match="cannot resume from checkpoint .*step-00000002: RuntimeError"):
+        train(_args(tmp_path, train_file=text_file, max_steps=4, resume=True, config_overrides=other))
