@@ -306,6 +306,9 @@ def test_local_metric_modules_compute_offline():
     assert abs(f1 - (0.8 + 2 / 3) / 2) < 1e-9
     with pytest.raises(ValueError, match="unknown metric"):
         load_metric("bleu")
+    for name in ("accuracy", "f1"):
+        with pytest.raises(ValueError, match=f"{name} needs at least one reference"):
+            load_metric(name).compute(predictions=[], references=[])
 
 
 def test_tensorboard_logging_writes_event_files(tmp_path, text_file):

@@ -14,6 +14,8 @@ class F1(evaluate.Metric):
         )
 
     def _compute(self, predictions, references):
+        if not references:
+            raise ValueError("f1 needs at least one reference")
         labels = sorted(set(references) | set(predictions))
         scores = []
         for label in labels:
@@ -21,4 +23,4 @@ class F1(evaluate.Metric):
             fp = sum(1 for p, r in zip(predictions, references) if p == label != r)
             fn = sum(1 for p, r in zip(predictions, references) if r == label != p)
             scores.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
-        return {"f1": sum(scores) / len(scores) if scores else 0.0}
+        return {"f1": sum(scores) / len(scores)}
