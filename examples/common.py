@@ -13,7 +13,9 @@ from linearformers.training import check_block_size, default_tokenizer, load_raw
 class ModelArguments:
     family: str = field(default="performer", metadata={"help": "performer or linformer, for a new model"})
     model_name_or_path: str | None = field(default=None, metadata={"help": "a saved or converted model"})
-    config_overrides: str | None = field(default=None, metadata={"help": "e.g. hidden_size=256,num_hidden_layers=4"})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "e.g. hidden_size=256,num_hidden_layers=4,num_attention_heads=4"}
+    )
     tokenizer_name: str | None = field(default=None, metadata={"help": "default: MiniLM's WordPiece (offline)"})
 
 

@@ -2,7 +2,7 @@
 
     python examples/run_classification.py --family performer --train_file train.csv --validation_file dev.csv \
         --text_column sentence --label_column label --output_dir out/cls \
-        --config_overrides 'hidden_size=256,num_hidden_layers=4' --block_size 512 \
+        --config_overrides 'hidden_size=256,num_hidden_layers=4,num_attention_heads=4' --block_size 512 \
         --per_device_train_batch_size 16 --num_train_epochs 3 --eval_strategy epoch --use_cpu
 """
 

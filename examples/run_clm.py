@@ -1,7 +1,7 @@
 """Causal language modelling with Trainer (the shape of transformers' examples/pytorch/language-modeling).
 
     python examples/run_clm.py --family performer --train_file train.txt --output_dir out/clm \
-        --config_overrides 'hidden_size=256,num_hidden_layers=4,position_embedding_type="rotary"' \
+        --config_overrides 'hidden_size=256,num_hidden_layers=4,num_attention_heads=4,position_embedding_type="rotary"' \
         --block_size 512 --per_device_train_batch_size 8 --max_steps 1000 --use_cpu
 """
 

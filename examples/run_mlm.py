@@ -1,7 +1,7 @@
 """Masked language modelling with Trainer (the shape of transformers' examples/pytorch/language-modeling).
 
     python examples/run_mlm.py --family linformer --train_file train.txt --output_dir out/mlm \
-        --config_overrides 'hidden_size=256,num_hidden_layers=4,projected_length=128' \
+        --config_overrides 'hidden_size=256,num_hidden_layers=4,num_attention_heads=4,projected_length=128' \
         --block_size 1024 --per_device_train_batch_size 8 --max_steps 1000 --use_cpu
 """
 

@@ -26,7 +26,10 @@ class LinformerConfig(LinearAttentionConfig):
         causal_chunk_size: chunk of the causal Linformer's prefix sums.
 
     Example:
-        >>> config = LinformerConfig(hidden_size=256, num_attention_heads=4, max_seq_length=4096, projected_length=256)
+        >>> config = LinformerConfig(
+        ...     hidden_size=256, num_attention_heads=4, max_seq_length=4096, max_position_embeddings=4096,
+        ...     projected_length=256,
+        ... )
     """
 
     model_type = "linformer"

@@ -3,8 +3,9 @@
 Tensors are (batch, heads, length, head_dim). A window of w tokens means:
   * causal: query i sees keys j with i - w < j <= i (itself and the w - 1 before it);
   * bidirectional: query i sees keys j with |i - j| <= w // 2.
-Computed by blocks of B = w (causal) or w // 2 (bidirectional) queries, each reading its own block and the
-neighbouring ones: O(n w d) time and O(n w) memory.
+Computed by blocks of B = max(w - 1, 1) (causal) or max(w // 2, 1) (bidirectional) queries, B being the
+farthest visible distance, each reading its own block and the neighbouring ones: O(n w d) time and O(n w)
+memory.
 """
 
 from __future__ import annotations
