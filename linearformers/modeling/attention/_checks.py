@@ -19,6 +19,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length:
             f"q, k, v do not fit together: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
             "batch and heads must match, and k and v must have the same length"
         )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
     if same_length and q.shape[2] != k.shape[2]:
@@ -36,4 +38,10 @@ def check_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tens
             f"key_padding_mask must be shaped (batch, length) = ({batch}, {length}), got {tuple(mask.shape)}; "
             "pass the 2-D attention_mask with 1 for real tokens and 0 for padding"
         )
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.is_complex() or bool(((mask != 0) & (mask != 1)).any()):
+            raise TypeError(
+                f"key_padding_mask must be bool or hold only 0 and 1 (1 = real token), got dtype {mask.dtype}"
+                f"{'' if not mask.is_floating_point() else ' (an additive float mask, 0 / -inf, is not accepted)'}"
+            )
     return mask.bool()

@@ -21,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+import warnings
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _TINY = 1e-30
 _LOG2E = 1.0 / math.log(2.0)
@@ -68,13 +70,17 @@ class _FeatureMap:
         self.wk = (torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 2, m)
         self.wk_grad = torch.cat([self.ws, ones], -1)  # (m, d + 1): the last column sums du over m
 
-    def into(self, x_aug, out, is_query):
-        """phi into ``out`` (..., m) from an augmented x: [x, 1] for queries, [x, -scale |x|²/2, 1] for keys."""
+    def into(self, x_aug, out, is_query, offset=None):
+        """phi into ``out`` (..., m) from an augmented x: [x, 1] for queries, [x, -scale |x|²/2, 1] for keys.
+        ``offset`` (keys): subtracted from the exponents (log2 units) before exp2, a tensor or a function of the
+        exponents returning one."""
         u = torch.matmul(x_aug, self.wq if is_query else self.wk, out=out)
         if self.kernel == "relu":
             return torch.relu_(u).add_(self.eps)
         if is_query:
             u.sub_(u.amax(dim=-1, keepdim=True))
+        elif offset is not None:
+            u.sub_(offset(u) if callable(offset) else offset)
         return u.exp2_()
 
     def grad_into(self, dphi, phi, x_aug, out, is_query):
@@ -122,6 +128,61 @@ class _BlockWork:
         return self.works[r]
 
 
+def _row_max(u, keep):
+    """Largest exponent of each key row, -inf for padded keys."""
+    top = u.amax(dim=-1, keepdim=True)
+    return top if keep is None else top.masked_fill(keep == 0, -math.inf)
+
+
+def _finite_or_zero(seen):
+    return torch.where(torch.isfinite(seen), seen, torch.zeros_like(seen))
+
+
+def _warn_if_keys_vanished(den, keep):
+    """Causal FAVOR+ takes its key features at offset 0 (an offset from keys after a position would read the
+    future), so keys of large norm (|k| scale^½ beyond ~15) can underflow to 0 in float32: a position whose every
+    visible key did so gets output 0. Say so rather than return that silently. (Eager CPU / CUDA only: the check
+    needs the values.)"""
+    if torch.compiler.is_compiling():
+        return
+    lost = den <= _TINY
+    if keep is not None:
+        lost &= keep.expand(den.shape[0], -1, -1, -1).cumsum(2) > 0  # positions that see at least one real key
+    if bool(lost.any()):
+        warnings.warn(
+            f"causal FAVOR+: every key feature visible to {int(lost.sum())} of {lost.numel()} query positions "
+            "underflowed in float32 (keys of large norm: |k| * scale**0.5 beyond ~15), so their outputs are 0; "
+            "normalize or scale down the keys (e.g. LayerNorm / qk-norm) or lower the attention scale",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _rescale(before, after):
+    """2^(before - after): the factor that moves sums kept relative to maximum ``before`` to ``after`` (<= 1);
+    1 while no real key was seen (the sums are still 0, and 2^(0 - after) could overflow)."""
+    return torch.where(torch.isfinite(before), torch.exp2(before - after), torch.ones_like(after))
+
+
+class _RunningMax:
+    """The bidirectional walk's key offset: the largest key exponent seen so far per (batch, head), over real
+    keys, in log2 units. Every key feature is exp(-|w - x'|² / 2) <= 1, and keys of large norm (|k| scale^½
+    beyond ~17) drive all of them below float32's range; a constant per (batch, head) cancels in N / D, so
+    the exponents are taken relative to the running maximum and the sums kept so far are rescaled when it
+    grows (as flash attention does for softmax). Backward recomputes the features with the final offset."""
+
+    def __init__(self, rows, kv):
+        self.kv = kv
+        self.seen = torch.full((1, rows, 1, 1), -math.inf, dtype=torch.float32, device=kv.device)
+        self.offset = torch.zeros_like(self.seen)  # what was subtracted: the maximum, or 0 while no real key
+
+    def __call__(self, u, keep):
+        seen = torch.maximum(self.seen, _row_max(u, keep).amax(dim=-2, keepdim=True))
+        self.kv.mul_(_rescale(self.seen, seen).view(-1, 1, 1))
+        self.seen, self.offset = seen, _finite_or_zero(seen)
+        return self.offset
+
+
 class FavorBidirectional(torch.autograd.Function):
     """Bidirectional FAVOR+. Feature maps exist for at most _ROWS positions at a time, in forward and backward:
     extra memory O(_ROWS m) per head instead of O(n m), in buffers reused block after block."""
@@ -133,9 +194,11 @@ class FavorBidirectional(torch.autograd.Function):
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
         work = _BlockWork(b, h, d, m, v.device)
+        shift = _RunningMax(b * h, kv) if kernel != "relu" else None
         for rows in _row_slices(k.shape[2]):
-            pk, va, _ = work(rows).keys(phi, k, v, keep, rows, 1)
+            pk, va, _ = work(rows).keys(phi, k, v, keep, rows, 1, shift)
             kv.baddbmm_(pk[0].transpose(1, 2), va[0])
+        offset = None if shift is None else shift.offset
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         den = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
         for rows in _row_slices(n):
@@ -144,13 +207,14 @@ class FavorBidirectional(torch.autograd.Function):
             den_r = num[..., -1:].clamp_min(_TINY)
             _from_chunks(den_r, den[:, :, rows])
             _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
-        ctx.save_for_backward(q, k, v, w, keep, kv, out, den)
+        ctx.save_for_backward(q, k, v, w, keep, kv, out, den, offset)
         ctx.settings = (kernel, scale, eps)
         return out.to(v.dtype)
 
     @staticmethod
+    @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     def backward(ctx, g):
-        q, k, v, w, keep, kv, out, den = ctx.saved_tensors
+        q, k, v, w, keep, kv, out, den, offset = ctx.saved_tensors
         kernel, scale, eps = ctx.settings
         phi = _FeatureMap(w, scale, kernel, eps)
         b, h, n, d = q.shape
@@ -169,7 +233,7 @@ class FavorBidirectional(torch.autograd.Function):
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows in _row_slices(k.shape[2]):
             wr = work(rows)
-            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1)
+            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1, offset)
             dv_r = torch.matmul(pk, dkv[..., :-1], out=wr.scratch[:1])
             _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
             dphi = torch.matmul(va, dkv.transpose(-1, -2), out=wr.dphi[:1])
@@ -242,18 +306,20 @@ class _Work:
         """Rows of a (b|1, h|1, L, 1) tensor as chunk-major (nc, b h, c, 1) (small: one column)."""
         return _to_chunks(x[:, :, rows].expand(self.b, self.h, -1, 1), nc, self.c)
 
-    def keys(self, phi, k, v, keep, rows, nc):
-        """phi(k) (padded keys zeroed), [v, 1] (padded rows zeroed) and the chunk-major mask for one block."""
+    def keys(self, phi, k, v, keep, rows, nc, offset=None):
+        """phi(k) (padded keys zeroed), [v, 1] (padded rows zeroed) and the chunk-major mask for one block.
+        ``offset``: see _FeatureMap.into; a function of it is called as offset(exponents, mask)."""
         d = self.d
         xk = self.load(self.xk, k, rows, nc)
         if phi.kernel != "relu":
             xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
             xk[..., d : d + 1] *= -0.5 * phi.scale
-        pk = phi.into(xk, self.pk[:nc], False)
+        keep_r = None if keep is None else self.chunks(keep, rows, nc)
+        if callable(offset):
+            offset = (lambda fn: lambda u: fn(u, keep_r))(offset)
+        pk = phi.into(xk, self.pk[:nc], False, offset)
         va = self.load(self.va, v, rows, nc)
-        keep_r = None
         if keep is not None:
-            keep_r = self.chunks(keep, rows, nc)
             pk.mul_(keep_r)
             va[..., :d].mul_(keep_r)
             va[..., d:] = keep_r
@@ -338,6 +404,7 @@ class FavorCausal(torch.autograd.Function):
         out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
         starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den, for_backward)
+        _warn_if_keys_vanished(den[:, :, :n], keep if keep is None else keep[:, :, :n])
         ctx.settings = (kernel, scale, eps, c, pad)
         if _saved_tensor_hooks_active():
             ctx.save_for_backward(q, k, v, w, keep, out, den, *starts, *scores)
@@ -351,6 +418,7 @@ class FavorCausal(torch.autograd.Function):
         return out[:, :, :n].to(v.dtype), state_s, state_z
 
     @staticmethod
+    @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     def backward(ctx, g, _gs, _gz):
         q, k, v, w, keep, out, den, *saved = ctx.saved_tensors
         kernel, scale, eps, c, pad = ctx.settings
@@ -398,7 +466,8 @@ class FavorCausal(torch.autograd.Function):
             dv_r = torch.matmul(score.transpose(-1, -2), gc[..., :-1], out=work.scratch[:nc])
             del score
             dphi = torch.matmul(gv.transpose(-1, -2), pq, out=work.dphi[:nc])  # dphi(K)
-            chunks = zip(*(work.each(name, nc, name == "pq") for name in ("scratch", "dphi", "pk", "va", "pq", "gc")))
+            names = ("scratch", "dphi", "pk", "va", "pq", "gc")
+            chunks = zip(*(work.each(name, nc, name == "pq") for name in names))
             for dv_j, dphi_j, pk_j, va_j, pq_t, gc_j in reversed(list(chunks)):  # the gradient of later chunks
                 dv_j.baddbmm_(pk_j, carry_v)
                 dphi_j.baddbmm_(va_j, carry_t)

@@ -18,6 +18,7 @@ Gradients, with P = softmax(S), S = scale · Q Kpᵀ (masked slots at -inf), g =
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _ROWS = 256
 
@@ -68,6 +69,7 @@ class SlotAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     def backward(ctx, g):
         q, kp, vp, bias, out, lse = ctx.saved_tensors
         scale, dropout_p, seed = ctx.settings
@@ -108,6 +110,7 @@ class SequenceProjection(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     def backward(ctx, g):
         x, proj = ctx.saved_tensors
         b, h, n, _ = x.shape
