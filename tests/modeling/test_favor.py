@@ -358,3 +358,40 @@ def test_causal_keys_that_underflow_are_reported_not_silent():
         favor_attention(q, k, v, w, causal=True, chunk_size=8)
     with pytest.warns(RuntimeWarning, match="underflowed in float32"):
         favor_attention(q, k * 12.0, v, w, causal=True, chunk_size=8)
+
+
+def test_more_bad_arguments_raise_clear_errors():
+    from linearformers.modeling.attention import causal_linformer_attention, linformer_attention
+
+    q, k, v = _qkv(n=12)
+    w = draw_random_features(24, 16, seed=2)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        favor_attention(q, k.double(), v, w)
+    with pytest.raises(TypeError, match="key_padding_mask must be bool or hold only 0 and 1"):
+        favor_attention(q, k, v, w, key_padding_mask=torch.zeros(2, 12).masked_fill(torch.rand(2, 12) > 0.5, -1e4))
+    with pytest.raises(ValueError, match="length 0"):
+        favor_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], w, causal=True)
+    with pytest.raises(ValueError, match="v's head_dim equal to q's"):
+        favor_attention(q, k, v[..., :8], w)
+    with pytest.raises(ValueError, match="projection is a fixed draw"):
+        favor_attention(q, k, v, w.clone().requires_grad_())
+    e = torch.randn(4, 12)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        linformer_attention(q, k, v, e, dropout_p=1.0)
+    with pytest.raises(ValueError, match="v's head_dim equal to q's"):
+        causal_linformer_attention(q, k, v[..., :8], e)
+
+
+def test_hand_written_backwards_refuse_a_second_derivative():
+    from linearformers.modeling.attention import linformer_attention
+
+    q, k, v = (x.requires_grad_() for x in _qkv(n=12))
+    w = draw_random_features(24, 16, seed=2)
+    outs = [favor_attention(q, k, v, w), favor_attention(q, k, v, w, causal=True, chunk_size=4)]
+    outs.append(linformer_attention(q, k, v, torch.randn(4, 12)))
+    for out in outs:
+        (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        with pytest.raises(
+            RuntimeError, match="once_differentiable|does not require grad|not have been used in the graph"
+        ):
+            torch.autograd.grad(dq.pow(2).sum(), q)

@@ -25,6 +25,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length:
         raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
     if same_length and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs q and k of the same length; got {q.shape[2]} and {k.shape[2]}")
+    if same_length and q.shape[2] == 0:
+        raise ValueError("q, k, v have length 0: causal attention needs at least one token")
 
 
 def check_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:

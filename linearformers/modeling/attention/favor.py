@@ -158,7 +158,7 @@ def favor_attention(
         return_state: causal only, also return the final state (S, z) for recurrent decoding.
 
     Returns:
-        (batch, heads, length, head_dim_v) in v's dtype, and the state when ``return_state``.
+        (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
     """
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=causal)
     if (initial_state is not None or return_state) and not causal:
@@ -171,8 +171,15 @@ def favor_attention(
         raise ValueError(
             f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
         )
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"favor_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}")
+    if projection.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "projection is a fixed draw of random features, not a parameter: favor_attention does not "
+            "differentiate through it; pass projection.detach() (models keep it as a buffer)"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    w = projection.detach().to(device=q.device, dtype=torch.float32)
+    w = projection.to(device=q.device, dtype=torch.float32)
     keep = None if mask is None else mask[:, None, :, None].float()
     if initial_state is None:
         # hand-written backward that recomputes the feature maps (see _favor_autograd)

@@ -139,6 +139,8 @@ def linformer_attention(
     check_qkv(q, k, v)
     if method not in METHODS:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     b, h, n, d = k.shape
     mask = check_mask(key_padding_mask, b, n)
     f_proj = e_proj if f_proj is None else f_proj
@@ -218,6 +220,10 @@ def causal_linformer_attention(
         return_state: also return the state (K̃, Ṽ) after the last position.
     """
     check_qkv(q, k, v, same_length=True)
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"causal_linformer_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}"
+        )
     b, h, n, _d = q.shape
     if e_proj is None:
         raise ValueError("causal Linformer needs a learned projection e_proj")
