@@ -1,5 +1,4 @@
 import math
-import warnings
 
 import pytest
 import torch
@@ -169,12 +168,8 @@ def test_half_precision_with_large_logits_stays_finite(dtype, causal):
     logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
     assert logits.max() > 45
     w = draw_random_features(128, d, seed=0)
-    if causal:  # |k| scale^½ ~ 18 here: every key feature underflows at offset 0, which causal FAVOR+ reports
-        with pytest.warns(RuntimeWarning, match="underflowed in float32"):
-            out = favor_attention(q, k, v, w, causal=causal)
-    else:  # the bidirectional kernel's running key offset keeps them
-        out = favor_attention(q, k, v, w, causal=causal)
-        assert out.float().abs().amax() > 0.1
+    out = favor_attention(q, k, v, w, causal=causal)  # |k| scale^½ ~ 18: key features need an offset
+    assert out.float().abs().amax() > 0.1
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
 
@@ -315,24 +310,28 @@ def test_causal_forward_without_a_graph_keeps_nothing_for_backward(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_bidirectional_keys_of_large_norm_stay_exact_and_differentiable(blocks, monkeypatch):
+def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks, monkeypatch):
     """Every key feature is exp(-|w - k'|² / 2) <= 1; at |k'| ~ 20 most of them fall below float32's range and the
-    output used to collapse to 0. The bidirectional kernel subtracts a running maximum of the key exponents
-    (which cancels in N / D), so outputs and gradients match a float64 evaluation of the same features."""
+    outputs used to collapse to 0. Bidirectional attention subtracts a running maximum of the key exponents;
+    causal attention redoes such a call with per-position prefix maxima. Both cancel in N / D, so outputs and
+    gradients match a float64 evaluation of the same features."""
     from linearformers.modeling.attention import _favor_autograd
 
     if blocks > 1:
         monkeypatch.setattr(_favor_autograd, "_ROWS", 16)
+        monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)
     q, k, v = _qkv(n=37, seed=3)
     k = k * 10.0
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[0, :5] = False
     w = draw_random_features(24, 16, seed=2)
-    den = favor_features(q, w, is_query=True) @ favor_features(k, w, is_query=False).sum(2, keepdim=True).mT
+    a = favor_features(q, w, is_query=True) @ favor_features(k, w, is_query=False).mT
+    den = (a.tril() if causal else a).sum(-1)
     assert (den < 1e-30).float().mean() > 0.5, "most queries must lose every key in float32 without an offset"
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    out = favor_attention(q, k, v, w, key_padding_mask=mask)
+    out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
     g = torch.randn_like(out)
     fast = torch.autograd.grad(out, (q, k, v), g)
     # Lemma 1's features in float64 (no underflow): exp(w·k' - |k'|²/2) for keys, exp(w·q' - c) for queries
@@ -341,23 +340,32 @@ def test_bidirectional_keys_of_large_norm_stay_exact_and_differentiable(blocks, 
     phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True).detach())
     u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
     a = phi_q @ (torch.exp(u_k) * mask[:, None, :, None]).transpose(-1, -2)
-    naive = (a @ (v * mask[:, None, :, None])) / a.sum(-1, keepdim=True)
+    a = a.tril() if causal else a
+    naive = (a @ (v * mask[:, None, :, None])) / a.sum(-1, keepdim=True).clamp_min(1e-300)
     torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-5)
     slow = torch.autograd.grad(naive, (q, k, v), g)
     for name, f, s in zip("qkv", fast, slow):  # float32 work: errors ~1e-5 of the largest gradient
         torch.testing.assert_close(f, s, rtol=1e-3, atol=1e-4 * float(s.abs().max()), msg=f"d{name}")
 
 
-def test_causal_keys_that_underflow_are_reported_not_silent():
-    """Causal FAVOR+ keeps key features at offset 0 (strictly causal); when every key a position sees underflows,
-    it warns instead of silently returning 0 there. Moderate keys raise no warning."""
+def test_causal_fallback_for_large_keys_never_reads_the_future_and_is_not_taken_otherwise(monkeypatch):
+    from linearformers.modeling.attention import favor as favor_module
+
     q, k, v = _qkv(n=37, seed=3)
     w = draw_random_features(24, 16, seed=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        favor_attention(q, k, v, w, causal=True, chunk_size=8)
-    with pytest.warns(RuntimeWarning, match="underflowed in float32"):
-        favor_attention(q, k * 12.0, v, w, causal=True, chunk_size=8)
+    calls = []
+    original = favor_module._causal_stabilized
+    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a: calls.append(1) or original(*a))
+    favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    assert calls == [], "moderate keys must stay on the fast walk"
+    k = k * 10.0
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+    assert calls == [1]
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 20:] *= 3.0  # much larger keys after position 19 (in the same chunk as 16-19)
+    v2[:, :, 20:] = torch.randn_like(v2[:, :, 20:])
+    out2 = favor_attention(q, k2, v2, w, causal=True, chunk_size=8)
+    torch.testing.assert_close(out2[:, :, :20], out[:, :, :20], rtol=1e-6, atol=1e-6)
 
 
 def test_more_bad_arguments_raise_clear_errors():

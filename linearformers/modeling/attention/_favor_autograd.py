@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-import warnings
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -138,24 +137,14 @@ def _finite_or_zero(seen):
     return torch.where(torch.isfinite(seen), seen, torch.zeros_like(seen))
 
 
-def _warn_if_keys_vanished(den, keep):
-    """Causal FAVOR+ takes its key features at offset 0 (an offset from keys after a position would read the
-    future), so keys of large norm (|k| scale^½ beyond ~15) can underflow to 0 in float32: a position whose every
-    visible key did so gets output 0. Say so rather than return that silently. (Eager CPU / CUDA only: the check
-    needs the values.)"""
-    if torch.compiler.is_compiling():
-        return
+def _lost_positions(den, keep):
+    """How many query positions (over batch and heads) see at least one real key yet got a denominator of 0: the
+    causal walk takes key features at offset 0 (an offset from later keys would read the future), and keys of
+    large norm (|k| scale^½ beyond ~15) underflow in float32. A 0-dim tensor, so no host sync here."""
     lost = den <= _TINY
     if keep is not None:
-        lost &= keep.expand(den.shape[0], -1, -1, -1).cumsum(2) > 0  # positions that see at least one real key
-    if bool(lost.any()):
-        warnings.warn(
-            f"causal FAVOR+: every key feature visible to {int(lost.sum())} of {lost.numel()} query positions "
-            "underflowed in float32 (keys of large norm: |k| * scale**0.5 beyond ~15), so their outputs are 0; "
-            "normalize or scale down the keys (e.g. LayerNorm / qk-norm) or lower the attention scale",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        lost = lost & (keep.expand(den.shape[0], -1, -1, -1).cumsum(2) > 0)
+    return lost.sum()
 
 
 def _rescale(before, after):
@@ -404,7 +393,7 @@ class FavorCausal(torch.autograd.Function):
         out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
         den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
         starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den, for_backward)
-        _warn_if_keys_vanished(den[:, :, :n], keep if keep is None else keep[:, :, :n])
+        lost = _lost_positions(den[:, :, :n], keep if keep is None else keep[:, :, :n])
         ctx.settings = (kernel, scale, eps, c, pad)
         if _saved_tensor_hooks_active():
             ctx.save_for_backward(q, k, v, w, keep, out, den, *starts, *scores)
@@ -414,12 +403,12 @@ class FavorCausal(torch.autograd.Function):
             ctx.blocks = (starts, scores)  # popped by backward, block by block
         state = state.view(b, h, *state.shape[1:])
         state_s, state_z = state[..., :-1], state[..., -1]
-        ctx.mark_non_differentiable(state_s, state_z)
-        return out[:, :, :n].to(v.dtype), state_s, state_z
+        ctx.mark_non_differentiable(state_s, state_z, lost)
+        return out[:, :, :n].to(v.dtype), state_s, state_z, lost
 
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
-    def backward(ctx, g, _gs, _gz):
+    def backward(ctx, g, _gs, _gz, _lost):
         q, k, v, w, keep, out, den, *saved = ctx.saved_tensors
         kernel, scale, eps, c, pad = ctx.settings
         phi = _FeatureMap(w, scale, kernel, eps)

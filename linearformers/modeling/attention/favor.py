@@ -187,7 +187,10 @@ def favor_attention(
             return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
         # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
         track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        out, s_final, z_final = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track)
+        out, s_final, z_final, lost = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track)
+        if kernel == "softmax" and not torch.compiler.is_compiling() and bool(lost):
+            # keys of large norm underflowed at offset 0: redo this call with per-position offsets
+            out, (s_final, z_final) = _causal_stabilized(q, k, v, w, mask, scale, chunk_size)
         return (out, (s_final, z_final)) if return_state else out
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
@@ -195,6 +198,47 @@ def favor_attention(
     out, state = _causal_chunked(phi_q, phi_k, vf, chunk_size, initial_state)
     out = out.to(v.dtype)
     return (out, state) if return_state else out
+
+
+def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
+    """Causal FAVOR+ with each position's keys taken relative to the prefix maximum M_t of the key exponents (real
+    keys up to t), for keys of large norm whose features underflow at offset 0. Every factor is <= 1:
+
+        intra-chunk scores   phi_q(t)·phi_k(s) 2^(M_s - M_t),   s <= t
+        earlier chunks       2^(M_end - M_t) phi_q(t) S,        S kept relative to M_end, the previous chunk's last M
+        state update         S <- 2^(M_end - M_end') S + Σ_s 2^(M_s - M_end') phi_k(s) [v_s, 1]ᵀ
+
+    and nothing reads past t (M_t is a prefix maximum), so it stays causal; the offsets cancel in N / D. Plain
+    autograd (it stores per-chunk tensors): the fallback of the rare calls where the fast walk lost positions.
+    Returns (out in v's dtype, (S, z) at offset 0, which may underflow as before)."""
+    n = q.shape[2]
+    x = k.float() * math.sqrt(scale)
+    u = x @ w.T - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * w.pow(2).sum(-1)  # key exponents, (b, h, n, m)
+    vf = torch.cat([v.float(), torch.ones_like(v[..., :1], dtype=torch.float32)], -1)  # [v, 1]: N and D at once
+    if mask is not None:
+        u = u.masked_fill(~mask[:, None, :, None], -math.inf)
+        vf = vf * mask[:, None, :, None]
+    prefix = torch.cummax(u.detach().amax(-1), dim=-1).values  # (b, h, n), -inf before the first real key
+    prefix = torch.where(torch.isfinite(prefix), prefix, torch.full_like(prefix, -1e30))
+    phi_k = torch.exp(u - prefix[..., None])
+    phi_q = favor_features(q, w, is_query=True, scale=scale)
+    nums, state, end_prev = [], None, None
+    for start in range(0, n, chunk_size):
+        rows = slice(start, min(start + chunk_size, n))
+        pq, pk, va, top = phi_q[:, :, rows], phi_k[:, :, rows], vf[:, :, rows], prefix[:, :, rows]
+        scale_ts = torch.exp(top[..., None, :] - top[..., :, None]).tril()  # [t, s] = 2^(M_s - M_t), s <= t
+        num = ((pq @ pk.transpose(-1, -2)) * scale_ts) @ va
+        end = top[..., -1]
+        if state is not None:
+            num = num + torch.exp(end_prev[..., None] - top)[..., None] * (pq @ state)
+        update = (pk * torch.exp(top - end[..., None])[..., None]).transpose(-1, -2) @ va
+        state = update if state is None else state * torch.exp(end_prev - end)[..., None, None] + update
+        nums.append(num)
+        end_prev = end
+    num = torch.cat(nums, 2)
+    out = (num[..., :-1] / num[..., -1:].clamp_min(_TINY)).to(v.dtype)
+    state = (state * torch.exp(end_prev)[..., None, None]).detach()
+    return out, (state[..., :-1], state[..., -1])
 
 
 def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
