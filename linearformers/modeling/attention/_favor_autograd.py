@@ -60,26 +60,27 @@ class _FeatureMap:
         if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
             zeros = torch.zeros_like(half_w_sq)
             self.wq = torch.cat([self.ws, zeros], -1).T.contiguous()
-            self.wk = torch.cat([self.ws, zeros, zeros], -1).T.contiguous()
+            self.wk = torch.cat([self.ws, zeros, zeros, zeros], -1).T.contiguous()
             self.wk_grad = torch.cat([self.ws, zeros], -1)
             return
         ones = torch.ones_like(half_w_sq)
         # in base 2, exp(u) = 2^(u log2 e): exp2 runs ~1.5x faster than exp on CPU, and the factor rides in W
         self.wq = (torch.cat([self.ws, half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 1, m)
-        self.wk = (torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 2, m)
+        # (d + 3, m); the last row takes the key offset (log2 units, see _RunningMax) off inside the GEMM
+        self.wk = torch.cat([torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E, -ones], -1).T.contiguous()
         self.wk_grad = torch.cat([self.ws, ones], -1)  # (m, d + 1): the last column sums du over m
 
-    def into(self, x_aug, out, is_query, offset=None):
-        """phi into ``out`` (..., m) from an augmented x: [x, 1] for queries, [x, -scale |x|²/2, 1] for keys.
-        ``offset`` (keys): subtracted from the exponents (log2 units) before exp2, a tensor or a function of the
-        exponents returning one."""
+    def into(self, x_aug, out, is_query, adjust=None):
+        """phi into ``out`` (..., m) from an augmented x: [x, 1] for queries, [x, -scale |x|²/2, 1, offset] for
+        keys (the offset, in log2 units, is subtracted by the GEMM). ``adjust`` (keys): called on the exponents
+        before exp2, may shift them further in place."""
         u = torch.matmul(x_aug, self.wq if is_query else self.wk, out=out)
         if self.kernel == "relu":
             return torch.relu_(u).add_(self.eps)
         if is_query:
             u.sub_(u.amax(dim=-1, keepdim=True))
-        elif offset is not None:
-            u.sub_(offset(u) if callable(offset) else offset)
+        elif adjust is not None:
+            adjust(u)
         return u.exp2_()
 
     def grad_into(self, dphi, phi, x_aug, out, is_query):
@@ -160,16 +161,23 @@ class _RunningMax:
     the exponents are taken relative to the running maximum and the sums kept so far are rescaled when it
     grows (as flash attention does for softmax). Backward recomputes the features with the final offset."""
 
-    def __init__(self, rows, kv):
-        self.kv = kv
+    def __init__(self, rows, kv, work):
+        self.kv, self.work = kv, work
         self.seen = torch.full((1, rows, 1, 1), -math.inf, dtype=torch.float32, device=kv.device)
-        self.offset = torch.zeros_like(self.seen)  # what was subtracted: the maximum, or 0 while no real key
+        self.offset = torch.zeros_like(self.seen)  # taken off by the GEMM: the maximum, or 0 while no real key
 
     def __call__(self, u, keep):
-        seen = torch.maximum(self.seen, _row_max(u, keep).amax(dim=-2, keepdim=True))
-        self.kv.mul_(_rescale(self.seen, seen).view(-1, 1, 1))
-        self.seen, self.offset = seen, _finite_or_zero(seen)
-        return self.offset
+        """u: a block's exponents minus the current offset. Moves the offset when the block changes the maximum
+        (on CPU only then: most blocks do not, and the GEMM already took the offset off)."""
+        seen = torch.maximum(self.seen, _row_max(u, keep).amax(dim=-2, keepdim=True) + self.offset)
+        offset = _finite_or_zero(seen)
+        if u.device.type != "cpu" or bool((offset != self.offset).any()):
+            u.sub_(offset - self.offset)
+            self.kv.mul_(_rescale(self.seen, seen).view(-1, 1, 1))
+            self.offset = offset
+            for work in self.work.works.values():
+                work.set_offset(offset)
+        self.seen = seen
 
 
 class FavorBidirectional(torch.autograd.Function):
@@ -183,9 +191,12 @@ class FavorBidirectional(torch.autograd.Function):
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
         work = _BlockWork(b, h, d, m, v.device)
-        shift = _RunningMax(b * h, kv) if kernel != "relu" else None
+        shift = _RunningMax(b * h, kv, work) if kernel != "relu" else None
         for rows in _row_slices(k.shape[2]):
-            pk, va, _ = work(rows).keys(phi, k, v, keep, rows, 1, shift)
+            wr = work(rows)
+            if shift is not None:
+                wr.set_offset(shift.offset)  # a block length's first work space starts at the current offset
+            pk, va, _ = wr.keys(phi, k, v, keep, rows, 1, shift)
             kv.baddbmm_(pk[0].transpose(1, 2), va[0])
         offset = None if shift is None else shift.offset
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
@@ -222,7 +233,9 @@ class FavorBidirectional(torch.autograd.Function):
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for rows in _row_slices(k.shape[2]):
             wr = work(rows)
-            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1, offset)
+            if offset is not None:
+                wr.set_offset(offset)
+            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1)
             dv_r = torch.matmul(pk, dkv[..., :-1], out=wr.scratch[:1])
             _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
             dphi = torch.matmul(va, dkv.transpose(-1, -2), out=wr.dphi[:1])
@@ -263,9 +276,10 @@ class _Work:
     def __init__(self, b, h, d, m, c, nc, device, backward=False):
         new = lambda f: torch.empty(nc, b * h, c, f, dtype=torch.float32, device=device)  # noqa: E731
         self.b, self.h, self.d, self.c = b, h, d, c
-        self.xq, self.xk, self.va = new(d + 1), new(d + 2), new(d + 1)
+        self.xq, self.xk, self.va = new(d + 1), new(d + 3), new(d + 1)
         self.xq[..., d] = 1
-        self.xk[..., d:] = 1
+        self.xk[..., d : d + 2] = 1
+        self.xk[..., d + 2] = 0  # the key offset, 0 unless set_offset
         self.pq, self.pk = new(m), new(m)
         if backward:
             self.gc, self.scratch, self.dx, self.dphi = new(d + 1), new(d), new(d + 1), new(m)
@@ -295,18 +309,20 @@ class _Work:
         """Rows of a (b|1, h|1, L, 1) tensor as chunk-major (nc, b h, c, 1) (small: one column)."""
         return _to_chunks(x[:, :, rows].expand(self.b, self.h, -1, 1), nc, self.c)
 
-    def keys(self, phi, k, v, keep, rows, nc, offset=None):
+    def set_offset(self, offset):
+        """Take (b h,) key offsets (log2 units) off every key exponent from now on, inside the feature GEMM."""
+        self.xk[..., self.d + 2] = offset.view(1, -1, 1)
+
+    def keys(self, phi, k, v, keep, rows, nc, adjust=None):
         """phi(k) (padded keys zeroed), [v, 1] (padded rows zeroed) and the chunk-major mask for one block.
-        ``offset``: see _FeatureMap.into; a function of it is called as offset(exponents, mask)."""
+        ``adjust``: see _FeatureMap.into; called as adjust(exponents, mask)."""
         d = self.d
         xk = self.load(self.xk, k, rows, nc)
         if phi.kernel != "relu":
             xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
             xk[..., d : d + 1] *= -0.5 * phi.scale
         keep_r = None if keep is None else self.chunks(keep, rows, nc)
-        if callable(offset):
-            offset = (lambda fn: lambda u: fn(u, keep_r))(offset)
-        pk = phi.into(xk, self.pk[:nc], False, offset)
+        pk = phi.into(xk, self.pk[:nc], False, None if adjust is None else lambda u: adjust(u, keep_r))
         va = self.load(self.va, v, rows, nc)
         if keep is not None:
             pk.mul_(keep_r)
