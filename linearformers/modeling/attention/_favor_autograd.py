@@ -53,21 +53,23 @@ class _FeatureMap:
         queries: w·x' + |w|²/2, minus its row maximum       (row-constant factors cancel in N / D)
     """
 
-    def __init__(self, w, scale, kernel, eps):
+    def __init__(self, w, scale, kernel, eps, key_offset=False):
         self.kernel, self.eps, self.scale = kernel, eps, scale
+        self.key_offset = key_offset  # keys carry an offset column (the bidirectional walk's _RunningMax)
         self.ws = w * math.sqrt(scale)  # (m, d)
         half_w_sq = 0.5 * w.pow(2).sum(-1, keepdim=True)
         if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
             zeros = torch.zeros_like(half_w_sq)
             self.wq = torch.cat([self.ws, zeros], -1).T.contiguous()
-            self.wk = torch.cat([self.ws, zeros, zeros, zeros], -1).T.contiguous()
+            self.wk = torch.cat([self.ws, zeros, zeros] + [zeros] * key_offset, -1).T.contiguous()
             self.wk_grad = torch.cat([self.ws, zeros], -1)
             return
         ones = torch.ones_like(half_w_sq)
         # in base 2, exp(u) = 2^(u log2 e): exp2 runs ~1.5x faster than exp on CPU, and the factor rides in W
         self.wq = (torch.cat([self.ws, half_w_sq], -1) * _LOG2E).T.contiguous()  # (d + 1, m)
-        # (d + 3, m); the last row takes the key offset (log2 units, see _RunningMax) off inside the GEMM
-        self.wk = torch.cat([torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E, -ones], -1).T.contiguous()
+        # (d + 2, m), and with key_offset a last row that takes the offset (log2 units) off inside the GEMM
+        wk = [torch.cat([self.ws, ones, -half_w_sq], -1) * _LOG2E] + [-ones] * key_offset
+        self.wk = torch.cat(wk, -1).T.contiguous()
         self.wk_grad = torch.cat([self.ws, ones], -1)  # (m, d + 1): the last column sums du over m
 
     def into(self, x_aug, out, is_query, adjust=None):
@@ -117,14 +119,14 @@ class _BlockWork:
     last block."""
 
     def __init__(self, b, h, d, m, device, backward=False):
-        self.args = (b, h, d, m, device, backward)
+        self.args = (b, h, d, m, device, backward)  # key_offset: the bidirectional walk always has one
         self.works = {}
 
     def __call__(self, rows):
         r = rows.stop - rows.start
         if r not in self.works:
             b, h, d, m, device, backward = self.args
-            self.works[r] = _Work(b, h, d, m, r, 1, device, backward)
+            self.works[r] = _Work(b, h, d, m, r, 1, device, backward, key_offset=True)
         return self.works[r]
 
 
@@ -186,7 +188,7 @@ class FavorBidirectional(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps):
-        phi = _FeatureMap(w, scale, kernel, eps)
+        phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
@@ -216,7 +218,7 @@ class FavorBidirectional(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, w, keep, kv, out, den, offset = ctx.saved_tensors
         kernel, scale, eps = ctx.settings
-        phi = _FeatureMap(w, scale, kernel, eps)
+        phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
         work = _BlockWork(b, h, d, w.shape[0], v.device, backward=True)
         inv = _inverse(den)
@@ -273,13 +275,14 @@ class _Work:
     """Chunk-major work space of the causal walk for one block, (nc, b h, C, .), allocated once per call and
     reused block after block: fresh allocations of this size cost page faults on every block."""
 
-    def __init__(self, b, h, d, m, c, nc, device, backward=False):
+    def __init__(self, b, h, d, m, c, nc, device, backward=False, key_offset=False):
         new = lambda f: torch.empty(nc, b * h, c, f, dtype=torch.float32, device=device)  # noqa: E731
         self.b, self.h, self.d, self.c = b, h, d, c
-        self.xq, self.xk, self.va = new(d + 1), new(d + 3), new(d + 1)
+        self.xq, self.xk, self.va = new(d + 1), new(d + 2 + key_offset), new(d + 1)
         self.xq[..., d] = 1
         self.xk[..., d : d + 2] = 1
-        self.xk[..., d + 2] = 0  # the key offset, 0 unless set_offset
+        if key_offset:
+            self.xk[..., d + 2] = 0  # 0 until set_offset
         self.pq, self.pk = new(m), new(m)
         if backward:
             self.gc, self.scratch, self.dx, self.dphi = new(d + 1), new(d), new(d + 1), new(m)
