@@ -291,6 +291,17 @@ def train(args: TrainArguments) -> dict:
         # follows the same learning-rate schedule on one process or many
         step_scheduler_with_optimizer=False,
     )
+    checkpoints = output / "checkpoints"
+    if not args.resume and checkpoints.is_dir() and any(checkpoints.iterdir()):  # before any data work
+        if not args.overwrite_output_dir:
+            raise ValueError(
+                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume true to continue it, "
+                "--overwrite_output_dir true to start over (deleting them), or choose another output_dir"
+            )
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(checkpoints)
+        accelerator.wait_for_everyone()
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer())
     # fail on a block size the model cannot take before any data work
@@ -324,16 +335,16 @@ def train(args: TrainArguments) -> dict:
     layout = {"per_device_batch_size": args.per_device_batch_size, "num_processes": accelerator.num_processes}
     # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
     progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
-    checkpoints = output / "checkpoints"
     if args.resume:
         folder = latest_checkpoint(checkpoints)
         if folder is None:
             logger.warning(f"--resume: no checkpoint under {checkpoints}; starting from scratch")
         else:
-            progress = {**progress, **load_checkpoint(accelerator, folder)}
+            loaded = load_checkpoint(accelerator, folder)
+            if "rows" not in loaded:  # a checkpoint from before rows were recorded: it had this layout's count
+                loaded["rows"] = loaded["batches"] * args.per_device_batch_size * accelerator.num_processes
+            progress = {**progress, **loaded}
             saved = progress["layout"]
-            if "rows" not in progress:  # a checkpoint from before rows were recorded: it had this layout's count
-                progress["rows"] = progress["batches"] * args.per_device_batch_size * accelerator.num_processes
             if saved != layout:
                 logger.warning(
                     f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
@@ -341,16 +352,6 @@ def train(args: TrainArguments) -> dict:
                 )
                 progress["layout"] = layout
             accelerator.print(f"resumed from {folder} at step {progress['step']}")
-    elif checkpoints.is_dir() and any(checkpoints.iterdir()):
-        if not args.overwrite_output_dir:
-            raise ValueError(
-                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume true to continue it, "
-                "--overwrite_output_dir true to start over (deleting them), or choose another output_dir"
-            )
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(checkpoints)
-        accelerator.wait_for_everyone()
 
     bar = tqdm(
         total=args.max_steps, initial=progress["step"], disable=not (args.progress_bar and accelerator.is_main_process)

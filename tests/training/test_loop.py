@@ -366,10 +366,14 @@ def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_f
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch, caplog):
+def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch):
     """Rows consumed are recorded, not batches: after 2 steps of 4 rows, a resume with batch 8 skips 8 rows,
     not 16, and says that the run is no longer identical to an uninterrupted one."""
     import json
+
+    from transformers.testing_utils import CaptureLogger
+
+    from linearformers.training import loop
 
     common = dict(train_file=text_file, block_size=32, max_steps=4, save_every=2)
     with monkeypatch.context() as patch:
@@ -378,9 +382,28 @@ def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_f
             train(_args(tmp_path, per_device_batch_size=4, **common))
     saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
     assert (saved["rows"], saved["batches"], len(saved["train_loss"])) == (8, 2, 2)
-    train(_args(tmp_path, per_device_batch_size=8, resume=True, **common))
+    with CaptureLogger(loop.logger) as captured:
+        train(_args(tmp_path, per_device_batch_size=8, resume=True, **common))
+    assert "no longer identical to an uninterrupted run" in captured.out
     saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
     assert (saved["step"], saved["rows"], saved["layout"]["per_device_batch_size"]) == (4, 8 + 2 * 8, 8)
+
+
+def test_resume_from_a_checkpoint_that_predates_the_row_count(tmp_path, text_file, monkeypatch):
+    """Older checkpoints recorded batches only: their position is batches x batch size x processes."""
+    import json
+
+    common = dict(train_file=text_file, block_size=32, max_steps=4, save_every=2, per_device_batch_size=4)
+    with monkeypatch.context() as patch:
+        _interrupt_after_checkpoint(patch, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train(_args(tmp_path, **common))
+    progress_file = latest_checkpoint(tmp_path / "checkpoints") / "progress.json"
+    old = json.loads(progress_file.read_text())
+    progress_file.write_text(json.dumps({key: old[key] for key in ("step", "epoch", "batches")}))
+    train(_args(tmp_path, resume=True, **common))
+    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
+    assert (saved["step"], saved["rows"]) == (4, 16)
 
 
 def test_checkpoints_of_an_earlier_run_are_never_silently_mixed_or_pruned(tmp_path, text_file):

@@ -55,7 +55,6 @@ class _FeatureMap:
 
     def __init__(self, w, scale, kernel, eps, key_offset=False):
         self.kernel, self.eps, self.scale = kernel, eps, scale
-        self.key_offset = key_offset  # keys carry an offset column (the bidirectional walk's _RunningMax)
         self.ws = w * math.sqrt(scale)  # (m, d)
         half_w_sq = 0.5 * w.pow(2).sum(-1, keepdim=True)
         if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
@@ -163,22 +162,21 @@ class _RunningMax:
     the exponents are taken relative to the running maximum and the sums kept so far are rescaled when it
     grows (as flash attention does for softmax). Backward recomputes the features with the final offset."""
 
-    def __init__(self, rows, kv, work):
-        self.kv, self.work = kv, work
+    def __init__(self, rows, kv):
+        self.kv = kv
         self.seen = torch.full((1, rows, 1, 1), -math.inf, dtype=torch.float32, device=kv.device)
         self.offset = torch.zeros_like(self.seen)  # taken off by the GEMM: the maximum, or 0 while no real key
 
     def __call__(self, u, keep):
         """u: a block's exponents minus the current offset. Moves the offset when the block changes the maximum
-        (on CPU only then: most blocks do not, and the GEMM already took the offset off)."""
+        (on CPU only then: most blocks do not, and the GEMM already took the offset off). The walk hands the new
+        offset to each block's work space before its GEMM."""
         seen = torch.maximum(self.seen, _row_max(u, keep).amax(dim=-2, keepdim=True) + self.offset)
         offset = _finite_or_zero(seen)
         if u.device.type != "cpu" or bool((offset != self.offset).any()):
             u.sub_(offset - self.offset)
             self.kv.mul_(_rescale(self.seen, seen).view(-1, 1, 1))
             self.offset = offset
-            for work in self.work.works.values():
-                work.set_offset(offset)
         self.seen = seen
 
 
@@ -193,11 +191,11 @@ class FavorBidirectional(torch.autograd.Function):
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
         work = _BlockWork(b, h, d, m, v.device)
-        shift = _RunningMax(b * h, kv, work) if kernel != "relu" else None
+        shift = _RunningMax(b * h, kv) if kernel != "relu" else None
         for rows in _row_slices(k.shape[2]):
             wr = work(rows)
             if shift is not None:
-                wr.set_offset(shift.offset)  # a block length's first work space starts at the current offset
+                wr.set_offset(shift.offset)
             pk, va, _ = wr.keys(phi, k, v, keep, rows, 1, shift)
             kv.baddbmm_(pk[0].transpose(1, 2), va[0])
         offset = None if shift is None else shift.offset

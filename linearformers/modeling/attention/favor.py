@@ -97,16 +97,20 @@ def favor_features(
     head_dim = x.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     w = projection.to(device=x.device, dtype=torch.float32)
-    x = x.float() * math.sqrt(scale)
-    u = torch.matmul(x, w.T)  # (b, h, n, m)
     if kernel == "relu":
-        return torch.relu(u) + kernel_eps
-    x_sq = 0.5 * x.pow(2).sum(-1, keepdim=True)
-    w_sq = 0.5 * w.pow(2).sum(-1)
+        return torch.relu(torch.matmul(x.float() * math.sqrt(scale), w.T)) + kernel_eps
     if is_query:
-        logits = u - x_sq + w_sq
+        logits = _exponents(x, w, scale, is_query=True)
         return torch.exp(logits - logits.amax(dim=-1, keepdim=True).detach())
-    return torch.exp(u - x_sq - w_sq)
+    return torch.exp(_exponents(x, w, scale, is_query=False))
+
+
+def _exponents(x, w, scale, *, is_query):
+    """The softmax features' exponents, float32 (b, h, n, m): w·x' - |x'|²/2 -/+ |w|²/2 (keys / queries)."""
+    x = x.float() * math.sqrt(scale)
+    w_sq = 0.5 * w.pow(2).sum(-1)
+    u = torch.matmul(x, w.T) - 0.5 * x.pow(2).sum(-1, keepdim=True)
+    return u + w_sq if is_query else u - w_sq
 
 
 def _masked_inputs(
@@ -204,16 +208,15 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
     """Causal FAVOR+ with each position's keys taken relative to the prefix maximum M_t of the key exponents (real
     keys up to t), for keys of large norm whose features underflow at offset 0. Every factor is <= 1:
 
-        intra-chunk scores   phi_q(t)·phi_k(s) 2^(M_s - M_t),   s <= t
-        earlier chunks       2^(M_end - M_t) phi_q(t) S,        S kept relative to M_end, the previous chunk's last M
-        state update         S <- 2^(M_end - M_end') S + Σ_s 2^(M_s - M_end') phi_k(s) [v_s, 1]ᵀ
+        intra-chunk scores   phi_q(t)·phi_k(s) exp(M_s - M_t),   s <= t
+        earlier chunks       exp(M_end - M_t) phi_q(t) S,        S kept relative to M_end, the last M of the chunk before
+        state update         S <- exp(M_end - M_end') S + Σ_s exp(M_s - M_end') phi_k(s) [v_s, 1]ᵀ
 
     and nothing reads past t (M_t is a prefix maximum), so it stays causal; the offsets cancel in N / D. Plain
     autograd (it stores per-chunk tensors): the fallback of the rare calls where the fast walk lost positions.
     Returns (out in v's dtype, (S, z) at offset 0, which may underflow as before)."""
     n = q.shape[2]
-    x = k.float() * math.sqrt(scale)
-    u = x @ w.T - 0.5 * x.pow(2).sum(-1, keepdim=True) - 0.5 * w.pow(2).sum(-1)  # key exponents, (b, h, n, m)
+    u = _exponents(k, w, scale, is_query=False)
     vf = torch.cat([v.float(), torch.ones_like(v[..., :1], dtype=torch.float32)], -1)  # [v, 1]: N and D at once
     if mask is not None:
         u = u.masked_fill(~mask[:, None, :, None], -math.inf)
@@ -226,7 +229,7 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
         pq, pk, va, top = phi_q[:, :, rows], phi_k[:, :, rows], vf[:, :, rows], prefix[:, :, rows]
-        scale_ts = torch.exp(top[..., None, :] - top[..., :, None]).tril()  # [t, s] = 2^(M_s - M_t), s <= t
+        scale_ts = torch.exp(top[..., None, :] - top[..., :, None]).tril()  # [t, s] = exp(M_s - M_t), s <= t
         num = ((pq @ pk.transpose(-1, -2)) * scale_ts) @ va
         end = top[..., -1]
         if state is not None:
