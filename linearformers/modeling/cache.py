@@ -1,7 +1,7 @@
 """Decoding cache for linear attention: a fixed-size recurrent state per layer, in transformers' cache layers.
 
-Each model layer gets one ``transformers.cache_utils.LinearAttentionLayer`` with two recurrent states:
-  * Performer: S = Σ phi(k) vᵀ (b, h, m, d) and z = Σ phi(k) (b, h, m);
+Each model layer gets one ``transformers.cache_utils.LinearAttentionLayer`` with up to three recurrent states:
+  * Performer: S = Σ phi(k) vᵀ (b, h, m, d), z = Σ phi(k) (b, h, m) and their offset M (b, h) (see favor_step);
   * causal Linformer: the slot states K̃ and Ṽ (b, h, k, d).
 Local windowed heads keep their last ``local_window - 1`` keys and values in the layer's conv state, laid out
 (b, h, 2d + 1, tokens): keys, values, and a validity channel that masks left padding and the zeros the cache
@@ -21,7 +21,8 @@ class LinearAttentionCache(DynamicCache):
     ``generate()`` reads through ``get_seq_length()``, since the states themselves have no length."""
 
     def __init__(self, num_layers: int):
-        Cache.__init__(self, layers=[LinearAttentionLayer(number_of_states=2) for _ in range(num_layers)])
+        # three states: Performer keeps (S, z, M), causal Linformer (K̃, Ṽ) and leaves the third unset
+        Cache.__init__(self, layers=[LinearAttentionLayer(number_of_states=3) for _ in range(num_layers)])
         self.seen_tokens = 0
 
     @property
@@ -32,9 +33,15 @@ class LinearAttentionCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def get_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        first = self.get_recurrent_state(layer_idx, 0)
-        return None if first is None else (first, self.get_recurrent_state(layer_idx, 1))
+    def get_state(self, layer_idx: int) -> tuple[torch.Tensor, ...] | None:
+        """The layer's recurrent states in order, or None before its first call."""
+        states = []
+        for idx in range(self.layers[layer_idx].number_of_states):
+            tensor = self.get_recurrent_state(layer_idx, idx)
+            if tensor is None:
+                break
+            states.append(tensor)
+        return tuple(states) or None
 
     def set_state(self, layer_idx: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
         layer = self.layers[layer_idx]

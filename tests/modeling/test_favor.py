@@ -310,6 +310,20 @@ def test_causal_forward_without_a_graph_keeps_nothing_for_backward(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _float64_reference(q, k, v, w, mask=None, causal=True):
+    """FAVOR+ with Lemma 1's features in float64, where nothing underflows: exp(w·k' - |k'|²/2) for keys,
+    exp(w·q' - c) for queries (per-query constants cancel)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    root = q.shape[-1] ** -0.25
+    u_q = (q * root) @ w.double().T
+    phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True).detach())
+    u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
+    keep = torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64) if mask is None else mask[:, None, :, None]
+    a = phi_q @ (torch.exp(u_k) * keep).transpose(-1, -2)
+    a = a.tril() if causal else a
+    return (a @ (v * keep)) / a.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [1, 3])
 def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks, monkeypatch):
@@ -334,14 +348,7 @@ def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks, monkey
     out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
     g = torch.randn_like(out)
     fast = torch.autograd.grad(out, (q, k, v), g)
-    # Lemma 1's features in float64 (no underflow): exp(w·k' - |k'|²/2) for keys, exp(w·q' - c) for queries
-    root = 16**-0.25
-    u_q = (q * root) @ w.double().T
-    phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True).detach())
-    u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
-    a = phi_q @ (torch.exp(u_k) * mask[:, None, :, None]).transpose(-1, -2)
-    a = a.tril() if causal else a
-    naive = (a @ (v * mask[:, None, :, None])) / a.sum(-1, keepdim=True).clamp_min(1e-300)
+    naive = _float64_reference(q, k, v, w, mask, causal)
     torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-5)
     slow = torch.autograd.grad(naive, (q, k, v), g)
     for name, f, s in zip("qkv", fast, slow):  # float32 work: errors ~1e-5 of the largest gradient
@@ -403,3 +410,103 @@ def test_hand_written_backwards_refuse_a_second_derivative():
             RuntimeError, match="once_differentiable|does not require grad|not have been used in the graph"
         ):
             torch.autograd.grad(dq.pow(2).sum(), q)
+
+
+def _large_keys(n=29):
+    q, k, v = _qkv(n=n, seed=5)
+    k = k * 10.0  # |k'| ~ 20: most key features underflow at offset 0
+    k[:, :, 3] *= 0.05  # and one key of moderate norm among them
+    return q, k, v
+
+
+def test_decoding_steps_keep_keys_of_large_norm():
+    """favor_step keeps its state relative to an offset M that follows the keys, so keys whose features underflow
+    at offset 0 count in decoding as in the stabilized causal pass and the float64 reference."""
+    q, k, v = _large_keys()
+    w = draw_random_features(24, 16, seed=2)
+    reference = _float64_reference(q, k, v, w).float()
+    state, steps, offsets = None, [], []
+    for t in range(q.shape[2]):
+        out, state = favor_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], w, state)
+        steps.append(out)
+        offsets.append(state[2])
+    torch.testing.assert_close(torch.cat(steps, 2), reference, rtol=1e-4, atol=1e-5)
+    assert (offsets[0] < -30).all(), "the offset must follow the first (large) key down"
+    assert (offsets[3] > offsets[2]).all(), "and come back up for the moderate key"
+    # a prefill through the fast walk's fallback, then steps from its state
+    head, state = favor_attention(
+        q[:, :, :20], k[:, :, :20], v[:, :, :20], w, causal=True, chunk_size=8, return_state=True
+    )
+    tail = []
+    for t in range(20, q.shape[2]):
+        out, state = favor_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], w, state)
+        tail.append(out)
+    torch.testing.assert_close(torch.cat([head, *tail], 2), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 13, 20])
+def test_continued_prefill_keeps_keys_of_large_norm(split):
+    q, k, v = _large_keys()
+    mask = torch.ones(2, q.shape[2], dtype=torch.bool)
+    mask[1, :6] = False  # left padding, all inside the first piece
+    w = draw_random_features(24, 16, seed=2)
+    reference = _float64_reference(q, k, v, w, mask).float()
+    pieces = [slice(0, split), slice(split, q.shape[2])]
+    head, state = favor_attention(
+        *(x[:, :, pieces[0]] for x in (q, k, v)),
+        w,
+        causal=True,
+        chunk_size=8,
+        key_padding_mask=mask[:, pieces[0]],
+        return_state=True,
+    )
+    tail, state = favor_attention(
+        *(x[:, :, pieces[1]] for x in (q, k, v)),
+        w,
+        causal=True,
+        chunk_size=8,
+        key_padding_mask=mask[:, pieces[1]],
+        initial_state=state,
+        return_state=True,
+    )
+    out = torch.cat([head, tail], 2)
+    torch.testing.assert_close(out[0], reference[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1, :, 6:], reference[1, :, 6:], rtol=1e-4, atol=1e-5)
+    # the state ends where a step-by-step decode ends: the same true sums exp(M) S, exp(M) z
+    stepped = None
+    for t in range(q.shape[2]):
+        _, stepped = favor_step(
+            *(x[:, :, t : t + 1] for x in (q, k, v)), w, stepped, key_padding_mask=mask[:, t : t + 1]
+        )
+    for a, b in zip(state[:2], stepped[:2]):
+        shift = (state[2] - stepped[2]).view(*state[2].shape, *([1] * (a.dim() - 2)))
+        torch.testing.assert_close(a * torch.exp(shift), b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
+def test_moderate_keys_leave_the_offset_at_zero():
+    """The fast walk's state is at offset 0, and steps with keys of moderate norm never move it: the states of
+    prefill and decoding agree entry for entry (the chunked-vs-recurrent test compares S and z)."""
+    q, k, v = _qkv(n=40)
+    w = draw_random_features(32, 16, seed=4)
+    _, state = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
+    assert len(state) == 3 and (state[2] == 0).all()
+    for t in range(q.shape[2]):
+        _, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state)
+        assert (state[2] == 0).all()
+
+
+def test_bad_decoding_states_raise():
+    q, k, v = _qkv(n=4)
+    w = draw_random_features(8, 16, seed=0)
+    one = tuple(x[:, :, :1] for x in (q, k, v))
+    _, state = favor_step(*one, w, None)
+    with pytest.raises(ValueError, match="state must be"):
+        favor_step(*one, w, (state[0][:, :, :4], state[1]))
+    with pytest.raises(ValueError, match="state must be"):
+        favor_step(*one, w, (state[0], state[1], state[2][:1]))
+    with pytest.raises(TypeError, match="tuple"):
+        favor_step(*one, w, state[0])
+    with pytest.raises(ValueError, match="state must be"):
+        favor_attention(q, k, v, w, causal=True, initial_state=(state[0], state[1][..., :3]))
+    # a two-tensor state is one at offset 0
+    torch.testing.assert_close(favor_step(*one, w, state[:2])[0], favor_step(*one, w, state)[0])

@@ -250,3 +250,23 @@ def test_a_cached_linformer_refuses_padding_after_the_prefill():
         mask[1, 8] = 0
         with pytest.raises(ValueError, match="padding belongs in the first"):
             model(ids[:, 6:], attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+def test_keys_of_large_norm_decode_like_the_full_forward():
+    """Keys whose FAVOR+ features underflow at offset 0 (a key projection scaled up): the prefill takes the
+    stabilized causal path, and the cached state carries an offset M that decoding steps move, so cached decoding
+    gives the logits of the full forward instead of losing those keys."""
+    model = _lm("performer")
+    with torch.no_grad():
+        for layer in range(model.config.num_hidden_layers):
+            model.get_submodule(f"model.layers.{layer}.attention.k_proj").weight.mul_(300.0)
+    ids = torch.randint(1, 99, (2, 14), generator=torch.Generator().manual_seed(3))
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        steps = [model(ids[:, :8], past_key_values=cache, use_cache=True).logits]
+        for t in range(8, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    offsets = torch.stack([cache.get_state(i)[2] for i in range(model.config.num_hidden_layers)])
+    assert (offsets < -30).any(), "the keys must be large enough to need an offset"

@@ -392,7 +392,7 @@ class FavorCausal(torch.autograd.Function):
     memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of backward at
     about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
     activation checkpointing, offloading) the pairs go through save_for_backward instead, so the hooks manage
-    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z),
+    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z) at offset 0,
     not differentiable."""
 
     @staticmethod

@@ -13,8 +13,11 @@ that depends on the feature only, never on other tokens:
     phi_q(q)_i = exp(w_i·q - |q|²/2 + |w_i|²/2 - max_j[...])                (per-query max, in (0, 1])
 
 The two shifts cancel in phi_q·phi_k, and the per-query max cancels between numerator and denominator. Each
-feature of a key depends on that key alone, so causal outputs never see the future and the recurrent
-decoding state needs no rescaling.
+feature of a key depends on that key alone, so causal outputs never see the future, and for keys of moderate
+norm the recurrent decoding state needs no rescaling. Keys of large norm (|k| scale^½ beyond ~15), whose
+features underflow float32 at this offset, are taken relative to a maximum of earlier key exponents instead:
+a running one (bidirectional), a prefix one per position (causal; rare calls only), and the decoding state's
+offset M (see favor_step).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ._favor_autograd import FavorBidirectional, FavorCausal
 
 KERNELS = ("softmax", "relu")
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
+_NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet
 
 
 def draw_random_features(
@@ -158,8 +162,9 @@ def favor_attention(
             each block of 256 positions and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
             backward frees block by block as it goes, plus O(256 (m + C)) of work space; never the O(n m d)
             per-position prefix tensor, nor an (n x m) feature map.
-        initial_state: causal only, a (S, z) state from an earlier call: S (b, h, m, d_v), z (b, h, m).
-        return_state: causal only, also return the final state (S, z) for recurrent decoding.
+        initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
+            S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
+        return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
@@ -192,19 +197,71 @@ def favor_attention(
         # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
         track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         out, s_final, z_final, lost = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track)
+        state = (s_final, z_final, s_final.new_zeros(s_final.shape[:2]))  # the walk runs at offset M = 0
         if kernel == "softmax" and not torch.compiler.is_compiling() and bool(lost):
             # keys of large norm underflowed at offset 0: redo this call with per-position offsets
-            out, (s_final, z_final) = _causal_stabilized(q, k, v, w, mask, scale, chunk_size)
-        return (out, (s_final, z_final)) if return_state else out
-    phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-    phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-    phi_k, vf = _masked_inputs(phi_k, v, mask)
-    out, state = _causal_chunked(phi_q, phi_k, vf, chunk_size, initial_state)
-    out = out.to(v.dtype)
+            out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size)
+        return (out, state) if return_state else out
+    initial_state = _unpack_state(initial_state, q, v, w)
+    if kernel == "softmax":  # offsets per position, continuing from the state's own
+        out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state, detach_state=False)
+    else:
+        phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+        phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+        phi_k, vf = _masked_inputs(phi_k, v, mask)
+        out, (s, z) = _causal_chunked(phi_q, phi_k, vf, chunk_size, _at_offset_zero(initial_state))
+        out, state = out.to(v.dtype), (s, z, torch.zeros_like(initial_state[2]))  # ReLU features need no offset
     return (out, state) if return_state else out
 
 
-def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
+_OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it sits this far (in e-folds) below
+
+
+def _unpack_state(state, q, v, w):
+    """(S, z, M) float32 from a state given as (S, z, M), (S, z) (M = 0) or None (empty), with its shapes checked."""
+    b, h = q.shape[:2]
+    m, d = w.shape[0], v.shape[-1]
+    if state is None:
+        s = torch.zeros(b, h, m, d, dtype=torch.float32, device=q.device)
+        return s, s.new_zeros(b, h, m), s.new_zeros(b, h)
+    if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+        raise TypeError(f"a FAVOR+ state is a tuple (S, z) or (S, z, M), got {type(state).__name__}")
+    if not all(isinstance(t, torch.Tensor) for t in state):
+        raise TypeError("a FAVOR+ state holds tensors: (S, z) or (S, z, M)")
+    s, z = state[0], state[1]
+    offset = state[2] if len(state) == 3 else torch.zeros(b, h, dtype=torch.float32, device=s.device)
+    expected = ((b, h, m, d), (b, h, m), (b, h))
+    if (tuple(s.shape), tuple(z.shape), tuple(offset.shape)) != expected:
+        raise ValueError(
+            f"the state must be S {expected[0]}, z {expected[1]} and M {expected[2]} for these inputs, got "
+            f"{tuple(s.shape)}, {tuple(z.shape)} and {tuple(offset.shape)}"
+        )
+    return s.float(), z.float(), offset.float()
+
+
+def _at_offset_zero(state):
+    """(S, z) of a (S, z, M) state as true sums, exp(M) S and exp(M) z."""
+    s, z, offset = state
+    factor = torch.exp(offset)
+    return s * factor[..., None, None], z * factor[..., None]
+
+
+def _state_level(z, offset):
+    """log of the largest entry of z in absolute terms, M + log max z: -inf for an empty state."""
+    return offset + torch.log(z.detach().amax(-1))
+
+
+def _moved_offset(offset, top, level):
+    """The state's next offset, per (batch, head): up to the new key's top exponent when that exceeds it (its
+    features would pass 1), down to the highest of the key and the state when both sit more than _OFFSET_SLACK
+    e-folds below it (they would head for float32's underflow); otherwise unchanged, so a state of moderate keys
+    stays at offset 0, as the chunked walk leaves it."""
+    target = torch.maximum(top, level)
+    move = ((top > offset) | (target < offset - _OFFSET_SLACK)) & torch.isfinite(target)
+    return torch.where(move, target, offset)
+
+
+def _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state=None, detach_state=True):
     """Causal FAVOR+ with each position's keys taken relative to the prefix maximum M_t of the key exponents (real
     keys up to t), for keys of large norm whose features underflow at offset 0. Every factor is <= 1:
 
@@ -212,9 +269,11 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
         earlier chunks       exp(M_end - M_t) phi_q(t) S,        S kept relative to M_end, the last M of the chunk before
         state update         S <- exp(M_end - M_end') S + Σ_s exp(M_s - M_end') phi_k(s) [v_s, 1]ᵀ
 
-    and nothing reads past t (M_t is a prefix maximum), so it stays causal; the offsets cancel in N / D. Plain
-    autograd (it stores per-chunk tensors): the fallback of the rare calls where the fast walk lost positions.
-    Returns (out in v's dtype, (S, z) at offset 0, which may underflow as before)."""
+    and nothing reads past t (M_t is a prefix maximum), so it stays causal; the offsets cancel in N / D. An
+    ``initial_state`` (S, z, M) enters as the state before the first chunk, at the level of its largest entry,
+    log max z + M, which every later M_t is at least. Plain autograd (it stores per-chunk tensors): the fallback of
+    the rare calls where the fast walk lost positions, and continued prefills. Returns (out in v's dtype,
+    (S, z, M)): the final state kept relative to its offset M (b, h), the last M_t, so it does not underflow."""
     n = q.shape[2]
     u = _exponents(k, w, scale, is_query=False)
     vf = torch.cat([v.float(), torch.ones_like(v[..., :1], dtype=torch.float32)], -1)  # [v, 1]: N and D at once
@@ -222,10 +281,18 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
         u = u.masked_fill(~mask[:, None, :, None], -math.inf)
         vf = vf * mask[:, None, :, None]
     prefix = torch.cummax(u.detach().amax(-1), dim=-1).values  # (b, h, n), -inf before the first real key
-    prefix = torch.where(torch.isfinite(prefix), prefix, torch.full_like(prefix, -1e30))
+    state, end_prev = None, None
+    if initial_state is not None:
+        s0, z0, m0 = initial_state
+        level = _state_level(z0, m0)  # -inf for an empty state
+        prefix = torch.maximum(prefix, level[..., None])
+        end_prev = torch.where(torch.isfinite(level), level, torch.full_like(level, _NOTHING))
+        factor = torch.where(torch.isfinite(level), torch.exp(m0 - end_prev), torch.zeros_like(level))
+        state = torch.cat([s0, z0[..., None]], -1) * factor[..., None, None]  # relative to end_prev
+    prefix = torch.where(torch.isfinite(prefix), prefix, torch.full_like(prefix, _NOTHING))
     phi_k = torch.exp(u - prefix[..., None])
     phi_q = favor_features(q, w, is_query=True, scale=scale)
-    nums, state, end_prev = [], None, None
+    nums = []
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
         pq, pk, va, top = phi_q[:, :, rows], phi_k[:, :, rows], vf[:, :, rows], prefix[:, :, rows]
@@ -240,8 +307,10 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size):
         end_prev = end
     num = torch.cat(nums, 2)
     out = (num[..., :-1] / num[..., -1:].clamp_min(_TINY)).to(v.dtype)
-    state = (state * torch.exp(end_prev)[..., None, None]).detach()
-    return out, (state[..., :-1], state[..., -1])
+    offset = torch.where(end_prev > _NOTHING, end_prev, torch.zeros_like(end_prev)).detach()  # 0: nothing seen yet
+    if detach_state:
+        state = state.detach()
+    return out, (state[..., :-1], state[..., -1], offset)
 
 
 def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
@@ -266,10 +335,6 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
     z_prefix = torch.cat([torch.zeros_like(z_chunk[:, :, :1]), z_incl[:, :, :-1]], dim=2)
     if initial_state is not None:
         s0, z0 = initial_state
-        if s0.shape != (b, h, m, d) or z0.shape != (b, h, m):
-            raise ValueError(
-                f"initial_state must be (S {(b, h, m, d)}, z {(b, h, m)}), got {tuple(s0.shape)}, {tuple(z0.shape)}"
-            )
         kv_prefix = kv_prefix + s0.float().unsqueeze(2)
         z_prefix = z_prefix + z0.float().unsqueeze(2)
     tril = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
@@ -286,30 +351,54 @@ def favor_step(
     k: torch.Tensor,
     v: torch.Tensor,
     projection: torch.Tensor,
-    state: tuple[torch.Tensor, torch.Tensor] | None,
+    state: tuple[torch.Tensor, ...] | None,
     *,
     key_padding_mask: torch.Tensor | None = None,
     kernel: str = "softmax",
     scale: float | None = None,
     kernel_eps: float = 1e-3,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One recurrent decoding step of causal FAVOR+ for new tokens of length 1.
 
     S_t = S_{t-1} + phi(k_t) v_tᵀ,  z_t = z_{t-1} + phi(k_t),  out_t = phi(q_t) S_t / phi(q_t)·z_t.
     State sizes are fixed: S (b, h, m, d_v), z (b, h, m), so a step costs the same at any context length.
-    ``key_padding_mask`` (batch, 1) drops a padded new token from the state. Returns (out, (S, z)).
+
+    The state is (S, z, M): S and z are kept relative to an offset M (b, h), the true sums being exp(M) S and
+    exp(M) z; a (S, z) state means M = 0. Key features are at most 1 at offset 0 and keys of moderate norm leave
+    M at 0. A key whose features would underflow there (|k| scale^½ beyond ~15) or pass 1 moves M, rescaling S and
+    z by the same factor, which cancels in out_t, so such keys count in decoding as they do in
+    :func:`favor_attention`. ``key_padding_mask`` (batch, 1) drops a padded new token from the state. Returns
+    (out, (S, z, M)).
     """
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=True)
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(
+            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
+        )
+    w = projection.to(device=q.device, dtype=torch.float32)
+    s0, z0, offset = _unpack_state(state, q, v, w)
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-    phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    if kernel == "relu":  # bounded features: the state stays at offset 0
+        phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+        (s0, z0), offset = _at_offset_zero((s0, z0, offset)), torch.zeros_like(offset)
+    else:
+        u = _exponents(k, w, q.shape[-1] ** -0.5 if scale is None else scale, is_query=False)  # (b, h, 1, m)
+        top = u.amax(-1)[..., 0]  # (b, h)
+        if mask is not None:
+            top = top.masked_fill(~mask[:, :1], -math.inf)
+        level = _state_level(z0, offset)
+        moved = _moved_offset(offset, top, level)
+        # 1 where M stays; an empty state (z = 0, so S = 0) takes 0, not exp of a gap that may overflow
+        factor = torch.where(torch.isfinite(level), torch.exp(offset - moved), torch.zeros_like(level))
+        s0, z0, offset = s0 * factor[..., None, None], z0 * factor[..., None], moved
+        phi_k = torch.exp(u - offset[..., None, None])
     phi_k, vf = _masked_inputs(phi_k, v, mask)
-    s_new = torch.matmul(phi_k.transpose(-1, -2), vf)  # (b, h, m, d)
-    z_new = phi_k.squeeze(2)
-    if state is not None:
-        s_new = s_new + state[0].float()
-        z_new = z_new + state[1].float()
+    s_new = torch.matmul(phi_k.transpose(-1, -2), vf) + s0  # (b, h, m, d)
+    z_new = phi_k.squeeze(2) + z0
     num = torch.matmul(phi_q, s_new)
     den = torch.matmul(phi_q, z_new.unsqueeze(-1))
-    return (num / den.clamp_min(_TINY)).to(v.dtype), (s_new, z_new)
+    return (num / den.clamp_min(_TINY)).to(v.dtype), (s_new, z_new, offset)
