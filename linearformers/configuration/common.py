@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -33,6 +34,16 @@ def _matches(value, hint) -> bool:
     if hint is str:
         return isinstance(value, str)
     return True
+
+
+@functools.cache
+def _field_hints(cls) -> dict:
+    """The annotated fields of a config class and its bases up to LinearAttentionConfig, resolved to types."""
+    hints = {}
+    for klass in reversed(cls.__mro__):
+        if issubclass(klass, LinearAttentionConfig):
+            hints.update(inspect.get_annotations(klass, eval_str=True))
+    return hints
 
 
 def _type_name(hint) -> str:
@@ -99,15 +110,21 @@ class LinearAttentionConfig(PreTrainedConfig):
     def _check_field_types(self):
         """TypeError naming the field for a value of the wrong type (hidden_size=16.0, is_decoder="yes"), instead
         of a failure deep inside model construction. (@strict cannot check these: the annotations are strings.)"""
-        for klass in type(self).__mro__:
-            if klass is LinearAttentionConfig.__base__:
-                break
-            for name, hint in inspect.get_annotations(klass, eval_str=True).items():
-                value = getattr(self, name, None)
-                if not _matches(value, hint):
-                    raise TypeError(
-                        f"{type(self).__name__}.{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}"
-                    )
+        for name in _field_hints(type(self)):
+            self._check_field_type(name, getattr(self, name, None))
+
+    def _check_field_type(self, name, value):
+        hint = _field_hints(type(self)).get(name)
+        if hint is not None and not _matches(value, hint):
+            raise TypeError(
+                f"{type(self).__name__}.{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}"
+            )
+
+    def __setattr__(self, name, value):
+        # assignment after construction (config.hidden_size = 16.0) gets the same type check as the constructor;
+        # values are checked together (validate_architecture) when the config is built or a model is made from it
+        self._check_field_type(name, value)
+        super().__setattr__(name, value)
 
     def validate_architecture(self):
         self._check_field_types()

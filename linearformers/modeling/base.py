@@ -96,6 +96,9 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
 
     def __init__(self, config, add_pooling_layer: bool = True):
         super().__init__(config)
+        # the construction-time checks again: fields may have been set one by one since (config.num_attention_heads
+        # = 5 with hidden_size 768 fails here, naming both, rather than in a reshape)
+        config.validate_architecture()
         self.embeddings = LinearAttentionEmbeddings(config)
         self.layers = nn.ModuleList([LinearAttentionLayer(config, i) for i in range(config.num_hidden_layers)])
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.is_decoder else None

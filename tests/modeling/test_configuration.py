@@ -1,6 +1,7 @@
 import re
 
 import pytest
+from transformers import AutoModel
 
 from linearformers import LinformerConfig, PerformerConfig
 
@@ -95,6 +96,20 @@ def test_max_seq_length_defaults_to_max_position_embeddings():
 def test_values_of_the_wrong_type_raise_a_type_error_naming_the_field(cls, kwargs, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         cls(**kwargs)
+
+
+def test_assignment_after_construction_is_type_checked_and_models_recheck_values():
+    cfg = PerformerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64)
+    with pytest.raises(TypeError, match=re.escape("PerformerConfig.hidden_size must be int, got float 16.0")):
+        cfg.hidden_size = 16.0
+    assert cfg.hidden_size == 32, "a refused assignment leaves the field as it was"
+    with pytest.raises(TypeError, match="LinformerConfig.projection must be str"):
+        LinformerConfig().projection = 3
+    cfg.hidden_dropout_prob = 0  # an int is a float
+    cfg.custom_note = "anything"  # attributes that are not fields are not checked
+    cfg.num_attention_heads = 5  # a value that only fails together with hidden_size
+    with pytest.raises(ValueError, match="hidden_size=32 is not divisible by num_attention_heads=5"):
+        AutoModel.from_config(cfg)
 
 
 def test_right_types_are_accepted_including_ints_for_floats_and_none_for_optionals():
