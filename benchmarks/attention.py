@@ -1,7 +1,8 @@
 """One attention layer, forward + backward: time and peak memory vs sequence length.
 
 Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
-  SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal),
+  SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal; causal
+  also through the PyTorch walk, `performer_causal_walk`, which the native walk replaces on x86-64 CPUs),
   performer-pytorch FastAttention (bidirectional, causal).
 Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, and lucidrains'
   `linformer` LinformerSelfAttention.
@@ -37,6 +38,7 @@ KERNELS = [
     "linformer",
     "performer",
     "performer_causal",
+    "performer_causal_walk",
     "peer_performer",
     "peer_performer_causal",
 ]
@@ -53,19 +55,23 @@ def _kernel(name: str, n: int):
     from linearformers.modeling.attention import draw_random_features, favor_attention, linformer_attention
 
     if name.startswith("sdpa"):
-        causal = name.endswith("causal")
+        causal = "causal" in name
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if name == "linformer":
         e = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         return lambda q, k, v: linformer_attention(q, k, v, e, f)
     if name.startswith("performer"):
+        if name.endswith("_walk"):  # the PyTorch walk that the native one replaces on x86-64 CPUs
+            from linearformers.modeling.attention import _favor_autograd
+
+            _favor_autograd.NATIVE = False
         w = draw_random_features(M_FEATURES, DIM, seed=0)
-        causal = name.endswith("causal")
+        causal = "causal" in name
         return lambda q, k, v: favor_attention(q, k, v, w, causal=causal, chunk_size=CHUNK)
     from performer_pytorch import FastAttention
 
-    attn = FastAttention(DIM, nb_features=M_FEATURES, causal=name.endswith("causal"))
+    attn = FastAttention(DIM, nb_features=M_FEATURES, causal="causal" in name)
     return attn
 
 
@@ -176,7 +182,7 @@ def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threa
     out = {}
     for n in lengths:
         for name in names:
-            ref = "sdpa_causal" if name.endswith("causal") else "sdpa"
+            ref = "sdpa_causal" if "causal" in name else "sdpa"
             ratios = []
             for _ in range(pairs):
                 a, b = run(ref, n, repeats, threads, timeout), run(name, n, repeats, threads, timeout)
@@ -245,15 +251,15 @@ def main() -> None:
             print(f"| {n} | " + " | ".join(cells) + " |")
 
     print("\nKernel only, forward + backward: seconds (speedup vs SDPA of the same masking), peak MB")
-    table(KERNELS, lambda name: "sdpa_causal" if name.endswith("causal") else "sdpa")
+    table(KERNELS, lambda name: "sdpa_causal" if "causal" in name else "sdpa")
     print("\nFull layer (q/k/v/o projections included)")
     table(LAYERS, lambda name: "layer_sdpa")
     print("\nFAVOR+ matmul efficiency (fraction of the measured matmul rate)")
     for n in lengths:
-        for name in ("performer", "performer_causal"):
+        for name in ("performer", "performer_causal", "performer_causal_walk"):
             row = rows[name][n]
             if row:
-                frac = favor_flops(n, name.endswith("causal")) / row["seconds"] / rate
+                frac = favor_flops(n, "causal" in name) / row["seconds"] / rate
                 rows[name][n]["matmul_fraction"] = frac
                 print(f"  n={n:6d} {name:18s} {frac:.0%}")
     checks = []
@@ -279,7 +285,7 @@ def main() -> None:
     for n in lengths:
         if n >= 4096:
             for name in ("linformer", "performer", "performer_causal"):
-                row, ref = rows[name][n], rows["sdpa_causal" if name.endswith("causal") else "sdpa"][n]
+                row, ref = rows[name][n], rows["sdpa_causal" if "causal" in name else "sdpa"][n]
                 if row and ref:
                     ok = row["peak_mb"] <= ref["peak_mb"]
                     checks.append(

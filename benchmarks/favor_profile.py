@@ -1,8 +1,9 @@
-"""Where causal FAVOR+ spends its time: the figures behind the README's "Why causal FAVOR+ stays short" paragraph.
+"""Where causal FAVOR+ spends its time: the figures behind the README's "Causal FAVOR+ on the CPU" paragraph.
 
 One forward + backward of `favor_attention(causal=True)` at the attention benchmark's shape (12 heads x 64, m = 256,
-chunk 32, float32, 2 threads):
-  1. torch.profiler, ops grouped by input shape, with the GFLOP/s of each batched / plain matmul group;
+chunk 32, float32, 2 threads), through the PyTorch walk (the fallback off x86-64, and the reference), then through
+the native walk (modeling/attention/_native, one opaque call per direction) for comparison:
+  1. torch.profiler on the PyTorch walk, ops grouped by input shape, with the GFLOP/s of each matmul group;
   2. the Python and dispatch overhead: the same call on tiny tensors (1 head x 4, m = 8), whose ops cost ~nothing;
   3. exp against exp2 on one block of features (8 chunks x 12 heads x 32 x 256), the choice in `_FeatureMap`.
 
@@ -18,7 +19,7 @@ import time
 import torch
 from torch.profiler import profile
 
-from linearformers.modeling.attention import draw_random_features, favor_attention
+from linearformers.modeling.attention import _favor_autograd, _native, draw_random_features, favor_attention
 
 _MATMULS = ("aten::baddbmm_", "aten::bmm", "aten::mm")
 
@@ -62,8 +63,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     step = _step(args.n, 12, 64, 256)
+    _favor_autograd.NATIVE = False
     total = _best(step, 3)
-    print(f"causal FAVOR+ n={args.n}: {total:.3f} s forward + backward (best of 3)")
+    print(f"causal FAVOR+ n={args.n}, PyTorch walk: {total:.3f} s forward + backward (best of 3)")
     with profile(record_shapes=True) as prof:
         step()
     events = prof.key_averages(group_by_input_shape=True)
@@ -81,6 +83,12 @@ def main() -> None:
     print(
         f"\nPython and dispatch (same walk on tiny tensors): {overhead * 1e3:.1f} ms, {overhead / total:.0%} of the call"
     )
+
+    if _native.available():
+        _favor_autograd.NATIVE = True
+        native = _best(step, 3)
+        _favor_autograd.NATIVE = False
+        print(f"native walk: {native:.3f} s forward + backward (best of 3), {total / native:.2f}x the PyTorch walk")
 
     x = torch.randn(8, 12, 32, 256) * 3
     y = torch.empty_like(x)

@@ -25,7 +25,12 @@ import sys
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._native import backward as native_backward
+from ._native import forward as native_forward
+from ._native import supports as native_supports
+
 _TINY = 1e-30
+NATIVE = True  # causal FAVOR+ on x86-64 CPUs through the compiled walk in _native when it builds (tests compare both)
 _LOG2E = 1.0 / math.log(2.0)
 _TRIM_BYTES = 16 * 2**20  # causal backward: hand freed CPU memory back to the OS every this many bytes
 
@@ -398,6 +403,9 @@ class FavorCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True):
         b, h, n, d = v.shape
+        ctx.native = _use_native(v, d, w.shape[0], chunk)
+        if ctx.native:
+            return _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk)
         c = min(chunk, n)
         pad = (-n) % c
         phi = _FeatureMap(w, scale, kernel, eps)
@@ -426,6 +434,8 @@ class FavorCausal(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     def backward(ctx, g, _gs, _gz, _lost):
+        if ctx.native:
+            return _native_backward(ctx, g)
         q, k, v, w, keep, out, den, *saved = ctx.saved_tensors
         kernel, scale, eps, c, pad = ctx.settings
         phi = _FeatureMap(w, scale, kernel, eps)
@@ -493,6 +503,45 @@ class FavorCausal(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _use_native(v, d, m, chunk) -> bool:
+    """The compiled walk (_native/favor_causal.cpp) for CPU work it supports, outside torch.compile's tracing (it
+    cannot trace a ctypes call) and unless switched off (NATIVE = False, or LINEARFORMERS_NATIVE=0)."""
+    return NATIVE and not torch.compiler.is_compiling() and native_supports(v, d, m, chunk)
+
+
+def _native_inputs(q, k, v, keep, pad):
+    """float32, contiguous, padded to a whole number of chunks; keep as (b, n) floats, None when all real."""
+    qf, kf, vf = (_pad_rows(t.float(), pad).contiguous() for t in (q, k, v))
+    if pad and keep is None:
+        keep = torch.ones(v.shape[0], 1, v.shape[2], 1, device=v.device)
+    keep2 = None if keep is None else torch.nn.functional.pad(keep[:, 0, :, 0].float(), (0, pad)).contiguous()
+    return qf, kf, vf, keep2
+
+
+def _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
+    n = v.shape[2]
+    pad = (-n) % chunk
+    qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+    out, den, starts, zstarts, s_final, z_final, lost = native_forward(
+        qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, n
+    )
+    ctx.settings = (kernel, scale, eps, chunk, pad)
+    ctx.save_for_backward(q, k, v, w, keep, out, den, starts, zstarts)
+    ctx.mark_non_differentiable(s_final, z_final, lost)
+    return out[:, :, :n].to(v.dtype), s_final, z_final, lost
+
+
+def _native_backward(ctx, g):
+    q, k, v, w, keep, out, den, starts, zstarts = ctx.saved_tensors
+    kernel, scale, eps, chunk, pad = ctx.settings
+    n = v.shape[2]
+    qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+    gf = _pad_rows(g.float(), pad).contiguous()
+    dq, dk, dv = native_backward(qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts)
+    grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
+    return (*grads, None, None, None, None, None, None, None)
 
 
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""The native causal FAVOR+ kernel (favor_causal.cpp): compiled with the system's C++ compiler at first use, cached,
+and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
+pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
+num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
+PyTorch walk in ``_favor_autograd``, which stays the reference.
+
+``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
+``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("favor_causal.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool": the worker threads
+_BLOCK_CHUNKS = 8  # chunks per saved state: the same blocks of 8 x 32 = 256 positions as the PyTorch walk
+
+
+def _cpu_supported() -> bool:
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("LINEARFORMERS_CACHE"):
+        return Path(os.environ["LINEARFORMERS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "linearformers"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"favor_causal-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes (DDP ranks) never load a half-written file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=300)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load():
+    lib = ctypes.CDLL(str(_build()))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.lf_favor_causal_forward.argtypes = [p] * 12 + [i] * 10 + [f, f]
+    lib.lf_favor_causal_backward.argtypes = [p] * 13 + [i] * 9 + [f, f]
+    lib.lf_favor_causal_forward.restype = lib.lf_favor_causal_backward.restype = i
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded (building it on first call)."""
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                lib = None
+                # the source is absent from Hub remote code (transformers copies .py files only): no kernel, quietly
+                wanted = os.environ.get("LINEARFORMERS_NATIVE", "1") != "0" and _SOURCE.exists()
+                if wanted and _cpu_supported():
+                    try:
+                        lib = _load()
+                    except Exception as error:  # no compiler, a failed build: the PyTorch walk runs instead
+                        detail = getattr(error, "stderr", b"") or b""
+                        logger.warning(
+                            "linearformers: native causal FAVOR+ kernel unavailable (%s %s); using the PyTorch walk",
+                            error,
+                            detail.decode(errors="replace")[-500:],
+                        )
+                _STATE["lib"] = lib
+    return _STATE["lib"] is not None
+
+
+def supports(q: torch.Tensor, d: int, m: int, chunk: int) -> bool:
+    return q.device.type == "cpu" and d % 16 == 0 and m % 16 == 0 and chunk % 16 == 0 and available()
+
+
+def _reset_pool_in_child() -> None:
+    _STATE.pop("pool", None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_in_child)
+
+
+def _run(fn, rows: int) -> None:
+    """fn(b0, b1) over [0, rows), split among torch.get_num_threads() threads (the GIL is released in C)."""
+    workers = max(1, min(torch.get_num_threads(), rows))
+    bounds = [rows * i // workers for i in range(workers + 1)]
+    if workers == 1:
+        codes = [fn(0, rows)]
+    else:
+        pool = _STATE.get("pool")
+        if pool is None or pool._max_workers < workers - 1:
+            pool = _STATE["pool"] = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="linearformers")
+        futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
+        codes = [fn(bounds[0], bounds[1])] + [future.result() for future in futures]
+    if any(codes):
+        raise RuntimeError(f"native causal FAVOR+ kernel refused its arguments (codes {codes})")
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int):
+    """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; keep: float32 (b, n) or None.
+    Returns out (b, h, n, d), den (b, h, n, 1), starts (b h, blocks, m, d), zstarts (b h, blocks, m),
+    S (b, h, m, d), z (b, h, m) and the lost count (0-dim)."""
+    b, h, n, d = q.shape
+    m = w.shape[0]
+    blocks = -(-(n // chunk) // _BLOCK_CHUNKS)
+    new = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
+    out, den = new(b, h, n, d), new(b, h, n, 1)
+    starts, zstarts, s_final, z_final = new(b * h, blocks, m, d), new(b * h, blocks, m), new(b, h, m, d), new(b, h, m)
+    lost = torch.zeros(b * h, dtype=torch.int64)
+    w = w.contiguous()
+    fixed = [_ptr(x) for x in (q, k, v, keep, w, out, den, starts, zstarts, s_final, z_final, lost)]
+    if not available():
+        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
+    lib = _STATE["lib"]
+    settings = (h, n, n_valid, d, m, chunk, _BLOCK_CHUNKS, int(kernel == "relu"))
+
+    def call(b0, b1):
+        return lib.lf_favor_causal_forward(*fixed, b0, b1, *settings, scale, eps)
+
+    _run(call, b * h)
+    return out, den, starts, zstarts, s_final, z_final, lost.sum()
+
+
+def backward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, g, out, den, starts, zstarts):
+    """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out."""
+    b, h, n, d = q.shape
+    m = w.shape[0]
+    dq, dk, dv = (torch.empty(b, h, n, d, dtype=torch.float32) for _ in range(3))
+    w = w.contiguous()
+    fixed = [_ptr(x) for x in (q, k, v, keep, w, g, out, den, starts, zstarts, dq, dk, dv)]
+    if not available():
+        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
+    lib = _STATE["lib"]
+    settings = (h, n, d, m, chunk, _BLOCK_CHUNKS, int(kernel == "relu"))
+
+    def call(b0, b1):
+        return lib.lf_favor_causal_backward(*fixed, b0, b1, *settings, scale, eps)
+
+    _run(call, b * h)
+    return dq, dk, dv

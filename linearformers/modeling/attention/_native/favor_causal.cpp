@@ -1,0 +1,448 @@
+// Causal FAVOR+ forward and backward on the CPU, one (batch, head) at a time per thread: the chunk walk of
+// _favor_autograd.FavorCausal with every product in this file's own AVX2/FMA GEMM, whose operands stay in L1/L2
+// from one product to the next. Built at first use by _native/__init__.py (g++ -O3 -mavx2 -mfma) and called
+// through ctypes with raw float32 pointers, each call on a range of (batch, head) rows, so that Python threads
+// (ctypes releases the GIL) split the heads without a second threading runtime next to torch's. The Python walk
+// remains the reference, the fallback and the path on every other device. Same math, same saved state (the
+// state at each block start), same outputs.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace {
+
+constexpr int NR = 16;     // GEMM tile: MR x NR, NR = two AVX registers
+constexpr int MRMAX = 6;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float TINY = 1e-30f;
+
+// C[MR x NR] (row stride ldc) = or += A[MR x K] B[K x NR]; A's element (i, k) at a[i * ars + k * acs] (read in place:
+// row-major A or its transpose, both regular), B one packed panel (K x NR)
+template <int MR>
+inline void kern(int K, const float* __restrict a, long ars, long acs, const float* __restrict b, float* __restrict c,
+                 long ldc, bool acc) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define LF_LD(i)                                                              \
+  if (MR > i) {                                                               \
+    c##i##0 = acc ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();       \
+    c##i##1 = acc ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_setzero_ps();   \
+  }
+  LF_LD(0) LF_LD(1) LF_LD(2) LF_LD(3) LF_LD(4) LF_LD(5)
+  for (int k = 0; k < K; k++) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
+    const float* ak = a + k * acs;
+#define LF_FM(i)                                                \
+  if (MR > i) {                                                 \
+    const __m256 av = _mm256_broadcast_ss(ak + i * ars);        \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                 \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                 \
+  }
+    LF_FM(0) LF_FM(1) LF_FM(2) LF_FM(3) LF_FM(4) LF_FM(5)
+  }
+#define LF_ST(i)                                  \
+  if (MR > i) {                                   \
+    _mm256_storeu_ps(c + i * ldc, c##i##0);       \
+    _mm256_storeu_ps(c + i * ldc + 8, c##i##1);   \
+  }
+  LF_ST(0) LF_ST(1) LF_ST(2) LF_ST(3) LF_ST(4) LF_ST(5)
+}
+
+inline void kern_mr(int mr, int K, const float* a, long ars, long acs, const float* b, float* c, long ldc, bool acc) {
+  switch (mr) {
+    case 6: kern<6>(K, a, ars, acs, b, c, ldc, acc); break;
+    case 5: kern<5>(K, a, ars, acs, b, c, ldc, acc); break;
+    case 4: kern<4>(K, a, ars, acs, b, c, ldc, acc); break;
+    case 3: kern<3>(K, a, ars, acs, b, c, ldc, acc); break;
+    case 2: kern<2>(K, a, ars, acs, b, c, ldc, acc); break;
+    default: kern<1>(K, a, ars, acs, b, c, ldc, acc); break;
+  }
+}
+
+// B (K x N, element (k, j) at src[k * rs + j * cs]) into N / NR panels of K x NR
+void pack_b(const float* src, long rs, long cs, int K, int N, float* dst) {
+  for (int p = 0; p < N / NR; p++) {
+    float* d = dst + (long)p * K * NR;
+    const float* s0 = src + (long)p * NR * cs;
+    if (cs == 1) {
+      for (int k = 0; k < K; k++) memcpy(d + k * NR, s0 + k * rs, NR * sizeof(float));
+    } else {
+      for (int k = 0; k < K; k++)
+        for (int j = 0; j < NR; j++) d[k * NR + j] = s0[k * rs + j * cs];
+    }
+  }
+}
+
+// C (M x N, row stride ldc) = or += A B, A's element (i, k) at a[i * ars + k * acs], B packed by pack_b
+void gemm_pb(int M, int N, int K, const float* a, long ars, long acs, const float* bp, float* c, long ldc, bool acc,
+             float* abuf) {
+  (void)abuf;
+  if (K == 0) {
+    if (!acc)
+      for (int i = 0; i < M; i++) memset(c + i * ldc, 0, N * sizeof(float));
+    return;
+  }
+  // row panels of 6, but a tail of 1 or 2 rows is merged with the last full panel and split in two (32 = 4 x 6 + 4
+  // + 4): a 2-row tile runs at a third of the 6-row tile's rate
+  int full = M / MRMAX, rem = M % MRMAX, sizes[3] = {0, 0, 0}, tails = 0;
+  if (rem && rem < 3 && full) {
+    full--;
+    sizes[0] = (MRMAX + rem + 1) / 2, sizes[1] = (MRMAX + rem) / 2, tails = 2;
+  } else if (rem) {
+    sizes[0] = rem, tails = 1;
+  }
+  for (int p = 0; p < N / NR; p++) {  // panel by panel: B's panel stays in L1 while A's rows stream past
+    const float* bpp = bp + (long)p * K * NR;
+    int i0 = 0;
+    for (int t = 0; t < full; t++, i0 += MRMAX)
+      kern<MRMAX>(K, a + (long)i0 * ars, ars, acs, bpp, c + (long)i0 * ldc + p * NR, ldc, acc);
+    for (int t = 0; t < tails; t++) {
+      kern_mr(sizes[t], K, a + (long)i0 * ars, ars, acs, bpp, c + (long)i0 * ldc + p * NR, ldc, acc);
+      i0 += sizes[t];
+    }
+  }
+}
+
+inline float hsum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// n a multiple of 8
+inline float dot(const float* a, const float* b, int n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+  }
+  for (; j < n; j += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+inline float sum(const float* a, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(a + j));
+  return hsum(acc);
+}
+
+void gemm(int M, int N, int K, const float* a, long ars, long acs, const float* b, long brs, long bcs, float* c,
+          long ldc, bool acc, float* abuf, float* bbuf) {
+  pack_b(b, brs, bcs, K, N, bbuf);
+  gemm_pb(M, N, K, a, ars, acs, bbuf, c, ldc, acc, abuf);
+}
+
+// 2^x, relative error ~1e-7; 0 below 2^-126, NaN kept
+inline __m256 exp2_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  __m256 y = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
+  const __m256 fl = _mm256_floor_ps(y);
+  const __m256 f = _mm256_sub_ps(y, fl);
+  __m256 p = _mm256_set1_ps(0.00021690608991775662f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0012443081941455603f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009678472764790058f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05548352375626564f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402298003435135f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(r, x, nan);
+}
+
+struct Shape {
+  int bh, heads, n, d, m, c, cpb, kernel;  // kernel: 0 softmax, 1 relu; n is a multiple of c; d, m, c multiples of 16
+  float scale, eps;
+};
+
+struct Features {
+  const float* bws;  // ws^T packed (K = d, N = m): x ws^T
+  const float* bw;   // ws packed (K = m, N = d): du ws
+  const float* hw;   // |w_j|^2 / 2
+};
+
+// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); u is scratch (c x m)
+void key_features(const Shape& s, const Features& f, const float* k, const float* v, const float* keep, float* pk,
+                  float* va, float* abuf) {
+  const int c = s.c, m = s.m, d = s.d;
+  gemm_pb(c, m, d, k, d, 1, f.bws, pk, m, false, abuf);
+  for (int r = 0; r < c; r++) {
+    float* row = pk + (long)r * m;
+    const float kp = keep ? keep[r] : 1.0f;
+    if (kp == 0.0f) {
+      memset(row, 0, m * sizeof(float));
+      memset(va + (long)r * d, 0, d * sizeof(float));
+      continue;
+    }
+    for (int j = 0; j < d; j++) va[(long)r * d + j] = v[(long)r * d + j] * kp;
+    if (s.kernel == 1) {
+      for (int j = 0; j < m; j++) row[j] = (row[j] > 0.0f ? row[j] : 0.0f) + s.eps;
+      continue;
+    }
+    const float sq = dot(k + (long)r * d, k + (long)r * d, d);
+    const __m256 kk = _mm256_set1_ps(0.5f * s.scale * sq), l2e = _mm256_set1_ps(LOG2E);
+    for (int j = 0; j < m; j += 8) {
+      __m256 u = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), kk), _mm256_loadu_ps(f.hw + j));
+      _mm256_storeu_ps(row + j, exp2_ps(_mm256_mul_ps(u, l2e)));
+    }
+  }
+}
+
+void query_features(const Shape& s, const Features& f, const float* q, float* pq, float* abuf) {
+  const int c = s.c, m = s.m, d = s.d;
+  gemm_pb(c, m, d, q, d, 1, f.bws, pq, m, false, abuf);
+  for (int r = 0; r < c; r++) {
+    float* row = pq + (long)r * m;
+    if (s.kernel == 1) {
+      for (int j = 0; j < m; j++) row[j] = (row[j] > 0.0f ? row[j] : 0.0f) + s.eps;
+      continue;
+    }
+    const __m256 l2e = _mm256_set1_ps(LOG2E);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < m; j += 8) {
+      const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(f.hw + j)), l2e);
+      _mm256_storeu_ps(row + j, u);
+      mx = _mm256_max_ps(mx, u);
+    }
+    const __m256 t = _mm256_set1_ps(hmax(mx));
+    for (int j = 0; j < m; j += 8) _mm256_storeu_ps(row + j, exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), t)));
+  }
+}
+
+void tril(float* a, int c) {
+  for (int t = 0; t < c; t++)
+    for (int u = t + 1; u < c; u++) a[t * c + u] = 0.0f;
+}
+
+float* take(float*& cursor, long count) {
+  float* p = cursor;
+  cursor += (count + 15) & ~15L;
+  return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Forward. q, k, v, out: (bh, n, d); keep: (bh / heads, n) or null; den: (bh, n); starts: (bh, nblocks, m, d);
+// zstarts: (bh, nblocks, m); s_final: (bh, m, d); z_final: (bh, m); lost: (bh) counts. w: (m, d).
+int lf_favor_causal_forward(const float* q, const float* k, const float* v, const float* keep, const float* w,
+                            float* out, float* den, float* starts, float* zstarts, float* s_final, float* z_final,
+                            int64_t* lost, int b0, int b1, int heads, int n, int n_valid, int d, int m, int c,
+                            int cpb, int kernel, float scale, float eps) {
+  Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
+  if (d % NR || m % NR || c % NR || n % c) return 1;
+  const float root = sqrtf(scale);
+  float* shared = (float*)aligned_alloc(64, sizeof(float) * ((long)2 * m * d + m + 64));
+  float *bws = shared, *bw = shared + (long)m * d, *hw = shared + (long)2 * m * d;
+  float* ws = (float*)malloc(sizeof(float) * (long)m * d);
+  for (int j = 0; j < m; j++) {
+    float sq = 0.0f;
+    for (int e = 0; e < d; e++) {
+      ws[(long)j * d + e] = w[(long)j * d + e] * root;
+      sq += w[(long)j * d + e] * w[(long)j * d + e];
+    }
+    hw[j] = 0.5f * sq;
+  }
+  pack_b(ws, 1, d, d, m, bws);
+  pack_b(ws, d, 1, m, d, bw);
+  free(ws);
+  const Features f{bws, bw, hw};
+  const int nblocks = (n / c + cpb - 1) / cpb;
+  {
+    const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
+    float* scratch = (float*)aligned_alloc(64, sizeof(float) * (4 * (long)c * m + 3 * (long)c * d + (long)c * c +
+                                                                 (long)m * d + m + MRMAX * (long)(m + c + d) + big + 256));
+    float* cur = scratch;
+    float *pq = take(cur, (long)c * m), *pk = take(cur, (long)c * m), *sc = take(cur, (long)c * c);
+    float *va = take(cur, (long)c * d), *num = take(cur, (long)c * d), *st = take(cur, (long)m * d);
+    float *z = take(cur, m), *abuf = take(cur, MRMAX * (long)(m + c + d)), *bbuf = take(cur, big);
+    for (int b = b0; b < b1; b++) {
+      const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
+      const float* kpb = keep ? keep + (long)(b / heads) * n : nullptr;
+      float *ob = out + (long)b * n * d, *db = den + (long)b * n;
+      memset(st, 0, sizeof(float) * m * d);
+      memset(z, 0, sizeof(float) * m);
+      bool seen = false;
+      int64_t lost_b = 0;
+      for (int j = 0; j < n / c; j++) {
+        const long t0 = (long)j * c;
+        if (j % cpb == 0) {
+          memcpy(starts + ((long)b * nblocks + j / cpb) * m * d, st, sizeof(float) * m * d);
+          memcpy(zstarts + ((long)b * nblocks + j / cpb) * m, z, sizeof(float) * m);
+        }
+        key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va, abuf);
+        query_features(s, f, qb + t0 * d, pq, abuf);
+        gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, abuf, bbuf);  // pq pk^T
+        tril(sc, c);
+        gemm(c, d, c, sc, c, 1, va, d, 1, num, d, false, abuf, bbuf);
+        gemm(c, d, m, pq, m, 1, st, d, 1, num, d, true, abuf, bbuf);
+        for (int t = 0; t < c; t++) {
+          float dn = sum(sc + t * c, c) + dot(pq + (long)t * m, z, m);  // sc is lower triangular
+          seen = seen || (kpb ? kpb[t0 + t] != 0.0f : true);
+          if (dn <= TINY && seen && t0 + t < n_valid) lost_b++;
+          dn = dn > TINY ? dn : TINY;
+          db[t0 + t] = dn;
+          const float inv = 1.0f / dn;
+          for (int e = 0; e < d; e++) ob[(t0 + t) * d + e] = num[(long)t * d + e] * inv;
+        }
+        gemm(m, d, c, pk, 1, m, va, d, 1, st, d, true, abuf, bbuf);  // S += pk^T va
+        for (int t = 0; t < c; t++)
+          for (int e = 0; e < m; e++) z[e] += pk[(long)t * m + e];
+      }
+      memcpy(s_final + (long)b * m * d, st, sizeof(float) * m * d);
+      memcpy(z_final + (long)b * m, z, sizeof(float) * m);
+      lost[b] = lost_b;
+    }
+    free(scratch);
+  }
+  free(shared);
+  return 0;
+}
+
+// Backward. g, out: (bh, n, d); den: (bh, n) (clamped at TINY); starts / zstarts as forward wrote them.
+// dq, dk, dv: (bh, n, d).
+int lf_favor_causal_backward(const float* q, const float* k, const float* v, const float* keep, const float* w,
+                             const float* g, const float* out, const float* den, const float* starts,
+                             const float* zstarts, float* dq, float* dk, float* dv, int b0, int b1, int heads, int n, int d, int m, int c, int cpb, int kernel, float scale,
+                             float eps) {
+  Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
+  if (d % NR || m % NR || c % NR || n % c) return 1;
+  const float root = sqrtf(scale);
+  float* shared = (float*)aligned_alloc(64, sizeof(float) * ((long)2 * m * d + m + 64));
+  float *bws = shared, *bw = shared + (long)m * d, *hw = shared + (long)2 * m * d;
+  float* ws = (float*)malloc(sizeof(float) * (long)m * d);
+  for (int j = 0; j < m; j++) {
+    float sq = 0.0f;
+    for (int e = 0; e < d; e++) {
+      ws[(long)j * d + e] = w[(long)j * d + e] * root;
+      sq += w[(long)j * d + e] * w[(long)j * d + e];
+    }
+    hw[j] = 0.5f * sq;
+  }
+  pack_b(ws, 1, d, d, m, bws);
+  pack_b(ws, d, 1, m, d, bw);
+  free(ws);
+  const Features f{bws, bw, hw};
+  const int nchunks = n / c, nblocks = (nchunks + cpb - 1) / cpb;
+  {
+    const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
+    const long per = 2 * (long)cpb * c * m + (long)cpb * m * d + (long)cpb * m + 3 * (long)c * m + 6 * (long)c * d +
+                     3 * (long)c * c + (long)m * d + 2 * m + 2 * c + MRMAX * (long)(m + c + d) + big + 512;
+    float* scratch = (float*)aligned_alloc(64, sizeof(float) * per);
+    float* cur = scratch;
+    float *PK = take(cur, (long)cpb * c * m), *PQ = take(cur, (long)cpb * c * m);
+    float *SS = take(cur, (long)cpb * m * d), *ZZ = take(cur, (long)cpb * m);
+    float *dphi = take(cur, (long)c * m), *du = take(cur, (long)c * m), *sc = take(cur, (long)c * c);
+    float *gv = take(cur, (long)c * c), *va = take(cur, (long)c * d), *ga = take(cur, (long)c * d);
+    float *tmp = take(cur, (long)c * d), *dS = take(cur, (long)m * d), *dz = take(cur, m);
+    float *gd = take(cur, c), *rs = take(cur, c), *abuf = take(cur, MRMAX * (long)(m + c + d)), *bbuf = take(cur, big);
+    (void)take(cur, (long)c * m);
+    for (int b = b0; b < b1; b++) {
+      const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
+      const float *gb = g + (long)b * n * d, *ob = out + (long)b * n * d, *db = den + (long)b * n;
+      const float* kpb = keep ? keep + (long)(b / heads) * n : nullptr;
+      float *dqb = dq + (long)b * n * d, *dkb = dk + (long)b * n * d, *dvb = dv + (long)b * n * d;
+      memset(dS, 0, sizeof(float) * m * d);
+      memset(dz, 0, sizeof(float) * m);
+      for (int blk = nblocks - 1; blk >= 0; blk--) {
+        const int j0 = blk * cpb, nj = (nchunks - j0) < cpb ? (nchunks - j0) : cpb;
+        memcpy(SS, starts + ((long)b * nblocks + blk) * m * d, sizeof(float) * m * d);
+        memcpy(ZZ, zstarts + ((long)b * nblocks + blk) * m, sizeof(float) * m);
+        for (int jj = 0; jj < nj; jj++) {  // features, and the state before each chunk of the block
+          const long t0 = (long)(j0 + jj) * c;
+          float *pk = PK + (long)jj * c * m, *pq = PQ + (long)jj * c * m;
+          key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va, abuf);
+          query_features(s, f, qb + t0 * d, pq, abuf);
+          if (jj + 1 < nj) {
+            float *sn = SS + (long)(jj + 1) * m * d, *zn = ZZ + (long)(jj + 1) * m;
+            memcpy(sn, SS + (long)jj * m * d, sizeof(float) * m * d);
+            memcpy(zn, ZZ + (long)jj * m, sizeof(float) * m);
+            gemm(m, d, c, pk, 1, m, va, d, 1, sn, d, true, abuf, bbuf);
+            for (int t = 0; t < c; t++)
+              for (int e = 0; e < m; e++) zn[e] += pk[(long)t * m + e];
+          }
+        }
+        for (int jj = nj - 1; jj >= 0; jj--) {
+          const long t0 = (long)(j0 + jj) * c;
+          const float *pk = PK + (long)jj * c * m, *pq = PQ + (long)jj * c * m;
+          const float *st = SS + (long)jj * m * d, *z = ZZ + (long)jj * m;
+          const float* kp = kpb ? kpb + t0 : nullptr;
+          for (int t = 0; t < c; t++) {
+            const float kt = kp ? kp[t] : 1.0f;
+            for (int e = 0; e < d; e++) va[(long)t * d + e] = vb[(t0 + t) * d + e] * kt;
+            const float dn = db[t0 + t], inv = dn > TINY ? 1.0f / dn : 0.0f;
+            for (int e = 0; e < d; e++) ga[(long)t * d + e] = gb[(t0 + t) * d + e] * inv;
+            gd[t] = -dot(ga + (long)t * d, ob + (t0 + t) * d, d);
+          }
+          gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, abuf, bbuf);  // scores, recomputed
+          tril(sc, c);
+          gemm(c, c, d, ga, d, 1, va, 1, d, gv, c, false, abuf, bbuf);  // ga va^T
+          for (int t = 0; t < c; t++)
+            for (int u = 0; u < c; u++) gv[t * c + u] = u <= t ? gv[t * c + u] + gd[t] * (kp ? kp[u] : 1.0f) : 0.0f;
+          // dphi(Q) = gv pk + ga S^T + gd z^T
+          gemm(c, m, c, gv, c, 1, pk, m, 1, dphi, m, false, abuf, bbuf);
+          gemm(c, m, d, ga, d, 1, st, 1, d, dphi, m, true, abuf, bbuf);
+          for (int t = 0; t < c; t++) {
+            float* row = dphi + (long)t * m;
+            const float* p = pq + (long)t * m;
+            float* dut = du + (long)t * m;
+            if (s.kernel == 1) {
+              for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + gd[t] * z[e] : 0.0f;
+            } else {
+              for (int e = 0; e < m; e++) dut[e] = (row[e] + gd[t] * z[e]) * p[e];
+            }
+          }
+          gemm_pb(c, d, m, du, m, 1, f.bw, dqb + t0 * d, d, false, abuf);
+          // dv = (sc^T ga + pk dS) * keep
+          gemm(c, d, c, sc, 1, c, ga, d, 1, tmp, d, false, abuf, bbuf);
+          gemm(c, d, m, pk, m, 1, dS, d, 1, tmp, d, true, abuf, bbuf);
+          for (int t = 0; t < c; t++) {
+            const float kt = kp ? kp[t] : 1.0f;
+            for (int e = 0; e < d; e++) dvb[(t0 + t) * d + e] = tmp[(long)t * d + e] * kt;
+          }
+          // dphi(K) = gv^T pq + va dS^T + keep dz^T
+          gemm(c, m, c, gv, 1, c, pq, m, 1, dphi, m, false, abuf, bbuf);
+          gemm(c, m, d, va, d, 1, dS, 1, d, dphi, m, true, abuf, bbuf);
+          for (int t = 0; t < c; t++) {
+            const float kt = kp ? kp[t] : 1.0f;
+            float* row = dphi + (long)t * m;
+            const float* p = pk + (long)t * m;
+            float* dut = du + (long)t * m;
+            if (s.kernel == 1) {
+              for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + kt * dz[e] : 0.0f;
+            } else {
+              for (int e = 0; e < m; e++) dut[e] = (row[e] + kt * dz[e]) * p[e];
+              rs[t] = sum(dut, m);
+            }
+          }
+          gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false, abuf);
+          if (s.kernel == 0)
+            for (int t = 0; t < c; t++)
+              for (int e = 0; e < d; e++) dkb[(t0 + t) * d + e] -= s.scale * kb[(t0 + t) * d + e] * rs[t];
+          // the carry: dS += pq^T ga, dz += pq^T gd
+          gemm(m, d, c, pq, 1, m, ga, d, 1, dS, d, true, abuf, bbuf);
+          for (int t = 0; t < c; t++)
+            for (int e = 0; e < m; e++) dz[e] += pq[(long)t * m + e] * gd[t];
+        }
+      }
+    }
+    free(scratch);
+  }
+  free(shared);
+  return 0;
+}
+
+}  // extern "C"
