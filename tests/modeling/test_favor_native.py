@@ -36,6 +36,7 @@ def _run(monkeypatch, native, q, k, v, w, **kwargs):
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
 def test_native_walk_matches_the_pytorch_walk(monkeypatch, kernel, padding):
+    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 3)  # a saved state every 3 chunks: 300 positions span 4 blocks
     q, k, v = _inputs()
     w = draw_random_features(48, 16, seed=1)
     mask = None
@@ -89,6 +90,7 @@ def test_native_walk_is_the_same_on_one_thread_and_with_saved_tensor_hooks(monke
     q, k, v = _inputs(n=260, b=1, h=5)
     w = draw_random_features(32, 16, seed=3)
     monkeypatch.setattr(_favor_autograd, "NATIVE", True)
+    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 2)
     threads = torch.get_num_threads()
 
     def loss(x, y, z):
@@ -105,6 +107,11 @@ def test_native_walk_is_the_same_on_one_thread_and_with_saved_tensor_hooks(monke
     checkpointed = torch.utils.checkpoint.checkpoint(loss, q, k, v, use_reentrant=False)
     for a, b in zip(torch.autograd.grad(checkpointed, (q, k, v)), two):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    value = loss(q, k, v)
+    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 5)  # backward keeps the spacing its forward saved with
+    for a, b in zip(torch.autograd.grad(value, (q, k, v)), two):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 2)
     value = loss(q, k, v)
     first = torch.autograd.grad(value, (q, k, v), retain_graph=True)
     for a, b in zip(torch.autograd.grad(value, (q, k, v)), first):

@@ -384,8 +384,9 @@ def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None, for_backward=True
 
 
 class FavorCausal(torch.autograd.Function):
-    """Chunked causal FAVOR+ (chunks of C positions), walked in blocks of about _CAUSAL_ROWS positions so that
-    feature maps never exist for the whole sequence. Inside a block, tensors are chunk-major (nc, b h, C, .):
+    """Chunked causal FAVOR+ (chunks of C positions). On x86-64 CPUs the walk below runs compiled (_native, see
+    _use_native) with the same math and saved state; this PyTorch walk is the reference and runs everywhere else.
+    It goes in blocks of about _CAUSAL_ROWS positions so that feature maps never exist for the whole sequence. Inside a block, tensors are chunk-major (nc, b h, C, .):
     the intra-chunk (triangular) parts of all chunks are batched, and the running state S = Σ phi(k) [v, 1]ᵀ is
     carried chunk by chunk with in-place batched GEMMs (baddbmm_) on dense slices, so no per-chunk prefix tensor
     is ever built. Backward walks the blocks in reverse, rebuilding the state forward inside each block for
@@ -524,10 +525,10 @@ def _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
     n = v.shape[2]
     pad = (-n) % chunk
     qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
-    out, den, starts, zstarts, s_final, z_final, lost = native_forward(
+    out, den, starts, zstarts, s_final, z_final, lost, per_block = native_forward(
         qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, n
     )
-    ctx.settings = (kernel, scale, eps, chunk, pad)
+    ctx.settings = (kernel, scale, eps, chunk, pad, per_block)
     ctx.save_for_backward(q, k, v, w, keep, out, den, starts, zstarts)
     ctx.mark_non_differentiable(s_final, z_final, lost)
     return out[:, :, :n].to(v.dtype), s_final, z_final, lost
@@ -535,11 +536,13 @@ def _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
 
 def _native_backward(ctx, g):
     q, k, v, w, keep, out, den, starts, zstarts = ctx.saved_tensors
-    kernel, scale, eps, chunk, pad = ctx.settings
+    kernel, scale, eps, chunk, pad, per_block = ctx.settings
     n = v.shape[2]
     qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
     gf = _pad_rows(g.float(), pad).contiguous()
-    dq, dk, dv = native_backward(qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts)
+    dq, dk, dv = native_backward(
+        qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
+    )
     grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
     return (*grads, None, None, None, None, None, None, None)
 
