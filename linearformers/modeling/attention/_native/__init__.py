@@ -131,8 +131,10 @@ def _run(fn, rows: int) -> None:
             pool = _STATE["pool"] = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="linearformers")
         futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
         codes = [fn(bounds[0], bounds[1])] + [future.result() for future in futures]
+    if 2 in codes:
+        raise MemoryError("the native causal FAVOR+ kernel could not allocate its work space")
     if any(codes):
-        raise RuntimeError(f"native causal FAVOR+ kernel refused its arguments (codes {codes})")
+        raise RuntimeError(f"the native causal FAVOR+ kernel refused its arguments (codes {codes})")
 
 
 def _ptr(t: torch.Tensor | None):

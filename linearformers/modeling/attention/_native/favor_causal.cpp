@@ -173,6 +173,25 @@ struct Features {
   const float* hw;   // |w_j|^2 / 2
 };
 
+// W scaled by sqrt(scale) and packed both ways (x ws^T, du ws), and |w_j|^2 / 2, into shared (2 m d + m floats)
+Features prepare_features(const float* w, int m, int d, float scale, float* shared) {
+  const float root = sqrtf(scale);
+  float *bws = shared, *bw = shared + (long)m * d, *hw = shared + (long)2 * m * d;
+  float* ws = (float*)malloc(sizeof(float) * (long)m * d);
+  for (int j = 0; j < m; j++) {
+    float sq = 0.0f;
+    for (int e = 0; e < d; e++) {
+      ws[(long)j * d + e] = w[(long)j * d + e] * root;
+      sq += w[(long)j * d + e] * w[(long)j * d + e];
+    }
+    hw[j] = 0.5f * sq;
+  }
+  pack_b(ws, 1, d, d, m, bws);
+  pack_b(ws, d, 1, m, d, bw);
+  free(ws);
+  return Features{bws, bw, hw};
+}
+
 // phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); u is scratch (c x m)
 void key_features(const Shape& s, const Features& f, const float* k, const float* v, const float* keep, float* pk,
                   float* va, float* abuf) {
@@ -226,6 +245,11 @@ void tril(float* a, int c) {
     for (int u = t + 1; u < c; u++) a[t * c + u] = 0.0f;
 }
 
+// 64-byte aligned floats (aligned_alloc wants a size that is a multiple of the alignment); null when out of memory
+float* alloc_floats(long count) {
+  return (float*)aligned_alloc(64, ((size_t)count * sizeof(float) + 63) & ~(size_t)63);
+}
+
 float* take(float*& cursor, long count) {
   float* p = cursor;
   cursor += (count + 15) & ~15L;
@@ -244,27 +268,18 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
                             int cpb, int kernel, float scale, float eps) {
   Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
   if (d % NR || m % NR || c % NR || n % c) return 1;
-  const float root = sqrtf(scale);
-  float* shared = (float*)aligned_alloc(64, sizeof(float) * ((long)2 * m * d + m + 64));
-  float *bws = shared, *bw = shared + (long)m * d, *hw = shared + (long)2 * m * d;
-  float* ws = (float*)malloc(sizeof(float) * (long)m * d);
-  for (int j = 0; j < m; j++) {
-    float sq = 0.0f;
-    for (int e = 0; e < d; e++) {
-      ws[(long)j * d + e] = w[(long)j * d + e] * root;
-      sq += w[(long)j * d + e] * w[(long)j * d + e];
-    }
-    hw[j] = 0.5f * sq;
-  }
-  pack_b(ws, 1, d, d, m, bws);
-  pack_b(ws, d, 1, m, d, bw);
-  free(ws);
-  const Features f{bws, bw, hw};
+  float* shared = alloc_floats((long)2 * m * d + m + 64);
+  if (!shared) return 2;
+  const Features f = prepare_features(w, m, d, scale, shared);
   const int nblocks = (n / c + cpb - 1) / cpb;
   {
     const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
-    float* scratch = (float*)aligned_alloc(64, sizeof(float) * (4 * (long)c * m + 3 * (long)c * d + (long)c * c +
-                                                                 (long)m * d + m + MRMAX * (long)(m + c + d) + big + 256));
+    float* scratch = alloc_floats(4 * (long)c * m + 3 * (long)c * d + (long)c * c + (long)m * d + m +
+                                  MRMAX * (long)(m + c + d) + big + 256);
+    if (!scratch) {
+      free(shared);
+      return 2;
+    }
     float* cur = scratch;
     float *pq = take(cur, (long)c * m), *pk = take(cur, (long)c * m), *sc = take(cur, (long)c * c);
     float *va = take(cur, (long)c * d), *num = take(cur, (long)c * d), *st = take(cur, (long)m * d);
@@ -320,28 +335,19 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
                              float eps) {
   Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
   if (d % NR || m % NR || c % NR || n % c) return 1;
-  const float root = sqrtf(scale);
-  float* shared = (float*)aligned_alloc(64, sizeof(float) * ((long)2 * m * d + m + 64));
-  float *bws = shared, *bw = shared + (long)m * d, *hw = shared + (long)2 * m * d;
-  float* ws = (float*)malloc(sizeof(float) * (long)m * d);
-  for (int j = 0; j < m; j++) {
-    float sq = 0.0f;
-    for (int e = 0; e < d; e++) {
-      ws[(long)j * d + e] = w[(long)j * d + e] * root;
-      sq += w[(long)j * d + e] * w[(long)j * d + e];
-    }
-    hw[j] = 0.5f * sq;
-  }
-  pack_b(ws, 1, d, d, m, bws);
-  pack_b(ws, d, 1, m, d, bw);
-  free(ws);
-  const Features f{bws, bw, hw};
+  float* shared = alloc_floats((long)2 * m * d + m + 64);
+  if (!shared) return 2;
+  const Features f = prepare_features(w, m, d, scale, shared);
   const int nchunks = n / c, nblocks = (nchunks + cpb - 1) / cpb;
   {
     const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
     const long per = 2 * (long)cpb * c * m + (long)cpb * m * d + (long)cpb * m + 3 * (long)c * m + 6 * (long)c * d +
                      3 * (long)c * c + (long)m * d + 2 * m + 2 * c + MRMAX * (long)(m + c + d) + big + 512;
-    float* scratch = (float*)aligned_alloc(64, sizeof(float) * per);
+    float* scratch = alloc_floats(per);
+    if (!scratch) {
+      free(shared);
+      return 2;
+    }
     float* cur = scratch;
     float *PK = take(cur, (long)cpb * c * m), *PQ = take(cur, (long)cpb * c * m);
     float *SS = take(cur, (long)cpb * m * d), *ZZ = take(cur, (long)cpb * m);
