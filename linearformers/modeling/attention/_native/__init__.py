@@ -126,9 +126,12 @@ def _run(fn, rows: int) -> None:
     if workers == 1:
         codes = [fn(0, rows)]
     else:
-        pool = _STATE.get("pool")
-        if pool is None or pool._max_workers < workers - 1:
-            pool = _STATE["pool"] = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="linearformers")
+        pool, size = _STATE.get("pool", (None, 0))
+        if pool is None or size < workers - 1:
+            if pool is not None:  # more threads asked for since: the old pool's idle threads end
+                pool.shutdown(wait=False)
+            pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="linearformers")
+            _STATE["pool"] = (pool, workers - 1)
         futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
         codes = [fn(bounds[0], bounds[1])] + [future.result() for future in futures]
     if 2 in codes:
