@@ -385,11 +385,11 @@ def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None, for_backward=True
 
 class FavorCausal(torch.autograd.Function):
     """Chunked causal FAVOR+ (chunks of C positions). On x86-64 CPUs the walk below runs compiled (_native, see
-    _use_native) with the same math and saved state; this PyTorch walk is the reference and runs everywhere else.
-    It goes in blocks of about _CAUSAL_ROWS positions so that feature maps never exist for the whole sequence. Inside a block, tensors are chunk-major (nc, b h, C, .):
-    the intra-chunk (triangular) parts of all chunks are batched, and the running state S = Σ phi(k) [v, 1]ᵀ is
-    carried chunk by chunk with in-place batched GEMMs (baddbmm_) on dense slices, so no per-chunk prefix tensor
-    is ever built. Backward walks the blocks in reverse, rebuilding the state forward inside each block for
+    _use_native) with the same math; this PyTorch walk is the reference and runs everywhere else. It goes in
+    blocks of about _CAUSAL_ROWS positions so that feature maps never exist for the whole sequence. Inside a
+    block, tensors are chunk-major (nc, b h, C, .): the intra-chunk (triangular) parts of all chunks are batched,
+    and the running state S = Σ phi(k) [v, 1]ᵀ is carried chunk by chunk with in-place batched GEMMs (baddbmm_) on
+    dense slices, so no per-chunk prefix tensor is ever built. Backward walks the blocks in reverse, rebuilding the state forward inside each block for
     dphi(Q) and carrying the gradient of the state backward for dphi(K) and dV.
 
     Forward keeps, per block, the state at its start (m x (d + 1) per head) and the intra-chunk scores
@@ -398,13 +398,13 @@ class FavorCausal(torch.autograd.Function):
     memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of backward at
     about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
     activation checkpointing, offloading) the pairs go through save_for_backward instead, so the hooks manage
-    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z) at offset 0,
-    not differentiable."""
+    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z) at
+    offset 0, not differentiable, and the count of lost positions (see _lost_positions)."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True):
         b, h, n, d = v.shape
-        ctx.native = _use_native(v, d, w.shape[0], chunk)
+        ctx.native = _use_native(v, w.shape[0], chunk)
         if ctx.native:
             return _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk)
         c = min(chunk, n)
@@ -506,10 +506,10 @@ class FavorCausal(torch.autograd.Function):
         )
 
 
-def _use_native(v, d, m, chunk) -> bool:
+def _use_native(v, m, chunk) -> bool:
     """The compiled walk (_native/favor_causal.cpp) for CPU work it supports, outside torch.compile's tracing (it
     cannot trace a ctypes call) and unless switched off (NATIVE = False, or LINEARFORMERS_NATIVE=0)."""
-    return NATIVE and not torch.compiler.is_compiling() and native_supports(v, d, m, chunk)
+    return NATIVE and not torch.compiler.is_compiling() and native_supports(v, m, chunk)
 
 
 def _native_inputs(q, k, v, keep, pad):

@@ -128,10 +128,16 @@ def _masked_inputs(
     return phi_k * keep, v * keep
 
 
-def _check_favor_args(q, k, v, projection, key_padding_mask, *, causal: bool) -> torch.Tensor | None:
+def _check_favor_args(q, k, v, projection, key_padding_mask, kernel, *, causal: bool) -> torch.Tensor | None:
     check_qkv(q, k, v, same_length=causal)
     if not isinstance(projection, torch.Tensor):
         raise TypeError(f"projection must be a torch.Tensor, got {type(projection).__name__}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+        raise ValueError(
+            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
+        )
     return check_mask(key_padding_mask, k.shape[0], k.shape[2])
 
 
@@ -159,7 +165,7 @@ def favor_attention(
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
         chunk_size: causal chunk C. Time O(n m d + n C (m + d)). Memory: the running state S = Σ phi(k) vᵀ
             (m x d per head) is carried chunk by chunk in place. Training keeps the state at the start of
-            each block of 256 positions and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
+            each block of 256 positions (512 in the compiled CPU walk) and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
             backward frees block by block as it goes, plus O(256 (m + C)) of work space; never the O(n m d)
             per-position prefix tensor, nor an (n x m) feature map.
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
@@ -169,17 +175,11 @@ def favor_attention(
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
     """
-    mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=causal)
+    mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=causal)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
-    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
-        raise ValueError(
-            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
-        )
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"favor_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}")
     if projection.requires_grad and torch.is_grad_enabled():
@@ -370,15 +370,9 @@ def favor_step(
     :func:`favor_attention`. ``key_padding_mask`` (batch, 1) drops a padded new token from the state. Returns
     (out, (S, z, M)).
     """
-    mask = _check_favor_args(q, k, v, projection, key_padding_mask, causal=True)
+    mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=True)
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
-    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
-        raise ValueError(
-            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
-        )
     w = projection.to(device=q.device, dtype=torch.float32)
     s0, z0, offset = _unpack_state(state, q, v, w)
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)

@@ -107,8 +107,9 @@ def available() -> bool:
     return _STATE["lib"] is not None
 
 
-def supports(q: torch.Tensor, d: int, m: int, chunk: int) -> bool:
-    return q.device.type == "cpu" and d % 16 == 0 and m % 16 == 0 and chunk % 16 == 0 and available()
+def supports(v: torch.Tensor, m: int, chunk: int) -> bool:
+    """Whether the kernel runs this call: CPU tensors, head_dim, m and chunk multiples of 16 (its tile width)."""
+    return v.device.type == "cpu" and v.shape[-1] % 16 == 0 and m % 16 == 0 and chunk % 16 == 0 and available()
 
 
 def _reset_pool_in_child() -> None:
@@ -140,8 +141,20 @@ def _run(fn, rows: int) -> None:
         raise RuntimeError(f"the native causal FAVOR+ kernel refused its arguments (codes {codes})")
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
+def _launch(entry: str, tensors, rows: int, settings, counts: torch.Tensor | None = None) -> None:
+    """The library's ``entry`` on raw pointers to ``tensors`` (None for an absent mask) and then ``counts`` (int64,
+    forward's lost positions), then ``b0, b1`` and ``settings``, over [0, rows) split among threads. It reads
+    float32 memory laid out contiguously, so anything else is refused here rather than misread there."""
+    for t in tensors:
+        if t is not None and not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
+            raise ValueError(f"the native kernel takes contiguous float32 CPU tensors, got {t.dtype} {t.device}")
+    if not available():
+        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
+    fn = getattr(_STATE["lib"], entry)
+    pointers = [None if t is None else ctypes.c_void_p(t.data_ptr()) for t in tensors]
+    if counts is not None:
+        pointers.append(ctypes.c_void_p(counts.data_ptr()))
+    _run(lambda b0, b1: fn(*pointers, b0, b1, *settings), rows)
 
 
 def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int):
@@ -157,17 +170,9 @@ def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int,
     out, den = new(b, h, n, d), new(b, h, n, 1)
     starts, zstarts, s_final, z_final = new(b * h, blocks, m, d), new(b * h, blocks, m), new(b, h, m, d), new(b, h, m)
     lost = torch.zeros(b * h, dtype=torch.int64)
-    w = w.contiguous()
-    fixed = [_ptr(x) for x in (q, k, v, keep, w, out, den, starts, zstarts, s_final, z_final, lost)]
-    if not available():
-        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
-    lib = _STATE["lib"]
-    settings = (h, n, n_valid, d, m, chunk, per_block, int(kernel == "relu"))
-
-    def call(b0, b1):
-        return lib.lf_favor_causal_forward(*fixed, b0, b1, *settings, scale, eps)
-
-    _run(call, b * h)
+    tensors = (q, k, v, keep, w.contiguous(), out, den, starts, zstarts, s_final, z_final)
+    settings = (h, n, n_valid, d, m, chunk, per_block, int(kernel == "relu"), scale, eps)
+    _launch("lf_favor_causal_forward", tensors, b * h, settings, counts=lost)
     return out, den, starts, zstarts, s_final, z_final, lost.sum(), per_block
 
 
@@ -178,15 +183,7 @@ def backward(
     b, h, n, d = q.shape
     m = w.shape[0]
     dq, dk, dv = (torch.empty(b, h, n, d, dtype=torch.float32) for _ in range(3))
-    w = w.contiguous()
-    fixed = [_ptr(x) for x in (q, k, v, keep, w, g, out, den, starts, zstarts, dq, dk, dv)]
-    if not available():
-        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
-    lib = _STATE["lib"]
-    settings = (h, n, d, m, chunk, per_block, int(kernel == "relu"))
-
-    def call(b0, b1):
-        return lib.lf_favor_causal_backward(*fixed, b0, b1, *settings, scale, eps)
-
-    _run(call, b * h)
+    tensors = (q, k, v, keep, w.contiguous(), g, out, den, starts, zstarts, dq, dk, dv)
+    settings = (h, n, d, m, chunk, per_block, int(kernel == "relu"), scale, eps)
+    _launch("lf_favor_causal_backward", tensors, b * h, settings)
     return dq, dk, dv

@@ -75,9 +75,7 @@ void pack_b(const float* src, long rs, long cs, int K, int N, float* dst) {
 }
 
 // C (M x N, row stride ldc) = or += A B, A's element (i, k) at a[i * ars + k * acs], B packed by pack_b
-void gemm_pb(int M, int N, int K, const float* a, long ars, long acs, const float* bp, float* c, long ldc, bool acc,
-             float* abuf) {
-  (void)abuf;
+void gemm_pb(int M, int N, int K, const float* a, long ars, long acs, const float* bp, float* c, long ldc, bool acc) {
   if (K == 0) {
     if (!acc)
       for (int i = 0; i < M; i++) memset(c + i * ldc, 0, N * sizeof(float));
@@ -137,9 +135,9 @@ inline float sum(const float* a, int n) {
 }
 
 void gemm(int M, int N, int K, const float* a, long ars, long acs, const float* b, long brs, long bcs, float* c,
-          long ldc, bool acc, float* abuf, float* bbuf) {
+          long ldc, bool acc, float* bbuf) {
   pack_b(b, brs, bcs, K, N, bbuf);
-  gemm_pb(M, N, K, a, ars, acs, bbuf, c, ldc, acc, abuf);
+  gemm_pb(M, N, K, a, ars, acs, bbuf, c, ldc, acc);
 }
 
 // 2^x, relative error ~1e-7; 0 below 2^-126, NaN kept
@@ -163,7 +161,7 @@ inline __m256 exp2_ps(__m256 x) {
 }
 
 struct Shape {
-  int bh, heads, n, d, m, c, cpb, kernel;  // kernel: 0 softmax, 1 relu; n is a multiple of c; d, m, c multiples of 16
+  int d, m, c, kernel;  // kernel: 0 softmax, 1 relu; d, m, c multiples of 16
   float scale, eps;
 };
 
@@ -192,11 +190,11 @@ Features prepare_features(const float* w, int m, int d, float scale, float* shar
   return Features{bws, bw, hw};
 }
 
-// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); u is scratch (c x m)
+// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); padded keys give zero rows
 void key_features(const Shape& s, const Features& f, const float* k, const float* v, const float* keep, float* pk,
-                  float* va, float* abuf) {
+                  float* va) {
   const int c = s.c, m = s.m, d = s.d;
-  gemm_pb(c, m, d, k, d, 1, f.bws, pk, m, false, abuf);
+  gemm_pb(c, m, d, k, d, 1, f.bws, pk, m, false);
   for (int r = 0; r < c; r++) {
     float* row = pk + (long)r * m;
     const float kp = keep ? keep[r] : 1.0f;
@@ -219,9 +217,9 @@ void key_features(const Shape& s, const Features& f, const float* k, const float
   }
 }
 
-void query_features(const Shape& s, const Features& f, const float* q, float* pq, float* abuf) {
+void query_features(const Shape& s, const Features& f, const float* q, float* pq) {
   const int c = s.c, m = s.m, d = s.d;
-  gemm_pb(c, m, d, q, d, 1, f.bws, pq, m, false, abuf);
+  gemm_pb(c, m, d, q, d, 1, f.bws, pq, m, false);
   for (int r = 0; r < c; r++) {
     float* row = pq + (long)r * m;
     if (s.kernel == 1) {
@@ -238,6 +236,13 @@ void query_features(const Shape& s, const Features& f, const float* q, float* pq
     const __m256 t = _mm256_set1_ps(hmax(mx));
     for (int j = 0; j < m; j += 8) _mm256_storeu_ps(row + j, exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), t)));
   }
+}
+
+// S += pk^T va and z += the column sums of pk: one chunk's keys written into the state
+void add_chunk(const Shape& s, const float* pk, const float* va, float* st, float* z, float* bbuf) {
+  gemm(s.m, s.d, s.c, pk, 1, s.m, va, s.d, 1, st, s.d, true, bbuf);
+  for (int t = 0; t < s.c; t++)
+    for (int e = 0; e < s.m; e++) z[e] += pk[(long)t * s.m + e];
 }
 
 void tril(float* a, int c) {
@@ -266,7 +271,7 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
                             float* out, float* den, float* starts, float* zstarts, float* s_final, float* z_final,
                             int64_t* lost, int b0, int b1, int heads, int n, int n_valid, int d, int m, int c,
                             int cpb, int kernel, float scale, float eps) {
-  Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
+  const Shape s{d, m, c, kernel, scale, eps};
   if (d % NR || m % NR || c % NR || n % c) return 1;
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
@@ -275,7 +280,7 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
   {
     const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
     float* scratch = alloc_floats(4 * (long)c * m + 3 * (long)c * d + (long)c * c + (long)m * d + m +
-                                  MRMAX * (long)(m + c + d) + big + 256);
+                                  big + 256);
     if (!scratch) {
       free(shared);
       return 2;
@@ -283,7 +288,7 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
     float* cur = scratch;
     float *pq = take(cur, (long)c * m), *pk = take(cur, (long)c * m), *sc = take(cur, (long)c * c);
     float *va = take(cur, (long)c * d), *num = take(cur, (long)c * d), *st = take(cur, (long)m * d);
-    float *z = take(cur, m), *abuf = take(cur, MRMAX * (long)(m + c + d)), *bbuf = take(cur, big);
+    float *z = take(cur, m), *bbuf = take(cur, big);
     for (int b = b0; b < b1; b++) {
       const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
       const float* kpb = keep ? keep + (long)(b / heads) * n : nullptr;
@@ -298,12 +303,12 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
           memcpy(starts + ((long)b * nblocks + j / cpb) * m * d, st, sizeof(float) * m * d);
           memcpy(zstarts + ((long)b * nblocks + j / cpb) * m, z, sizeof(float) * m);
         }
-        key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va, abuf);
-        query_features(s, f, qb + t0 * d, pq, abuf);
-        gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, abuf, bbuf);  // pq pk^T
+        key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
+        query_features(s, f, qb + t0 * d, pq);
+        gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, bbuf);  // pq pk^T
         tril(sc, c);
-        gemm(c, d, c, sc, c, 1, va, d, 1, num, d, false, abuf, bbuf);
-        gemm(c, d, m, pq, m, 1, st, d, 1, num, d, true, abuf, bbuf);
+        gemm(c, d, c, sc, c, 1, va, d, 1, num, d, false, bbuf);
+        gemm(c, d, m, pq, m, 1, st, d, 1, num, d, true, bbuf);
         for (int t = 0; t < c; t++) {
           float dn = sum(sc + t * c, c) + dot(pq + (long)t * m, z, m);  // sc is lower triangular
           seen = seen || (kpb ? kpb[t0 + t] != 0.0f : true);
@@ -313,9 +318,7 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
           const float inv = 1.0f / dn;
           for (int e = 0; e < d; e++) ob[(t0 + t) * d + e] = num[(long)t * d + e] * inv;
         }
-        gemm(m, d, c, pk, 1, m, va, d, 1, st, d, true, abuf, bbuf);  // S += pk^T va
-        for (int t = 0; t < c; t++)
-          for (int e = 0; e < m; e++) z[e] += pk[(long)t * m + e];
+        add_chunk(s, pk, va, st, z, bbuf);
       }
       memcpy(s_final + (long)b * m * d, st, sizeof(float) * m * d);
       memcpy(z_final + (long)b * m, z, sizeof(float) * m);
@@ -331,9 +334,9 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
 // dq, dk, dv: (bh, n, d).
 int lf_favor_causal_backward(const float* q, const float* k, const float* v, const float* keep, const float* w,
                              const float* g, const float* out, const float* den, const float* starts,
-                             const float* zstarts, float* dq, float* dk, float* dv, int b0, int b1, int heads, int n, int d, int m, int c, int cpb, int kernel, float scale,
-                             float eps) {
-  Shape s{b1, heads, n, d, m, c, cpb, kernel, scale, eps};
+                             const float* zstarts, float* dq, float* dk, float* dv, int b0, int b1, int heads, int n,
+                             int d, int m, int c, int cpb, int kernel, float scale, float eps) {
+  const Shape s{d, m, c, kernel, scale, eps};
   if (d % NR || m % NR || c % NR || n % c) return 1;
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
@@ -342,7 +345,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
   {
     const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
     const long per = 2 * (long)cpb * c * m + (long)cpb * m * d + (long)cpb * m + 3 * (long)c * m + 6 * (long)c * d +
-                     3 * (long)c * c + (long)m * d + 2 * m + 2 * c + MRMAX * (long)(m + c + d) + big + 512;
+                     3 * (long)c * c + (long)m * d + 2 * m + 2 * c + big + 512;
     float* scratch = alloc_floats(per);
     if (!scratch) {
       free(shared);
@@ -354,8 +357,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
     float *dphi = take(cur, (long)c * m), *du = take(cur, (long)c * m), *sc = take(cur, (long)c * c);
     float *gv = take(cur, (long)c * c), *va = take(cur, (long)c * d), *ga = take(cur, (long)c * d);
     float *tmp = take(cur, (long)c * d), *dS = take(cur, (long)m * d), *dz = take(cur, m);
-    float *gd = take(cur, c), *rs = take(cur, c), *abuf = take(cur, MRMAX * (long)(m + c + d)), *bbuf = take(cur, big);
-    (void)take(cur, (long)c * m);
+    float *gd = take(cur, c), *rs = take(cur, c), *bbuf = take(cur, big);
     for (int b = b0; b < b1; b++) {
       const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
       const float *gb = g + (long)b * n * d, *ob = out + (long)b * n * d, *db = den + (long)b * n;
@@ -370,15 +372,13 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
         for (int jj = 0; jj < nj; jj++) {  // features, and the state before each chunk of the block
           const long t0 = (long)(j0 + jj) * c;
           float *pk = PK + (long)jj * c * m, *pq = PQ + (long)jj * c * m;
-          key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va, abuf);
-          query_features(s, f, qb + t0 * d, pq, abuf);
+          key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
+          query_features(s, f, qb + t0 * d, pq);
           if (jj + 1 < nj) {
             float *sn = SS + (long)(jj + 1) * m * d, *zn = ZZ + (long)(jj + 1) * m;
             memcpy(sn, SS + (long)jj * m * d, sizeof(float) * m * d);
             memcpy(zn, ZZ + (long)jj * m, sizeof(float) * m);
-            gemm(m, d, c, pk, 1, m, va, d, 1, sn, d, true, abuf, bbuf);
-            for (int t = 0; t < c; t++)
-              for (int e = 0; e < m; e++) zn[e] += pk[(long)t * m + e];
+            add_chunk(s, pk, va, sn, zn, bbuf);
           }
         }
         for (int jj = nj - 1; jj >= 0; jj--) {
@@ -393,14 +393,14 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
             for (int e = 0; e < d; e++) ga[(long)t * d + e] = gb[(t0 + t) * d + e] * inv;
             gd[t] = -dot(ga + (long)t * d, ob + (t0 + t) * d, d);
           }
-          gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, abuf, bbuf);  // scores, recomputed
+          gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, bbuf);  // scores, recomputed
           tril(sc, c);
-          gemm(c, c, d, ga, d, 1, va, 1, d, gv, c, false, abuf, bbuf);  // ga va^T
+          gemm(c, c, d, ga, d, 1, va, 1, d, gv, c, false, bbuf);  // ga va^T
           for (int t = 0; t < c; t++)
             for (int u = 0; u < c; u++) gv[t * c + u] = u <= t ? gv[t * c + u] + gd[t] * (kp ? kp[u] : 1.0f) : 0.0f;
           // dphi(Q) = gv pk + ga S^T + gd z^T
-          gemm(c, m, c, gv, c, 1, pk, m, 1, dphi, m, false, abuf, bbuf);
-          gemm(c, m, d, ga, d, 1, st, 1, d, dphi, m, true, abuf, bbuf);
+          gemm(c, m, c, gv, c, 1, pk, m, 1, dphi, m, false, bbuf);
+          gemm(c, m, d, ga, d, 1, st, 1, d, dphi, m, true, bbuf);
           for (int t = 0; t < c; t++) {
             float* row = dphi + (long)t * m;
             const float* p = pq + (long)t * m;
@@ -411,17 +411,17 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
               for (int e = 0; e < m; e++) dut[e] = (row[e] + gd[t] * z[e]) * p[e];
             }
           }
-          gemm_pb(c, d, m, du, m, 1, f.bw, dqb + t0 * d, d, false, abuf);
+          gemm_pb(c, d, m, du, m, 1, f.bw, dqb + t0 * d, d, false);
           // dv = (sc^T ga + pk dS) * keep
-          gemm(c, d, c, sc, 1, c, ga, d, 1, tmp, d, false, abuf, bbuf);
-          gemm(c, d, m, pk, m, 1, dS, d, 1, tmp, d, true, abuf, bbuf);
+          gemm(c, d, c, sc, 1, c, ga, d, 1, tmp, d, false, bbuf);
+          gemm(c, d, m, pk, m, 1, dS, d, 1, tmp, d, true, bbuf);
           for (int t = 0; t < c; t++) {
             const float kt = kp ? kp[t] : 1.0f;
             for (int e = 0; e < d; e++) dvb[(t0 + t) * d + e] = tmp[(long)t * d + e] * kt;
           }
           // dphi(K) = gv^T pq + va dS^T + keep dz^T
-          gemm(c, m, c, gv, 1, c, pq, m, 1, dphi, m, false, abuf, bbuf);
-          gemm(c, m, d, va, d, 1, dS, 1, d, dphi, m, true, abuf, bbuf);
+          gemm(c, m, c, gv, 1, c, pq, m, 1, dphi, m, false, bbuf);
+          gemm(c, m, d, va, d, 1, dS, 1, d, dphi, m, true, bbuf);
           for (int t = 0; t < c; t++) {
             const float kt = kp ? kp[t] : 1.0f;
             float* row = dphi + (long)t * m;
@@ -434,12 +434,12 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
               rs[t] = sum(dut, m);
             }
           }
-          gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false, abuf);
+          gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false);
           if (s.kernel == 0)
             for (int t = 0; t < c; t++)
               for (int e = 0; e < d; e++) dkb[(t0 + t) * d + e] -= s.scale * kb[(t0 + t) * d + e] * rs[t];
           // the carry: dS += pq^T ga, dz += pq^T gd
-          gemm(m, d, c, pq, 1, m, ga, d, 1, dS, d, true, abuf, bbuf);
+          gemm(m, d, c, pq, 1, m, ga, d, 1, dS, d, true, bbuf);
           for (int t = 0; t < c; t++)
             for (int e = 0; e < m; e++) dz[e] += pq[(long)t * m + e] * gd[t];
         }
