@@ -46,6 +46,10 @@ def _field_hints(cls) -> dict:
     return hints
 
 
+def _admits_float(hint) -> bool:
+    return hint is float or float in typing.get_args(hint)
+
+
 def _type_name(hint) -> str:
     return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("NoneType", "None")
 
@@ -90,6 +94,16 @@ class LinearAttentionConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
 
     def __post_init__(self, **kwargs):
+        saved_type = kwargs.get("model_type", type(self).model_type)
+        if type(self).model_type and saved_type != type(self).model_type:
+            # PreTrainedConfig would only warn, then set model_type to the saved one: a Linformer checkpoint would
+            # build Linformer layers around a PerformerConfig and fail later on a missing attribute
+            raise ValueError(
+                f"this config has model_type '{saved_type}', but {type(self).__name__} builds model_type "
+                f"'{type(self).model_type}' models. Load the checkpoint with its own family's classes (or the Auto "
+                "classes, after `import linearformers`); a BERT / GPT-2 checkpoint goes through "
+                "linearformers.modeling.convert."
+            )
         super().__post_init__(**kwargs)
         # Validate here too, so that a bad value raises a plain ValueError naming it at construction
         # (@strict re-raises validate_architecture's errors wrapped in its own exception type).
@@ -155,6 +169,10 @@ class LinearAttentionConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
                 raise ValueError(f"{name} must be a finite number {low}, got {value}")
+        for name, hint in _field_hints(type(self)).items():  # every float field, this family's own included
+            value = getattr(self, name, None)
+            if _admits_float(hint) and isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             for token in value if isinstance(value, (list, tuple)) else [value]:

@@ -70,11 +70,13 @@ class LinformerConfig(LinearAttentionConfig):
                 f"max_seq_length={self.max_seq_length} exceeds max_position_embeddings="
                 f"{self.max_position_embeddings} of the learned absolute positions; raise max_position_embeddings"
             )
-        ks = self.projected_length_per_layer or [self.projected_length]
-        if self.projected_length_per_layer is not None:
+        per_layer = self.projected_length_per_layer is not None
+        ks = list(self.projected_length_per_layer) if per_layer else [self.projected_length]
+        if per_layer:
             if len(ks) != self.num_hidden_layers:
                 raise ValueError(
-                    f"projected_length_per_layer has {len(ks)} entries for num_hidden_layers={self.num_hidden_layers}"
+                    f"projected_length_per_layer has {len(ks)} entries for num_hidden_layers={self.num_hidden_layers}; "
+                    "give one k per layer, or None to use projected_length everywhere"
                 )
             if self.sharing == "layerwise" and len(set(ks)) > 1:
                 raise ValueError("sharing='layerwise' uses one projection for every layer, so all k must be equal")

@@ -46,7 +46,19 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionLayer"]
     _can_record_outputs = {"hidden_states": LinearAttentionLayer}
+    # heads without a pooler (masked LM, token classification, QA) load checkpoints that have one, as BERT's do
     _keys_to_ignore_on_load_unexpected = [r"pooler\."]
+
+    def __init__(self, config, *inputs, **kwargs):
+        # by model_type, not isinstance: exported remote code loads config and model classes as separate copies
+        expected = getattr(self.config_class, "model_type", None)
+        if expected and config.model_type != expected:
+            raise ValueError(
+                f"got a config of model_type '{config.model_type}' ({type(config).__name__}), but "
+                f"{type(self).__name__} builds model_type '{expected}' models; build it from a "
+                f"{self.config_class.__name__}, or use the classes of the config's own family"
+            )
+        super().__init__(config, *inputs, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -72,18 +84,124 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
             init.zeros_(module.decoder.bias)
 
 
-def _key_mask(attention_mask, length: int) -> torch.Tensor | None:
-    """The (batch, length) bool key-padding mask of the current tokens, or None when nothing is padded."""
+def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[str, tuple[int, ...]]:
+    """Check input_ids / inputs_embeds; return the name and shape of the one given, for later messages."""
+    if (input_ids is None) == (inputs_embeds is None):
+        got = "both" if input_ids is not None else "neither"
+        raise ValueError(f"pass exactly one of input_ids or inputs_embeds; got {got}")
+    if input_ids is not None:
+        name, tensor = "input_ids", input_ids
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            hint = "; add the batch dimension to one sequence with input_ids[None]" if input_ids.dim() == 1 else ""
+            raise ValueError(f"input_ids must be shaped (batch, length); got shape {tuple(input_ids.shape)}{hint}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(
+                f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; pass the tokenizer's ids "
+                "(torch.long), or vectors as inputs_embeds"
+            )
+    else:
+        name, tensor = "inputs_embeds", inputs_embeds
+        if not isinstance(inputs_embeds, torch.Tensor):
+            raise TypeError(f"inputs_embeds must be a torch.Tensor, got {type(inputs_embeds).__name__}")
+        hidden = embeddings.word_embeddings.embedding_dim
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden:
+            raise ValueError(
+                f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; it must be (batch, length, hidden_size) with "
+                f"this model's hidden_size={hidden}"
+            )
+        weight = embeddings.word_embeddings.weight.dtype
+        if not inputs_embeds.is_floating_point():
+            raise TypeError(f"inputs_embeds must be floating point, got dtype {inputs_embeds.dtype}")
+        if inputs_embeds.dtype != weight and not torch.is_autocast_enabled(inputs_embeds.device.type):
+            raise TypeError(
+                f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights are {weight}; cast them "
+                f"with inputs_embeds.to({weight})"
+            )
+    shape = tuple(tensor.shape)
+    if shape[0] == 0:
+        raise ValueError(f"{name} has shape {shape}: no sequences to run; pass a batch of at least one sequence")
+    if shape[1] == 0:
+        raise ValueError(f"{name} has shape {shape}: no tokens to run; pass at least one token per sequence")
+    return name, shape
+
+
+def _padding_mask(attention_mask, past: int, inputs: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The checked 0/1 padding mask of the cached and the new tokens, (batch, past + length), 1 = real token.
+
+    ``inputs`` and ``shape`` name the input_ids / inputs_embeds it must fit. Values are checked in eager mode only:
+    reading them under torch.compile would break the graph."""
     if attention_mask is None:
         return None
     if isinstance(attention_mask, dict):  # generate() may key masks by layer type
         attention_mask = next(iter(attention_mask.values()))
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask.dim() != 2:
         raise ValueError(
             f"attention_mask must be the 2-D (batch, length) padding mask with 1 for real tokens, got shape "
             f"{tuple(attention_mask.shape)}; linear attention takes no 4-D masks"
         )
-    mask = attention_mask[:, -length:].bool()
+    batch, length = shape[:2]
+    if tuple(attention_mask.shape) != (batch, past + length):
+        got = f"attention_mask has shape {tuple(attention_mask.shape)}"
+        if past:
+            raise ValueError(
+                f"{got} but the cache holds {past} tokens and {inputs} has shape {shape}; with past_key_values the "
+                f"mask covers the cached and the new tokens: pass shape ({batch}, {past + length})"
+            )
+        raise ValueError(
+            f"{got} but {inputs} has shape {shape}; pass one entry per token, shape ({batch}, {length}), with 1 "
+            "for real tokens and 0 for padding"
+        )
+    if attention_mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        bad = (attention_mask != 0) & (attention_mask != 1)
+        if bool(bad.any()):
+            value = attention_mask[bad][0].item()
+            additive = attention_mask.is_floating_point() and value < 0
+            raise ValueError(
+                f"attention_mask must hold 0 (padding) and 1 (token); got values like {value}"
+                + (": this looks like an additive mask; pass the 0/1 padding mask instead" if additive else "")
+            )
+        if attention_mask.is_floating_point() and not bool(attention_mask.any()):
+            raise ValueError(
+                "attention_mask is all 0.0, which marks every token as padding; if it is an additive mask "
+                "(0 = attend), pass the 0/1 padding mask instead, or no mask"
+            )
+    return attention_mask
+
+
+def _broadcast_ids(ids: torch.Tensor | None, name: str, inputs: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """token_type_ids / position_ids as (batch, length): given so, or as one (1, length) row for every sequence."""
+    if ids is None:
+        return None
+    batch, length = shape[:2]
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {got}")
+    if ids.dim() != 2 or ids.shape[1] != length or ids.shape[0] not in (1, batch):
+        raise ValueError(
+            f"{name} has shape {tuple(ids.shape)} but {inputs} has shape {shape}; pass one per token, shape "
+            f"({batch}, {length}) (or (1, {length}) for the same row in every sequence)"
+        )
+    return ids.expand(batch, length)
+
+
+def _check_id_range(ids: torch.Tensor, name: str, size: int, size_name: str, fix: str) -> None:
+    """Raise when ids fall outside [0, size): one min / max, instead of an IndexError deep inside nn.Embedding."""
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= size:
+        raise ValueError(
+            f"{name} hold {low if low < 0 else high}, outside 0 .. {size - 1} of this model's {size_name}={size}; {fix}"
+        )
+
+
+def _key_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """The (batch, length) bool key-padding mask of the current tokens, or None when nothing is padded."""
+    if mask is None:
+        return None
+    mask = mask[:, -length:].bool()
     return None if bool(mask.all()) else mask
 
 
@@ -135,6 +253,33 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 self.redraw_features(seen // interval)
         self.feature_redraws += 1
 
+    def _check_id_ranges(self, input_ids, token_type_ids, position_ids) -> None:
+        if input_ids is not None:
+            _check_id_range(
+                input_ids,
+                "input_ids",
+                self.embeddings.word_embeddings.num_embeddings,
+                "vocab_size",
+                "check that the tokenizer belongs to this model (or resize_token_embeddings(len(tokenizer))), and "
+                "that no label value such as -100 was passed as an input id",
+            )
+        types = self.embeddings.token_type_embeddings
+        if token_type_ids is not None and types is not None:
+            _check_id_range(
+                token_type_ids,
+                "token_type_ids",
+                types.num_embeddings,
+                "type_vocab_size",
+                "pass segment ids from 0 (first segment) up to type_vocab_size - 1",
+            )
+        if position_ids is not None:
+            low = int(position_ids.min())
+            if low < 0:
+                raise ValueError(
+                    f"position_ids hold {low}; positions start at 0. Pass position_ids >= 0, or leave them out: by "
+                    "default they count each sequence's real tokens in the attention_mask"
+                )
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -150,9 +295,8 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         if kwargs.get("output_attentions"):
             raise ValueError(NO_ATTENTION_MAPS)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        batch, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        inputs, shape = _checked_inputs(input_ids, inputs_embeds, self.embeddings)
+        batch, length = shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         use_cache = bool(self.config.is_decoder and (self.config.use_cache if use_cache is None else use_cache))
         if use_cache and past_key_values is None and not self.training:
@@ -163,9 +307,21 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 f"keys and values), got {type(past_key_values).__name__}"
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cached_batch = past_key_values.batch_size() if past_key_values is not None else None
+        if cached_batch is not None and cached_batch != batch:
+            raise ValueError(
+                f"past_key_values holds the state of a batch of {cached_batch} sequences, but {inputs} has a batch "
+                f"of {batch} (shape {shape}); a cache continues the sequences it was built with. Continue with the "
+                "same batch, or start over without past_key_values."
+            )
+        attention_mask = _padding_mask(attention_mask, past, inputs, shape)
+        token_type_ids = _broadcast_ids(token_type_ids, "token_type_ids", inputs, shape)
+        position_ids = _broadcast_ids(position_ids, "position_ids", inputs, shape)
+        if not torch.compiler.is_compiling():  # data-dependent checks would break the compiled graph
+            self._check_id_ranges(input_ids, token_type_ids, position_ids)
         key_mask = _key_mask(attention_mask, length)
         if position_ids is None:
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
             else:
                 position_ids = torch.arange(past, past + length, device=device).expand(batch, -1)
@@ -409,7 +565,7 @@ class LinearAttentionForTokenClassification(GenericForTokenClassification):
     """transformers' generic token-classification head (forward and weight names ``model``, ``score``), with the
     stack built from ``base_model_class`` rather than ``AutoModel.from_config``: from exported remote code that
     call would need ``trust_remote_code`` again and fail. Dropout follows BERT (classifier_dropout, else
-    hidden_dropout_prob)."""
+    hidden_dropout_prob). No pooler, as in BERT's head: an unused one gets no gradient, which breaks plain DDP."""
 
     # the generic loss is a mean that ignores num_items_in_batch: Trainer must scale it for gradient accumulation
     # itself (with **kwargs in forward it would assume the loss already did, and steps would be N x)
@@ -418,7 +574,7 @@ class LinearAttentionForTokenClassification(GenericForTokenClassification):
     def __init__(self, config):
         super(GenericForTokenClassification, self).__init__(config)  # the PreTrainedModel, not the generic init
         self.num_labels = config.num_labels
-        self.model = self.base_model_class(config)
+        self.model = self.base_model_class(config, add_pooling_layer=False)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.score = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -426,11 +582,11 @@ class LinearAttentionForTokenClassification(GenericForTokenClassification):
 
 class LinearAttentionForQuestionAnswering(GenericForQuestionAnswering):
     """transformers' generic extractive-QA head (``model``, ``qa_outputs``), with the stack built from
-    ``base_model_class`` (see LinearAttentionForTokenClassification)."""
+    ``base_model_class`` and no pooler (see LinearAttentionForTokenClassification)."""
 
     def __init__(self, config):
         super(GenericForQuestionAnswering, self).__init__(config)
-        self.model = self.base_model_class(config)
+        self.model = self.base_model_class(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 

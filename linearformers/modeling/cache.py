@@ -33,6 +33,15 @@ class LinearAttentionCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    def batch_size(self) -> int | None:
+        """The batch the stored states were built for, or None while the cache is empty."""
+        for layer in self.layers:
+            for states in (layer.recurrent_states, layer.conv_states):
+                for tensor in states.values():
+                    if tensor is not None:
+                        return tensor.shape[0]
+        return None
+
     def get_state(self, layer_idx: int) -> tuple[torch.Tensor, ...] | None:
         """The layer's recurrent states in order, or None before its first call."""
         states = []

@@ -14,6 +14,8 @@ FAVOR+ approximates the softmax attention a checkpoint was trained with, and Lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,25 +85,69 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _load(source) -> PreTrainedModel:
+# what each converter reads: model_type, its name in messages, the architecture when config.json names none
+SOURCES = {
+    "convert_bert": ("bert", "a BERT checkpoint", "BertModel"),
+    "convert_gpt2": ("gpt2", "a GPT-2 checkpoint", "GPT2LMHeadModel"),
+}
+
+
+def _load(source, converter: str) -> PreTrainedModel:
     if isinstance(source, PreTrainedModel):
         return source
     if isinstance(source, str | Path):
         if not Path(source).exists():
             raise ValueError(f"checkpoint folder {str(source)!r} does not exist")
+        if not (Path(source) / "config.json").is_file():
+            raise ValueError(f"{str(source)!r} has no config.json; pass a folder written by save_pretrained")
         config = json.loads((Path(source) / "config.json").read_text())
-        architecture = (config.get("architectures") or ["BertModel"])[0]
+        model_type, wanted, default = SOURCES[converter]
+        if config.get("model_type") != model_type:
+            others = [name for name, (other, _, _) in SOURCES.items() if other == config.get("model_type")]
+            hint = f"; use {others[0]} for it" if others else ""
+            if config.get("model_type") in FAMILIES:
+                hint = "; it is already converted: load it with the Auto classes after `import linearformers`"
+            raise ValueError(
+                f"{str(source)!r} holds a checkpoint of model_type {config.get('model_type')!r}, but {converter} "
+                f"expects {wanted} (model_type {model_type!r}){hint}"
+            )
+        architecture = (config.get("architectures") or [default])[0]
         import transformers
 
-        return getattr(transformers, architecture).from_pretrained(source)
+        model_class = getattr(transformers, architecture, None)
+        if model_class is None:
+            raise ValueError(f"{str(source)!r} names architecture {architecture!r}, which transformers does not have")
+        return model_class.from_pretrained(source)
     raise TypeError(f"source must be a folder or a transformers model, got {type(source).__name__}")
 
 
+def _config_fields(config_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(config_cls)} | {"num_labels"}
+
+
 def _attention_fields(max_positions: int, overrides: dict, family: str) -> dict:
-    """The user's attention settings; a Linformer defaults to n = max positions and k = n (exact at start)."""
-    fields = {k: v for k, v in overrides.items() if v is not None}
+    """The user's attention settings; a Linformer defaults to n = max positions and k = n (exact at start).
+
+    None is a value (``feature_redraw_interval=None``: never redraw), except for Linformer's ``max_seq_length``,
+    whose None means its default here too. A name the family's config does not have raises, naming close ones.
+    """
+    config_cls = FAMILIES[family][0]
+    known = _config_fields(config_cls)
+    for name in overrides:
+        if name in known:
+            continue
+        message = f"{config_cls.__name__} has no field {name!r}"
+        other = [f for f, (cls, _) in FAMILIES.items() if f != family and name in _config_fields(cls)]
+        close = difflib.get_close_matches(name, sorted(known), n=3)
+        if other:
+            message += f"; it is a {FAMILIES[other[0]][0].__name__} field: pass family={other[0]!r}"
+        elif close:
+            message += f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        raise ValueError(message)
+    fields = dict(overrides)
     if family == "linformer":
-        fields.setdefault("max_seq_length", max_positions)
+        if fields.get("max_seq_length") is None:
+            fields["max_seq_length"] = max_positions
         fields.setdefault("projected_length", fields["max_seq_length"])
     return fields
 
@@ -165,12 +211,13 @@ def _apply(model: nn.Module, state: dict, mapping: list[tuple[str, str]], report
 def convert_bert(source, family: str = "performer", **config_overrides):
     """Convert a ``BertModel`` / ``BertFor*`` (folder or model) into the matching ``Linformer*`` / ``Performer*``.
 
-    ``config_overrides`` set the attention fields (e.g. ``num_random_features=256`` or
-    ``projected_length=128``). Returns ``(model, ConversionReport)``.
+    ``config_overrides`` set fields of the family's config, typically the attention's (e.g.
+    ``num_random_features=256``, ``feature_redraw_interval=None`` or ``projected_length=128``); a name the config
+    does not have raises a ValueError naming close matches. Returns ``(model, ConversionReport)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    bert = _load(source)
+    bert = _load(source, "convert_bert")
     head = BERT_HEADS.get(type(bert).__name__)
     if head is None:
         raise ValueError(f"cannot convert {type(bert).__name__}; supported: {sorted(BERT_HEADS)}")
@@ -223,8 +270,8 @@ def convert_bert(source, family: str = "performer", **config_overrides):
     report = ConversionReport(type(bert).__name__, type(model).__name__)
     _init_new(model, report)
     if not any(src.startswith(prefix + "pooler.") for src in state):
-        # BERT's token-classification and QA heads carry no pooler; ours (transformers' generic heads) keep the
-        # base model's, unused by the head: it stays at its fresh initialization
+        # a BERT saved without its pooler (BertModel(add_pooling_layer=False)) into a stack that has one: the
+        # pooler stays at its fresh initialization (token classification, QA and masked LM have none)
         report.initialized += [k for k in model.state_dict() if k.startswith(ours + "pooler.")]
     _apply(model, state, mapping, report)
     model.tie_weights()
@@ -235,11 +282,11 @@ def convert_gpt2(source, family: str = "performer", **config_overrides):
     """Convert a ``GPT2LMHeadModel`` (folder or model) into ``LinformerForCausalLM`` / ``PerformerForCausalLM``.
 
     GPT-2's Conv1D weights are transposed into nn.Linear layout and ``c_attn`` is split into q, k, v.
-    Returns ``(model, ConversionReport)``.
+    ``config_overrides`` as for :func:`convert_bert`. Returns ``(model, ConversionReport)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    gpt2 = _load(source)
+    gpt2 = _load(source, "convert_gpt2")
     if type(gpt2).__name__ != "GPT2LMHeadModel":
         raise ValueError(f"cannot convert {type(gpt2).__name__}; pass a GPT2LMHeadModel")
     gc = gpt2.config
@@ -313,11 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = json.loads((Path(args.source) / "config.json").read_text()) if Path(args.source).is_dir() else {}
     convert = convert_gpt2 if config.get("model_type") == "gpt2" else convert_bert
-    overrides = {k: getattr(args, k) for k in ("num_random_features", "projected_length", "max_seq_length")}
-    if args.family == "performer":
-        overrides = {"num_random_features": overrides["num_random_features"]}
-    else:
-        overrides.pop("num_random_features")
+    names = ("num_random_features",) if args.family == "performer" else ("projected_length", "max_seq_length")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}  # None: not given
     model, report = convert(args.source, args.family, **overrides)
     model.save_pretrained(args.output)
     # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers

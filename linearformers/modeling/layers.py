@@ -26,7 +26,7 @@ from .attention import (
     local_attention,
     num_relative_positions,
 )
-from .attention.linformer import slot_first_writes
+from .attention.linformer import check_sequence_length, slot_first_writes
 
 
 def sinusoidal_embeddings(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -249,6 +249,9 @@ class LinformerAttention(LinearAttention):
     def global_attention(self, q, k, v, key_mask, cache, shared_projection, position_ids):
         e = shared_projection if self.e_proj is None and self.config.projection == "learned" else self.e_proj
         f = self.f_proj
+        if self.window is not None:  # pool / conv run on any length: hold them to max_seq_length, as learned E is
+            k_len = self.config.projected_length_for(self.layer_idx)
+            check_sequence_length(q.shape[2], self.config.max_seq_length, k_len)
         if not self.causal:
             return linformer_attention(
                 q,

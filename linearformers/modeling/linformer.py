@@ -7,6 +7,8 @@ GPT-2-style decoder (config.is_decoder=True): LinformerForCausalLM.
 
 from __future__ import annotations
 
+from transformers import GenerationMixin
+
 from ..configuration.linformer import LinformerConfig
 from .base import (
     LinearAttentionForCausalLM,
@@ -33,7 +35,8 @@ class LinformerForMaskedLM(LinearAttentionForMaskedLM, LinformerPreTrainedModel)
     base_model_class = LinformerModel
 
 
-class LinformerForCausalLM(LinearAttentionForCausalLM, LinformerPreTrainedModel):
+# GenerationMixin named again among the own bases: transformers' test_inherits_generation_mixin reads __bases__
+class LinformerForCausalLM(LinearAttentionForCausalLM, LinformerPreTrainedModel, GenerationMixin):
     base_model_class = LinformerModel
 
 

@@ -7,6 +7,8 @@ GPT-2-style decoder (config.is_decoder=True): PerformerForCausalLM.
 
 from __future__ import annotations
 
+from transformers import GenerationMixin
+
 from ..configuration.performer import PerformerConfig
 from .base import (
     LinearAttentionForCausalLM,
@@ -33,7 +35,8 @@ class PerformerForMaskedLM(LinearAttentionForMaskedLM, PerformerPreTrainedModel)
     base_model_class = PerformerModel
 
 
-class PerformerForCausalLM(LinearAttentionForCausalLM, PerformerPreTrainedModel):
+# GenerationMixin named again among the own bases: transformers' test_inherits_generation_mixin reads __bases__
+class PerformerForCausalLM(LinearAttentionForCausalLM, PerformerPreTrainedModel, GenerationMixin):
     base_model_class = PerformerModel
 
 

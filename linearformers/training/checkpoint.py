@@ -1,13 +1,15 @@
 """Atomic training checkpoints.
 
 A checkpoint is Accelerate's state (model, optimizer, scheduler, RNG states of every process) plus
-``progress.json`` (optimizer step, epoch, micro-batches consumed in that epoch). It is written into a hidden
-temporary folder, flushed to disk, renamed into place, and only then named by the ``latest`` pointer, itself
-replaced atomically. A crash at any point leaves the previous checkpoint and pointer intact.
+``progress.json`` (optimizer step, epoch, micro-batches consumed in that epoch) and ``run.json`` (the run's arguments
+and model config, which a resume is compared with). It is written into a hidden temporary folder, flushed to disk,
+renamed into place, and only then named by the ``latest`` pointer, itself replaced atomically. A crash at any point
+leaves the previous checkpoint and pointer intact; a failed write (a full disk, say) also removes what it wrote.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -16,6 +18,9 @@ from pathlib import Path
 from accelerate import Accelerator
 
 POINTER = "latest"
+RUN_FILE = "run.json"
+# what torch (its zip writer), safetensors and the OS say when a write meets a full disk
+_DISK_FULL = ("no space left on device", "unexpected pos", "file write failed", "storagefull")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -34,8 +39,43 @@ def _fsync_tree(folder: Path) -> None:
     _fsync_dir(folder)
 
 
-def save_checkpoint(accelerator: Accelerator, root: str | Path, progress: dict, keep: int = 2) -> Path:
-    """Write checkpoint ``step-<step>`` under ``root`` atomically; keep the newest ``keep``. All processes call it."""
+def _publish(root: Path, tmp: Path, final: Path, progress: dict, run: dict | None) -> None:
+    """Complete the state Accelerate wrote into ``tmp``, flush it, rename it to ``final`` and point ``latest`` at it."""
+    (tmp / "progress.json").write_text(json.dumps(progress))
+    if run is not None:
+        (tmp / RUN_FILE).write_text(json.dumps(run, indent=1))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / f".{POINTER}.tmp"
+    pointer_tmp.write_text(final.name)
+    with open(pointer_tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(pointer_tmp, root / POINTER)
+    _fsync_dir(root)
+
+
+def _pointed_at(root: Path) -> str | None:
+    pointer = root / POINTER
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    return any(sign in str(error).lower() for sign in _DISK_FULL)
+
+
+def save_checkpoint(
+    accelerator: Accelerator, root: str | Path, progress: dict, keep: int = 2, run: dict | None = None
+) -> Path:
+    """Write checkpoint ``step-<step>`` under ``root`` atomically; keep the newest ``keep``. All processes call it.
+
+    ``run`` (JSON: the run's arguments and model config) is saved as ``run.json`` for a resume to compare with. A
+    write that fails removes what it wrote, and ``latest`` still names the previous checkpoint; a full disk raises an
+    OSError (ENOSPC) that says so and names both folders.
+    """
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (the checkpoint just written is always kept), got {keep!r}")
     root = Path(root)
@@ -45,20 +85,32 @@ def save_checkpoint(accelerator: Accelerator, root: str | Path, progress: dict, 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _publish(root, tmp, final, progress, run)
+    except Exception as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (root / f".{POINTER}.tmp").unlink(missing_ok=True)
+            if _pointed_at(root) != name:  # renamed but never named by "latest": not a checkpoint
+                shutil.rmtree(final, ignore_errors=True)
+        if not _is_disk_full(error):
+            raise
+        kept = _pointed_at(root)
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on device while writing checkpoint {final} ({type(error).__name__}: {str(error)[:200]}). "
+            + (
+                f"The last complete checkpoint, {root / kept}, is intact: free"
+                if kept
+                else "There is no earlier one: free"
+            )
+            + " space (or lower --keep_checkpoints) and run again"
+            + (" with --resume true to continue from it." if kept else "."),
+        ) from error
     if accelerator.is_main_process:
-        (tmp / "progress.json").write_text(json.dumps(progress))
-        _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        pointer_tmp = root / f".{POINTER}.tmp"
-        pointer_tmp.write_text(name)
-        with open(pointer_tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(pointer_tmp, root / POINTER)
-        _fsync_dir(root)
         # prune the oldest of this run's line: never the folder just written (which "latest" names), and never
         # a higher-numbered folder, which is not this run's to delete
         earlier = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name < name)
@@ -77,6 +129,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not (folder / "progress.json").is_file():
         raise ValueError(f"checkpoint pointer {pointer} names {folder}, which is incomplete or missing")
     return folder
+
+
+def load_run(folder: Path) -> dict | None:
+    """The arguments and model config saved with checkpoint ``folder``; None for a checkpoint written before they
+    were saved."""
+    path = Path(folder) / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_checkpoint(accelerator: Accelerator, folder: Path) -> dict:

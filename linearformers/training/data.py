@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import codecs
+import math
 from itertools import chain
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets.exceptions import DatasetGenerationError
 
 TASKS = ("mlm", "clm", "classification")
 _BUILDERS = {".txt": "text", ".text": "text", ".csv": "csv", ".json": "json", ".jsonl": "json"}
@@ -21,8 +24,14 @@ def load_raw_dataset(
 ) -> DatasetDict:
     """A DatasetDict with "train" and "validation" from local files or a `save_to_disk` folder.
 
-    Without a validation file or split, ``validation_split`` of the training rows are held out (seeded).
+    Without a validation file or split, ``validation_split`` of the training rows are held out (seeded). An empty
+    file, or one that is not UTF-8 text, raises a ValueError naming it.
     """
+    if not 0 < validation_split < 1:
+        raise ValueError(
+            f"validation_split must be a fraction strictly between 0 and 1, got {validation_split!r} (the share of "
+            "training rows held out when there is no validation file)"
+        )
     if dataset_dir is not None:
         if not Path(dataset_dir).is_dir():
             raise ValueError(f"dataset_dir {dataset_dir!r} does not exist or is not a folder saved by save_to_disk")
@@ -37,16 +46,53 @@ def load_raw_dataset(
         for split, path in files.items():
             if not Path(path).is_file():
                 raise ValueError(f"{split} file {path!r} does not exist")
+            if Path(path).stat().st_size == 0:
+                raise ValueError(f"{split} file {path!r} is empty; pass a file with data in it")
         suffixes = {Path(p).suffix.lower() for p in files.values()}
         if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
             raise ValueError(f"data files must share one of the extensions {sorted(_BUILDERS)}, got {sorted(suffixes)}")
-        raw = load_dataset(_BUILDERS[suffixes.pop()], data_files=files)
+        builder = _BUILDERS[suffixes.pop()]
+        try:
+            raw = load_dataset(builder, data_files=files)
+        except Exception as error:
+            # datasets' own errors (DatasetGenerationError, a bare StopIteration for an empty JSON file) name no file
+            for split, path in files.items():
+                _check_utf8(split, path)
+            if not isinstance(error, (DatasetGenerationError, StopIteration, ValueError)):
+                raise
+            raise ValueError(
+                f"could not read {' and '.join(f'the {s} file {p!r}' for s, p in files.items())} as {builder}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
     if "train" not in raw:
         raise ValueError(f"the dataset has no 'train' split; it has {list(raw)}")
     if "validation" not in raw:
         parts = raw["train"].train_test_split(test_size=validation_split, seed=seed)
         raw = DatasetDict({"train": parts["train"], "validation": parts["test"]})
     return raw
+
+
+def _check_utf8(split: str, path: str) -> None:
+    """Raise a ValueError naming ``path`` and the offset of its first byte that is not UTF-8."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                # error.object is the decoder's pending bytes of the previous chunk, then this chunk
+                at = offset - (len(error.object) - len(chunk)) + error.start
+                raise ValueError(
+                    f"{split} file {path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {at}); "
+                    "is it a binary file? Pass a UTF-8 text, csv or json file."
+                ) from None
+            offset += len(chunk)
+
+
+def _is_empty(cell) -> bool:
+    return (
+        cell is None or (isinstance(cell, str) and not cell.strip()) or (isinstance(cell, float) and math.isnan(cell))
+    )
 
 
 def _require_column(dataset: Dataset, column: str, what: str) -> None:
@@ -75,7 +121,22 @@ def prepare_dataset(
         if task == "classification":
             _require_column(split, label_column, "label")
     if task == "classification":
+        for name, split in raw.items():
+            cells = split[label_column]
+            empty = [i for i, cell in enumerate(cells) if _is_empty(cell)]
+            if empty:
+                raise ValueError(
+                    f"the {name} split has {len(empty)} empty cell{'s' if len(empty) > 1 else ''} in label column "
+                    f"{label_column!r} (the first beside the text {str(split[empty[0]][text_column])[:60]!r}); every "
+                    "row needs its class: fill them in or drop those rows"
+                )
         labels = sorted({str(x) for x in raw["train"][label_column]})
+        if len(labels) < 2:
+            raise ValueError(
+                f"label column {label_column!r} of the train split holds a single class {labels}; classification needs "
+                "at least two (with one, the model would be a regression head and score accuracy 1.0). Check "
+                "--label_column and the data."
+            )
         index = {name: i for i, name in enumerate(labels)}
         for name, split in raw.items():
             unknown = sorted({str(x) for x in split[label_column]} - set(labels))

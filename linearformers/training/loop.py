@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import (
@@ -31,9 +32,10 @@ from transformers import (
 from transformers.utils import logging
 
 from .. import LinformerConfig, PerformerConfig
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, load_run, save_checkpoint
 from .data import TASKS, check_block_size, load_raw_dataset, prepare_dataset
 from .metrics import load_metric
+from .output_dir import check_writable, lock_output_dir
 
 logger = logging.get_logger(__name__)
 
@@ -267,6 +269,11 @@ def check_arguments(args: TrainArguments) -> None:
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not 0 < args.mlm_probability < 1:  # 0 masks nothing: the loss is NaN
+        raise ValueError(
+            f"mlm_probability must be a probability strictly between 0 and 1, got {args.mlm_probability!r} (BERT "
+            "masks 0.15 of the tokens)"
+        )
     if args.push_to_hub:
         if not args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/performer-small)")
@@ -275,8 +282,141 @@ def check_arguments(args: TrainArguments) -> None:
         check_repo_id(args.hub_model_id)  # before training, not after it
 
 
+# On --resume the run is compared with the arguments saved in its checkpoint (run.json). Refused: a change of these
+# would continue the checkpoint's weights on another task, data, tokenization, precision or random stream.
+RESUME_REFUSED = (
+    "task",
+    "family",
+    "model_name_or_path",
+    "tokenizer",
+    "train_file",
+    "validation_file",
+    "dataset_dir",
+    "text_column",
+    "label_column",
+    "block_size",
+    "seed",
+    "mlm_probability",
+    "mixed_precision",
+)
+# Allowed with a warning; they take effect from the resumed step on (the learning rate and weight decay replace the
+# values the checkpoint's optimizer state holds).
+RESUME_ALLOWED = (
+    "learning_rate",
+    "weight_decay",
+    "lr_scheduler",
+    "warmup_steps",
+    "max_steps",
+    "max_grad_norm",
+    "gradient_accumulation_steps",
+    "eval_every",
+    "save_every",
+    "keep_checkpoints",
+    "cpu",
+    "report_to",
+    "push_to_hub",
+    "hub_model_id",
+    "progress_bar",
+)
+# Not compared: the model config is compared field by field instead of the overrides' text; a changed batch size or
+# process count has its own warning (the data layout); the rest say where and how to start.
+RESUME_IGNORED = ("config_overrides", "per_device_batch_size", "output_dir", "resume", "overwrite_output_dir")
+_PATH_ARGUMENTS = ("model_name_or_path", "tokenizer", "train_file", "validation_file", "dataset_dir")
+# config fields that shape outputs or record provenance, not the model; labels come from the (compared) data
+_CONFIG_NOT_COMPARED = (
+    "transformers_version",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "use_cache",
+    "id2label",
+    "label2id",
+)
+
+
+def run_record(args: TrainArguments, config) -> dict:
+    """What a checkpoint saves of its run (``run.json``): the arguments, with local paths made absolute, and the
+    model config (before the classification labels, which come from the data)."""
+    arguments = asdict(args)
+    for name in _PATH_ARGUMENTS:
+        if arguments[name] is not None and Path(arguments[name]).exists():
+            arguments[name] = str(Path(arguments[name]).resolve())
+    return {"arguments": arguments, "config": json.loads(config.to_json_string(use_diff=False))}
+
+
+def _differences(old: dict, new: dict, names, prefix: str = "") -> list[str]:
+    # a name the older record lacks (an argument or config field added since) cannot be compared
+    return [
+        f"{prefix}{name}: {old[name]!r} → {new.get(name)!r}"
+        for name in names
+        if name in old and old[name] != new.get(name)
+    ]
+
+
+def check_resume(folder: Path, saved: dict | None, run: dict) -> None:
+    """Compare this run (``run_record``) with the one saved with checkpoint ``folder``: a ValueError lists every
+    difference (old → new) that would not continue the same training; a warning lists the allowed changes."""
+    if saved is None:
+        logger.warning(
+            f"--resume: checkpoint {folder} was written without its run's arguments (by an older linearformers), so "
+            "this run cannot be compared with it: a changed model config, data, block size or seed goes unnoticed"
+        )
+        return
+    old_config, new_config = saved["config"], run["config"]
+    fields = sorted((set(old_config) | set(new_config)) - set(_CONFIG_NOT_COMPARED))
+    refused = _differences(saved["arguments"], run["arguments"], RESUME_REFUSED)
+    refused += _differences(old_config, new_config, fields, prefix="config.")
+    if refused:
+        raise ValueError(
+            f"--resume: this run differs from checkpoint {folder} in what must stay the same to continue its "
+            "training:\n  " + "\n  ".join(refused) + "\nRun with the checkpoint's values, or start a new run: "
+            "another --output_dir, or --overwrite_output_dir true without --resume (which deletes these checkpoints)."
+        )
+    allowed = _differences(saved["arguments"], run["arguments"], RESUME_ALLOWED)
+    if allowed:
+        logger.warning(
+            f"--resume: continuing checkpoint {folder} with changed settings, in effect from here on: "
+            + "; ".join(allowed)
+        )
+
+
+def _apply_optimizer_arguments(optimizer, scheduler, args: TrainArguments) -> None:
+    """A checkpoint restores the optimizer's learning rate and weight decay and the schedule's base rate; this run's
+    own values replace them, and the current rate is recomputed from this run's schedule at the restored step (the
+    same value, bit for bit, when nothing changed)."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = args.weight_decay
+        group["initial_lr"] = args.learning_rate
+    schedule = scheduler.scheduler
+    if isinstance(schedule, LambdaLR):  # every get_scheduler schedule the loop can step without a metric
+        schedule.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
+        for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):
+            group["lr"] = args.learning_rate * factor(schedule.last_epoch)
+
+
+def _claim_output_dir(accelerator: Accelerator, output: Path):
+    """Prove ``output`` writable and lock it for this run, in the main process; every process raises if it fails."""
+    lock, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            check_writable(output)
+            lock = lock_output_dir(output)
+        except ValueError as error:
+            problem = str(error)
+    if accelerator.num_processes > 1:  # the other ranks of this launch learn the answer and stop with it
+        problem = broadcast_object_list([problem])[0]
+    if problem is not None:
+        raise ValueError(problem)
+    return lock
+
+
 def train(args: TrainArguments) -> dict:
-    """Train, evaluate and save; returns the final evaluation results."""
+    """Train, evaluate and save; returns the final evaluation results.
+
+    ``output_dir`` is proven writable and locked for the run's lifetime before any data work: a second run into it
+    is refused while this one lives.
+    """
     check_arguments(args)
     output = Path(args.output_dir)
     accelerator = Accelerator(
@@ -291,6 +431,22 @@ def train(args: TrainArguments) -> dict:
         # follows the same learning-rate schedule on one process or many
         step_scheduler_with_optimizer=False,
     )
+    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
+        # Accelerate leaves fp16 off on CPU without a word (no autocast, no loss scaling); torch has both there, and
+        # with these two set Accelerate autocasts the forward, scales the loss and saves the scale in checkpoints
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu")
+    lock = _claim_output_dir(accelerator, output)
+    try:
+        return _run(args, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: TrainArguments, accelerator: Accelerator) -> dict:
+    """The run itself, in a locked output_dir."""
+    output = Path(args.output_dir)
     checkpoints = output / "checkpoints"
     if not args.resume and checkpoints.is_dir() and any(checkpoints.iterdir()):  # before any data work
         if not args.overwrite_output_dir:
@@ -306,10 +462,12 @@ def train(args: TrainArguments) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer())
     # fail on a block size the model cannot take before any data work
     planned = AutoConfig.from_pretrained(args.model_name_or_path) if args.model_name_or_path else None
-    check_block_size(
-        planned or new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides),
-        args.block_size,
-    )
+    planned = planned or new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides)
+    check_block_size(planned, args.block_size)
+    run = run_record(args, planned)
+    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+    if resume_from is not None:  # before any data work too
+        check_resume(resume_from, load_run(resume_from), run)
     raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=args.seed)
     with accelerator.main_process_first():
         data, labels = prepare_dataset(raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column)
@@ -336,11 +494,12 @@ def train(args: TrainArguments) -> dict:
     # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
     progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
     if args.resume:
-        folder = latest_checkpoint(checkpoints)
+        folder = resume_from
         if folder is None:
             logger.warning(f"--resume: no checkpoint under {checkpoints}; starting from scratch")
         else:
             loaded = load_checkpoint(accelerator, folder)
+            _apply_optimizer_arguments(optimizer, scheduler, args)
             if "rows" not in loaded:  # a checkpoint from before rows were recorded: it had this layout's count
                 loaded["rows"] = loaded["batches"] * args.per_device_batch_size * accelerator.num_processes
             progress = {**progress, **loaded}
@@ -407,7 +566,7 @@ def train(args: TrainArguments) -> dict:
                 results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
                 accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
             if args.save_every and progress["step"] % args.save_every == 0:
-                save_checkpoint(accelerator, checkpoints, progress, keep=args.keep_checkpoints)
+                save_checkpoint(accelerator, checkpoints, progress, keep=args.keep_checkpoints, run=run)
             if progress["step"] >= args.max_steps:
                 break
         else:

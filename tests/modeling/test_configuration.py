@@ -117,3 +117,62 @@ def test_right_types_are_accepted_including_ints_for_floats_and_none_for_optiona
     assert cfg.layer_norm_eps == 1 and cfg.eos_token_id == [1, 2]
     lin = LinformerConfig(num_hidden_layers=2, projected_length_per_layer=[4, 8], max_seq_length=None)
     assert lin.max_seq_length == lin.max_position_embeddings
+
+
+def _float_fields(cls):
+    import typing
+
+    from linearformers.configuration.common import _field_hints
+
+    def has_float(hint):
+        return hint is float or float in typing.get_args(hint)
+
+    return [name for name, hint in _field_hints(cls).items() if has_float(hint)]
+
+
+@pytest.mark.parametrize("cls", [LinformerConfig, PerformerConfig])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
+def test_every_float_field_refuses_nan_and_infinity_naming_the_field(cls, bad):
+    names = _float_fields(cls)
+    assert "layer_norm_eps" in names and (cls is LinformerConfig or "kernel_eps" in names)
+    for name in names:
+        with pytest.raises(ValueError, match=rf"\b{name}\b") as raised:
+            cls(**{name: bad})
+        assert re.search(r"finite|\[0, 1\)", str(raised.value)), str(raised.value)
+
+
+def test_kernel_eps_nan_or_inf_raises_naming_kernel_eps():
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kernel_eps must be a finite number"):
+            PerformerConfig(kernel_eps=bad)
+
+
+@pytest.mark.parametrize(
+    "per_layer,message",
+    [
+        ([], "projected_length_per_layer has 0 entries for num_hidden_layers=2"),
+        ([64], "projected_length_per_layer has 1 entries for num_hidden_layers=2"),
+        ([64, 0], "projected length k must be positive, got 0"),
+        ([64, -8], "projected length k must be positive, got -8"),
+    ],
+)
+def test_projected_length_per_layer_needs_one_positive_k_per_layer(per_layer, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LinformerConfig(num_hidden_layers=2, projected_length_per_layer=per_layer)
+
+
+def test_an_empty_projected_length_per_layer_is_refused_for_a_single_layer_too():
+    with pytest.raises(ValueError, match=re.escape("has 0 entries for num_hidden_layers=1")):
+        LinformerConfig(num_hidden_layers=1, projected_length_per_layer=[])
+
+
+@pytest.mark.parametrize(
+    "config_cls,other_cls", [(PerformerConfig, LinformerConfig), (LinformerConfig, PerformerConfig)]
+)
+def test_a_config_of_the_other_family_raises_naming_both_model_types(config_cls, other_cls, tmp_path):
+    other_cls().save_pretrained(tmp_path)
+    message = f"model_type '{other_cls.model_type}'.*{config_cls.__name__}.*model_type '{config_cls.model_type}'"
+    with pytest.raises(ValueError, match=message):
+        config_cls.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        config_cls.from_dict(other_cls().to_dict())

@@ -190,3 +190,53 @@ def test_linformer_below_n_starts_from_window_means():
         for matrix in param.detach().reshape(-1, 16, 64):  # one per head under headwise sharing
             torch.testing.assert_close(matrix, expected)
         assert name in report.initialized
+
+
+def test_none_overrides_are_kept_so_redraws_can_be_turned_off():
+    bert = BertModel(BertConfig(**SMALL_BERT))
+    model, _ = convert_bert(bert, "performer", num_random_features=16, feature_redraw_interval=None)
+    assert model.config.feature_redraw_interval is None
+    assert convert_bert(bert, "performer", num_random_features=16)[0].config.feature_redraw_interval == 1000
+
+
+def test_misspelt_or_foreign_overrides_raise_naming_the_close_match():
+    bert = BertModel(BertConfig(**SMALL_BERT))
+    with pytest.raises(ValueError, match=r"num_random_feature.*did you mean 'num_random_features'"):
+        convert_bert(bert, "performer", num_random_feature=64)
+    with pytest.raises(ValueError, match=r"projected_lenght.*did you mean 'projected_length'"):
+        convert_bert(bert, "linformer", projected_lenght=16)
+    with pytest.raises(ValueError, match=r"projected_length.*LinformerConfig field.*family='linformer'"):
+        convert_bert(bert, "performer", projected_length=16)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, n_positions=64))
+    with pytest.raises(ValueError, match=r"kernal.*did you mean 'kernel'"):
+        convert_gpt2(gpt2, "performer", kernal="relu")
+
+
+def test_converters_refuse_folders_of_other_model_types_naming_them(tmp_path):
+    from linearformers import LinformerConfig
+    from linearformers.modeling.linformer import LinformerForMaskedLM
+
+    small_gpt2 = GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    GPT2LMHeadModel(small_gpt2).save_pretrained(tmp_path / "gpt2")
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    lin = LinformerConfig(**{**SMALL_BERT, "num_labels": 2}, projected_length=16)
+    LinformerForMaskedLM(lin).save_pretrained(tmp_path / "linformer")
+    with pytest.raises(ValueError, match=r"model_type 'gpt2'.*convert_bert expects a BERT checkpoint.*convert_gpt2"):
+        convert_bert(str(tmp_path / "gpt2"))
+    with pytest.raises(ValueError, match=r"model_type 'linformer'.*convert_bert expects a BERT checkpoint"):
+        convert_bert(str(tmp_path / "linformer"))
+    with pytest.raises(ValueError, match=r"model_type 'bert'.*convert_gpt2 expects a GPT-2 checkpoint.*convert_bert"):
+        convert_gpt2(str(tmp_path / "bert"))
+    with pytest.raises(ValueError, match=r"model_type 'linformer'.*convert_gpt2 expects a GPT-2 checkpoint"):
+        convert_gpt2(str(tmp_path / "linformer"))
+
+
+@pytest.mark.parametrize("family", ["linformer", "performer"])
+@pytest.mark.parametrize("cls", [BertForTokenClassification, BertForQuestionAnswering], ids=lambda c: c.__name__)
+def test_span_heads_convert_without_a_pooler(cls, family):
+    bert = cls(BertConfig(**SMALL_BERT))
+    overrides = {"num_random_features": 16} if family == "performer" else {}
+    model, report = convert_bert(bert, family, **overrides)
+    assert model.model.pooler is None
+    assert not any("pooler" in name for name in report.initialized)
+    assert not any("pooler" in dst for _, dst in report.mapped)

@@ -510,3 +510,72 @@ def test_bad_decoding_states_raise():
         favor_attention(q, k, v, w, causal=True, initial_state=(state[0], state[1][..., :3]))
     # a two-tensor state is one at offset 0
     torch.testing.assert_close(favor_step(*one, w, state[:2])[0], favor_step(*one, w, state)[0])
+
+
+def _shifted_float64_reference(q, k, v, w, mask, causal):
+    """FAVOR+ in float64 with each query's key features taken relative to the largest exponent among the real keys
+    it sees (a per-query constant, which cancels in N / D): exact however large the keys."""
+    q, k, v = (x.double() for x in (q, k, v))
+    root = q.shape[-1] ** -0.25
+    u_q = (q * root) @ w.double().T
+    phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True))
+    u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
+    u_k = u_k.masked_fill(~mask[:, None, :, None], -math.inf)
+    top = u_k.detach().amax(-1)  # (b, h, n)
+    top = torch.cummax(top, -1).values if causal else top.amax(-1, keepdim=True).expand_as(top)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real key seen yet: nothing to shift
+    exponents = u_k[:, :, None] - top[..., None, None]  # (b, h, query t, key s, m)
+    if causal:  # future keys may sit far above t's maximum: out before the exp
+        n = q.shape[2]
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)[:, :, None]
+        exponents = exponents.masked_fill(future, -math.inf)
+    a = torch.einsum("bhtm,bhtsm->bhts", phi_q, torch.exp(exponents))
+    den = a.sum(-1, keepdim=True)
+    # queries that see no real key output 0 (and pass no gradient: a floor on den would square to 0 in backward)
+    return torch.where(den > 0, (a @ (v * mask[:, None, :, None])) / torch.where(den > 0, den, 1.0), 0.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_of_large_norm_never_turn_outputs_or_gradients_nan(causal, monkeypatch):
+    """A padded key's exponents may pass the offset taken over the real keys (bidirectional: their running maximum;
+    decoding: the state's M); exp then overflowed before the mask zeroed it, and 0 x inf = NaN in ~30% of draws.
+    Padded keys are masked before the exp. Causal: both walks (the compiled one runs where it builds)."""
+    from linearformers.modeling.attention import _favor_autograd
+
+    for native in (True, False) if causal else (True,):
+        monkeypatch.setattr(_favor_autograd, "NATIVE", native)
+        for seed in range(20):
+            q, k, v = (x.requires_grad_() for x in _qkv(b=2, h=2, n=12, seed=seed))
+            mask = torch.ones(2, 12, dtype=torch.bool)
+            mask[0, 9:] = False  # right padding
+            mask[1, :4] = False  # left padding
+            w = draw_random_features(16, 16, seed=seed)
+            out = favor_attention(q, k * 40, v, w, causal=causal, key_padding_mask=mask, chunk_size=16)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            reference = _shifted_float64_reference(q, k * 40, v, w, mask, causal)
+            ref_grads = torch.autograd.grad(reference, (q, k, v), g.double())
+            assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in grads), f"seed {seed}"
+            torch.testing.assert_close(out.double(), reference, rtol=1e-3, atol=1e-4, msg=f"seed {seed}")
+            # near one-hot attention: dq and dk are ~0, up to float32's cancellation in dk = s (du W - k' Σ du)
+            scale = max(float(b.abs().max()) for b in ref_grads)
+            for name, a, b in zip("qkv", grads, ref_grads):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * scale, msg=f"d{name}, seed {seed}")
+
+
+def test_decoding_step_drops_a_padded_key_above_the_state_offset():
+    """After keys of large norm the state's offset M sits hundreds of e-folds below 0; a padded new token with a
+    moderate key has exponents far above it, which overflowed exp before the mask dropped the token."""
+    q, k, v = _qkv(b=2, h=2, n=10)
+    w = draw_random_features(32, 16, seed=0)
+    _, state = favor_attention(q, k * 40, v, w, causal=True, return_state=True)
+    assert (state[2] < -300).all()
+    mask = torch.tensor([[True], [False]])
+    one = tuple(x[:, :, :1] for x in (q, k * 0.1, v))
+    out, new_state = favor_step(*one, w, state, key_padding_mask=mask)
+    assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in new_state)
+    for a, b in zip(new_state, state):  # the padded sequence's state is unchanged
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    phi_q = favor_features(one[0][1], w, is_query=True)  # the padded sequence's query reads the old state
+    expected = (phi_q @ state[0][1]) / (phi_q @ state[1][1][..., None])
+    torch.testing.assert_close(out[1], expected, rtol=1e-5, atol=1e-6)

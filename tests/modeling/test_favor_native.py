@@ -2,14 +2,18 @@
 outputs, gradients, final state and lost count, whatever the kernel, mask, dtype, padding, thread count or
 autograd path; and its build: a fresh cache, the off switch, and a compiler that fails."""
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from linearformers.modeling.attention import _favor_autograd, _native, draw_random_features, favor_attention
+from linearformers.modeling.attention import favor as favor_module
 
 pytestmark = pytest.mark.skipif(
     not _native.available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
@@ -72,10 +76,8 @@ def test_native_walk_hands_keys_of_large_norm_to_the_stabilized_fallback(monkeyp
     q, k, v = _inputs(n=90, key_scale=10.0)
     w = draw_random_features(32, 16, seed=2)
     stabilized = []
-    original = favor_attention.__globals__["_causal_stabilized"]
-    monkeypatch.setitem(
-        favor_attention.__globals__, "_causal_stabilized", lambda *a: stabilized.append(1) or original(*a)
-    )
+    original = favor_module._causal_stabilized
+    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a: stabilized.append(1) or original(*a))
     out, state, grads, native_calls = _run(monkeypatch, True, q, k, v, w)
     ref_out, ref_state, ref_grads, _ = _run(monkeypatch, False, q, k, v, w)
     assert native_calls == 1 and stabilized == [1, 1]
@@ -143,3 +145,56 @@ def test_build_into_a_fresh_cache_the_off_switch_and_a_failing_compiler(tmp_path
     assert stdout == "available False True"
     assert "native causal FAVOR+ kernel unavailable" in stderr
     assert not list((tmp_path / "broken").glob("*.so")), "a failed build leaves no library behind"
+
+
+@pytest.fixture(scope="module")
+def built_library():
+    """This process's library and its record (size and SHA-256), built on first use."""
+    library = _native._build()
+    return library, library.with_name(library.name + ".sha256")
+
+
+def _probe_correct(cache):
+    """A fresh process: causal favor_attention through the native walk (asserted) matches the PyTorch walk. The
+    attention package imports only torch, so the probe loads it alone and skips transformers' import (seconds)."""
+    root = Path(_native.__file__).parents[4]  # the folder that holds linearformers/
+    code = (
+        "import logging, sys, types\n"
+        "for name in ('linearformers', 'linearformers.modeling'):\n"
+        "    sys.modules[name] = types.ModuleType(name)\n"
+        f"    sys.modules[name].__path__ = [{str(root)!r} + '/' + name.replace('.', '/')]\n"
+        "import torch\n"
+        "from linearformers.modeling.attention import _favor_autograd, _native, favor_attention, draw_random_features\n"
+        "logging.basicConfig()\n"
+        "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"
+        "w = draw_random_features(32, 16, seed=0)\n"
+        "out = favor_attention(q, k, v, w, causal=True)\n"
+        "_favor_autograd.NATIVE = False\n"
+        "ref = favor_attention(q, k, v, w, causal=True)\n"
+        "print('available', _native.available(), bool(torch.allclose(out, ref, rtol=1e-4, atol=1e-5)))\n"
+    )
+    environment = {**os.environ, "LINEARFORMERS_CACHE": str(cache)}
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit status {result.returncode} (-7: SIGBUS): {result.stderr[-2000:]}"
+    return result.stdout.strip(), result.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "no_checksum"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, built_library, damage):
+    """The cached library is checked against the size and SHA-256 written beside it before it is loaded: a truncated
+    one used to kill every later process with SIGBUS (its mapped pages lie past the end of the file)."""
+    good = built_library[0].read_bytes()
+    assert built_library[1].read_text().split() == [str(len(good)), hashlib.sha256(good).hexdigest()]
+    library, record = (shutil.copy(path, tmp_path) for path in built_library)
+    library, record = Path(library), Path(record)
+    if damage == "truncated":
+        os.truncate(library, len(good) * 2 // 3)
+    elif damage == "corrupted":  # same size, a run of zeros in the middle
+        library.write_bytes(good[:4096] + bytes(len(good) - 8192) + good[-4096:])
+    else:
+        record.unlink()
+    stdout, stderr = _probe_correct(tmp_path)
+    assert stdout == "available True True"
+    assert "rebuilding it" in stderr
+    assert library.read_bytes() == good and record.read_text() == built_library[1].read_text()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([library.name, record.name]), "no leftovers"

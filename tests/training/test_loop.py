@@ -322,8 +322,8 @@ def _interrupt_after_checkpoint(monkeypatch, step):
 
     original = loop.save_checkpoint
 
-    def save_then_stop(accelerator, root, progress, keep=2):
-        folder = original(accelerator, root, progress, keep=keep)
+    def save_then_stop(accelerator, root, progress, keep=2, run=None):
+        folder = original(accelerator, root, progress, keep=keep, run=run)
         if progress["step"] == step:
             raise KeyboardInterrupt
         return folder
@@ -460,7 +460,10 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
 
 
 def test_resuming_from_a_checkpoint_of_another_config_names_the_checkpoint(tmp_path, text_file):
+    """A checkpoint that records no run arguments (an older one) cannot be compared before loading: loading it into
+    another model fails, naming the checkpoint."""
     train(_args(tmp_path, train_file=text_file, max_steps=2, save_every=2))
+    (latest_checkpoint(tmp_path / "checkpoints") / "run.json").unlink()
     other = TINY.replace("hidden_size=32", "hidden_size=64")
     with pytest.raises(ValueError, match="cannot resume from checkpoint .*step-00000002: RuntimeError"):
         train(_args(tmp_path, train_file=text_file, max_steps=4, resume=True, config_overrides=other))

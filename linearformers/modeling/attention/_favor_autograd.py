@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from ._native import backward as native_backward
 from ._native import forward as native_forward
 from ._native import supports as native_supports
+from ._precision import outside_autocast
 
 _TINY = 1e-30
 NATIVE = True  # causal FAVOR+ on x86-64 CPUs through the compiled walk in _native when it builds (tests compare both)
@@ -218,6 +219,7 @@ class FavorBidirectional(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
+    @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, k, v, w, keep, kv, out, den, offset = ctx.saved_tensors
         kernel, scale, eps = ctx.settings
@@ -328,10 +330,18 @@ class _Work:
             xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
             xk[..., d : d + 1] *= -0.5 * phi.scale
         keep_r = None if keep is None else self.chunks(keep, rows, nc)
-        pk = phi.into(xk, self.pk[:nc], False, None if adjust is None else lambda u: adjust(u, keep_r))
+
+        def exponents(u):
+            if adjust is not None:
+                adjust(u, keep_r)
+            if keep_r is not None:  # before exp2: a padded key may sit far above the real keys' offset (inf x 0)
+                u.masked_fill_(keep_r == 0, -math.inf)
+
+        pk = phi.into(xk, self.pk[:nc], False, exponents)
         va = self.load(self.va, v, rows, nc)
         if keep is not None:
-            pk.mul_(keep_r)
+            if phi.kernel == "relu":  # bounded features: zeroed after the map
+                pk.mul_(keep_r)
             va[..., :d].mul_(keep_r)
             va[..., d:] = keep_r
         else:
@@ -434,6 +444,7 @@ class FavorCausal(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
+    @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
         if ctx.native:
             return _native_backward(ctx, g)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._precision import outside_autocast
+
 _ROWS = 256
 
 
@@ -70,6 +72,7 @@ class SlotAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
+    @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, kp, vp, bias, out, lse = ctx.saved_tensors
         scale, dropout_p, seed = ctx.settings
@@ -111,6 +114,7 @@ class SequenceProjection(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
+    @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         x, proj = ctx.saved_tensors
         b, h, n, _ = x.shape

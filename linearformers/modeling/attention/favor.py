@@ -2,7 +2,7 @@
 
 All functions take tensors shaped (batch, heads, length, head_dim) and return the same layout. Feature maps,
 sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite; the
-output is cast back to the dtype of ``v``.
+output is cast back to the dtype of ``v``. An ambient ``torch.autocast`` changes none of this (see _precision).
 
 Stabilization. The positive softmax features are exp(w·x - |x|²/2) / sqrt(m) (Lemma 1). Implementations
 usually subtract the maximum over *all keys* before exp, which reads future tokens in causal mode (and,
@@ -28,6 +28,7 @@ import torch
 
 from ._checks import check_mask, check_qkv
 from ._favor_autograd import FavorBidirectional, FavorCausal
+from ._precision import outside_autocast
 
 KERNELS = ("softmax", "relu")
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
@@ -76,6 +77,7 @@ def draw_random_features(
     return w.to(device=device, dtype=dtype)
 
 
+@outside_autocast
 def favor_features(
     x: torch.Tensor,
     projection: torch.Tensor,
@@ -141,6 +143,7 @@ def _check_favor_args(q, k, v, projection, key_padding_mask, kernel, *, causal: 
     return check_mask(key_padding_mask, k.shape[0], k.shape[2])
 
 
+@outside_autocast
 def favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -346,6 +349,7 @@ def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
     return out, state
 
 
+@outside_autocast
 def favor_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -381,9 +385,9 @@ def favor_step(
         (s0, z0), offset = _at_offset_zero((s0, z0, offset)), torch.zeros_like(offset)
     else:
         u = _exponents(k, w, q.shape[-1] ** -0.5 if scale is None else scale, is_query=False)  # (b, h, 1, m)
+        if mask is not None:  # before exp: a padded key may sit far above the state's offset (inf x 0)
+            u = u.masked_fill(~mask[:, None, :, None], -math.inf)
         top = u.amax(-1)[..., 0]  # (b, h)
-        if mask is not None:
-            top = top.masked_fill(~mask[:, :1], -math.inf)
         level = _state_level(z0, offset)
         moved = _moved_offset(offset, top, level)
         # 1 where M stays; an empty state (z = 0, so S = 0) takes 0, not exp of a gap that may overflow

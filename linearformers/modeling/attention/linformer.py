@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv
 from ._linformer_autograd import SequenceProjection, SlotAttention
+from ._precision import outside_autocast
 
 METHODS = ("learned", "pool", "conv")
 
@@ -60,6 +61,11 @@ def _check_learned(proj: torch.Tensor, name: str, heads: int, n: int) -> None:
             f"{name} projects to k={k_len} slots from n_max={n_max} positions; k must not exceed n_max "
             "(a learned projection with k > n cannot compress anything). Lower k or raise max_seq_length."
         )
+    check_sequence_length(n, n_max, k_len)
+
+
+def check_sequence_length(n: int, n_max: int, k_len: int) -> None:
+    """Refuse n > n_max: the projections (learned, pool or conv) map n_max positions to k_len slots."""
     if n > n_max:
         raise ValueError(
             f"sequence length {n} exceeds the Linformer's max_seq_length={n_max}; its projections are "
@@ -114,6 +120,7 @@ def project_sequence(
     return out, (None if bool(slot_mask.all()) else slot_mask[:, None, :])
 
 
+@outside_autocast
 def linformer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,6 +189,7 @@ def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:
     return first
 
 
+@outside_autocast
 def causal_linformer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -306,6 +314,7 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
     return out.reshape(b, h, nc * c, -1)[:, :, :n], state
 
 
+@outside_autocast
 def causal_linformer_step(
     q: torch.Tensor,
     k: torch.Tensor,

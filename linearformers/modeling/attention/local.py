@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv
+from ._precision import outside_autocast
 
 
 def num_relative_positions(window: int, causal: bool) -> int:
@@ -26,6 +27,7 @@ def relative_bias_index(distance: torch.Tensor, window: int, causal: bool) -> to
     return distance if causal else distance + window // 2
 
 
+@outside_autocast
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,6 +85,7 @@ def local_attention(
     return out.to(v.dtype)
 
 
+@outside_autocast
 def local_attention_step(
     q: torch.Tensor,
     k_window: torch.Tensor,

@@ -6,6 +6,11 @@ PyTorch walk in ``_favor_autograd``, which stays the reference.
 
 ``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
+
+A cached library is loaded only after it is checked against the size and SHA-256 written beside it
+(``favor_causal-<digest>.so.sha256``) at build time: mapping a truncated library (a full disk, a killed copy, a
+bad sync of a shared home) raises SIGBUS in the process that touches the missing pages, and every later process
+would load the same file. A library that fails the check, or has no record, is rebuilt, with a warning.
 """
 
 from __future__ import annotations
@@ -62,18 +67,72 @@ def _build() -> Path:
     digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"favor_causal-{digest}.so"
     if target.exists():
-        return target
+        problem = _verify(target)
+        if problem is None:
+            return target
+        logger.warning("linearformers: cached native kernel %s %s; rebuilding it", target, problem)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent processes (DDP ranks) never load a half-written file
+    # build beside the target and rename: concurrent processes (DDP ranks) never load a half-written file, and a
+    # process that already mapped an older copy keeps its own inode
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    fd, partial_record = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=300)
+        _fsync(partial)
+        Path(partial_record).write_text(_record(Path(partial).read_bytes()))
+        _fsync(partial_record)
+        # a process that checks between the two renames sees a mismatch and rebuilds too: seconds, never a bad load
         os.replace(partial, target)
+        os.replace(partial_record, _record_path(target))
+        _fsync(target.parent, directory=True)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for leftover in (partial, partial_record):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
+
+
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _record(data: bytes) -> str:
+    """The check written beside a library: its size in bytes and its SHA-256."""
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _verify(library: Path) -> str | None:
+    """None when ``library`` matches the size and SHA-256 recorded beside it, else what is wrong."""
+    try:
+        expected = _record_path(library).read_text()
+    except OSError:
+        return "has no size / checksum record"
+    try:
+        data = library.read_bytes()
+    except OSError as error:
+        return f"cannot be read ({error})"
+    if _record(data) != expected:
+        return f"does not match its record ({len(data)} bytes; recorded: {expected.split(' ')[0]})"
+    return None
+
+
+def _fsync(path, directory: bool = False) -> None:
+    """Flush a file, or a directory's entries, to disk; best effort for a directory, which not every OS opens."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _load():
