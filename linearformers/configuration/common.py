@@ -54,6 +54,56 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("NoneType", "None")
 
 
+# The Args entries of the shared fields, appended to the docstrings of LinearAttentionConfig and of each family's
+# config, so that help(PerformerConfig) lists every field (a class docstring is not inherited).
+SHARED_FIELDS_DOC = """
+        vocab_size: number of token ids, the rows of the word embeddings (default 30522, BERT's WordPiece; e.g.
+            ``len(tokenizer)``).
+        hidden_size: width d of the hidden states (default 768; e.g. 256). Must be divisible by
+            num_attention_heads.
+        num_hidden_layers: number of blocks (default 12; e.g. 4).
+        num_attention_heads: heads per attention layer, each hidden_size / num_attention_heads wide (default 12;
+            e.g. 4).
+        intermediate_size: inner width of each block's MLP (default 3072, 4 x hidden_size; e.g. 1024).
+        hidden_act: the MLP's activation, a key of transformers' ACT2FN (default "gelu"; e.g. "gelu_new", GPT-2's).
+        hidden_dropout_prob: dropout on the embeddings and on every residual branch (default 0.1; e.g. 0.0).
+        attention_probs_dropout_prob: dropout on the attention probabilities of the bidirectional Linformer; FAVOR+
+            and the local heads do not use it (default 0.1; e.g. 0.0).
+        max_position_embeddings: rows of the learned absolute position table, so the longest input with
+            position_embedding_type="absolute" (default 512; e.g. 4096). Sinusoidal and rotary positions have no
+            such limit.
+        type_vocab_size: number of token-type (segment) ids of the encoder; 0 builds no token-type embeddings, and
+            the decoder never has them (default 2; e.g. 0).
+        layer_norm_eps: epsilon of every LayerNorm (default 1e-12, BERT's; e.g. 1e-5, GPT-2's).
+        initializer_range: standard deviation of the normal initialization of the weights (default 0.02).
+        position_embedding_type: "absolute" (learned table), "sinusoidal" (fixed, added to the embeddings) or
+            "rotary" (RoPE on queries and keys; needs an even head width) (default "absolute"; e.g. "rotary").
+        rope_theta: base of the rotary frequencies, used with position_embedding_type="rotary" (default 10000.0;
+            e.g. 500000.0).
+        classifier_dropout: dropout before the classification heads; None uses hidden_dropout_prob (default None;
+            e.g. 0.2).
+        num_local_heads: how many of the num_attention_heads heads run windowed softmax attention instead of the
+            family's linear attention (default 0; e.g. 1).
+        local_window: window of the local heads in tokens: a decoder's query sees itself and the local_window - 1
+            tokens before it, an encoder's sees local_window // 2 on each side (default 128; e.g. 64).
+        local_relative_bias: give the local heads a learnable bias per relative distance (default False).
+        is_decoder: False builds the BERT-style post-LN encoder, True the GPT-2-style pre-LN causal decoder that
+            ``*ForCausalLM`` needs (default False).
+        use_cache: a decoder returns its recurrent state (a LinearAttentionCache) as past_key_values, which
+            generate() continues from (default True).
+        pad_token_id: id of the padding token; its embedding row gets no gradient (default 0; e.g.
+            ``tokenizer.pad_token_id``).
+        bos_token_id: id that generation starts from (default None; e.g. 50256, GPT-2's).
+        eos_token_id: id, or list of ids, that ends generation (default None; e.g. 50256, GPT-2's).
+        tie_word_embeddings: the LM heads (masked and causal) share their output weights with the word embeddings
+            (default True).
+        problem_type, id2label, label2id, output_hidden_states, return_dict, dtype, architectures,
+            transformers_version, chunk_size_feed_forward, is_encoder_decoder: PreTrainedConfig's own fields, as
+            for every transformers model (e.g. problem_type="multi_label_classification", id2label={0: "neg",
+            1: "pos"}, dtype="bfloat16"); see transformers' PreTrainedConfig.
+"""
+
+
 @strict(accept_kwargs=True)
 class LinearAttentionConfig(PreTrainedConfig):
     """Common fields. ``is_decoder=False`` builds the BERT-style post-LN encoder stack (with token types and a
@@ -66,6 +116,8 @@ class LinearAttentionConfig(PreTrainedConfig):
     Local heads: ``num_local_heads`` of the ``num_attention_heads`` heads run softmax attention inside a window of
     ``local_window`` tokens (with a learnable relative-position bias when ``local_relative_bias``); the others
     run the family's global linear attention.
+
+    Args:
     """
 
     vocab_size: int = 30522
@@ -92,6 +144,8 @@ class LinearAttentionConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = True
+
+    __doc__ += SHARED_FIELDS_DOC
 
     def __post_init__(self, **kwargs):
         saved_type = kwargs.get("model_type", type(self).model_type)
@@ -140,7 +194,7 @@ class LinearAttentionConfig(PreTrainedConfig):
         self._check_field_type(name, value)
         super().__setattr__(name, value)
 
-    def validate_architecture(self):
+    def validate_architecture(self) -> None:
         self._check_field_types()
         positive = (
             "vocab_size",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 
-from .common import LinearAttentionConfig
+from .common import SHARED_FIELDS_DOC, LinearAttentionConfig
 
 SHARING_MODES = ("per_head", "headwise", "key_value", "layerwise")
 PROJECTIONS = ("learned", "pool", "conv")
@@ -14,24 +14,28 @@ PROJECTIONS = ("learned", "pool", "conv")
 class LinformerConfig(LinearAttentionConfig):
     """Configuration of a Linformer (Wang et al., 2020).
 
-    Linformer fields:
-        max_seq_length: n, the longest sequence the E / F projections cover (defaults to
-            max_position_embeddings).
-        projected_length: k, the number of slots keys and values are projected to.
-        projected_length_per_layer: optional list of one k per layer (the paper's non-uniform k).
-        sharing: "per_head" (E, F per head and layer), "headwise" (E, F per layer, shared by the heads),
-            "key_value" (E = F per layer) or "layerwise" (one E = F for every layer and head).
-        projection: "learned" (linear n -> k), "pool" (mean pooling) or "conv" (strided convolution); pool and
-            conv use kernel = stride = max_seq_length / k. A causal decoder (is_decoder=True) needs "learned".
-        causal_chunk_size: chunk of the causal Linformer's prefix sums.
-
     Example:
         >>> config = LinformerConfig(
         ...     hidden_size=256, num_attention_heads=4, max_seq_length=4096, max_position_embeddings=4096,
         ...     projected_length=256,
         ... )
+
+    Args:
+        max_seq_length: n, the longest sequence the E / F projections cover (default None: max_position_embeddings;
+            e.g. 4096).
+        projected_length: k, the number of slots keys and values are projected to (default 256; e.g. 128).
+        projected_length_per_layer: optional list of one k per layer, the paper's non-uniform k (default None:
+            projected_length everywhere; e.g. [64, 64, 128, 128] for 4 layers).
+        sharing: "per_head" (E, F per head and layer), "headwise" (E, F per layer, shared by the heads),
+            "key_value" (E = F per layer) or "layerwise" (one E = F for every layer and head) (default "headwise").
+        projection: "learned" (linear n -> k), "pool" (mean pooling) or "conv" (strided convolution); pool and
+            conv use kernel = stride = max_seq_length / k. A causal decoder (is_decoder=True) needs "learned"
+            (default "learned"; e.g. "pool").
+        causal_chunk_size: chunk of the causal Linformer's prefix sums, in tokens: a speed / memory trade-off
+            that, up to rounding, does not change the result (default 128; e.g. 64).
     """
 
+    __doc__ += SHARED_FIELDS_DOC
     model_type = "linformer"
 
     max_seq_length: int | None = None
@@ -54,7 +58,7 @@ class LinformerConfig(LinearAttentionConfig):
     def _sequence_limit(self) -> tuple[int, str]:
         return self.max_seq_length, "max_seq_length"
 
-    def validate_architecture(self):
+    def validate_architecture(self) -> None:
         super().validate_architecture()
         if self.max_seq_length <= 0 or self.projected_length <= 0 or self.causal_chunk_size <= 0:
             raise ValueError(

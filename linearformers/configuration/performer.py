@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 
-from .common import LinearAttentionConfig
+from .common import SHARED_FIELDS_DOC, LinearAttentionConfig
 
 KERNELS = ("softmax", "relu")
 
@@ -13,21 +13,29 @@ KERNELS = ("softmax", "relu")
 class PerformerConfig(LinearAttentionConfig):
     """Configuration of a Performer (Choromanski et al., 2021), FAVOR+ attention.
 
-    Performer fields:
-        num_random_features: m, the number of random features per head.
-        kernel: "softmax" (positive random features, Lemma 1) or "relu" (the generalized ReLU kernel).
-        orthogonal_features: draw exactly orthogonal blocks (True) or i.i.d. Gaussian rows.
-        feature_redraw_interval: redraw the features every this many training forward passes (None or 0:
-            never). Each draw is a pure function of (feature_seed, layer, draw index): every DDP rank draws the
-            same features without communication.
-        feature_seed: seed of the feature draws.
-        kernel_eps: the ReLU kernel's additive epsilon.
-        causal_chunk_size: chunk of the causal prefix sums.
-
     Attention has no length limit of its own: with sinusoidal or rotary positions the model runs past
     max_position_embeddings.
+
+    Example:
+        >>> config = PerformerConfig(
+        ...     hidden_size=256, num_attention_heads=4, position_embedding_type="rotary", num_random_features=128,
+        ... )
+
+    Args:
+        num_random_features: m, the number of random features per head (default 256; e.g. 128).
+        kernel: "softmax" (positive random features, Lemma 1) or "relu" (the generalized ReLU kernel) (default
+            "softmax").
+        orthogonal_features: draw exactly orthogonal blocks (True) or i.i.d. Gaussian rows (default True).
+        feature_redraw_interval: redraw the features every this many training forward passes (None or 0:
+            never). Each draw is a pure function of (feature_seed, layer, draw index): every DDP rank draws the
+            same features without communication (default 1000; e.g. None).
+        feature_seed: seed of the feature draws (default 0; e.g. 42).
+        kernel_eps: the ReLU kernel's additive epsilon (default 1e-3).
+        causal_chunk_size: chunk of the causal prefix sums, in tokens: a speed / memory trade-off that, up to rounding,
+            does not change the result (default 32; e.g. 64).
     """
 
+    __doc__ += SHARED_FIELDS_DOC
     model_type = "performer"
 
     num_random_features: int = 256
@@ -43,7 +51,7 @@ class PerformerConfig(LinearAttentionConfig):
             return self.max_position_embeddings, "max_position_embeddings"
         return None
 
-    def validate_architecture(self):
+    def validate_architecture(self) -> None:
         super().validate_architecture()
         if self.num_random_features <= 0:
             raise ValueError(f"num_random_features must be positive, got {self.num_random_features}")

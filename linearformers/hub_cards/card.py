@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from importlib import metadata
+from typing import TYPE_CHECKING
+
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, TrainingArguments
+
+# where the card points for the source: the package metadata's [project.urls] (Repository, else Homepage), else this
+SOURCE_URL = "https://github.com/linearformers/linearformers"
+FRAMEWORKS = ("linearformers", "transformers", "torch", "datasets", "tokenizers", "huggingface_hub")
 
 PIPELINE_TAGS = {
     "ForMaskedLM": "fill-mask",
@@ -37,8 +49,8 @@ A {{ family }} {{ kind }} for Hugging Face transformers, built with linearformer
 
 ## How to load
 
-With the `linearformers` package installed (`pip install .` in its source tree), the Auto classes know the model;
-no remote code runs:
+With the `linearformers` package installed (source: {{ source_url }}; `pip install git+{{ source_url }}`), the
+Auto classes know the model; no remote code runs:
 
 ```python
 import linearformers  # registers "{{ model_type }}" with transformers' Auto classes
@@ -59,10 +71,82 @@ model = {{ auto_class }}.from_pretrained("{{ repo }}", trust_remote_code=True)
 
 {{ results_table }}
 
+## Training hyperparameters
+
+{{ hyperparameters }}
+
+## Framework versions
+
+{{ framework_versions }}
+
 ## Limits
 
 {{ limits }}
 """
+
+
+def source_url() -> str:
+    """The project's repository URL from the installed package's metadata, else ``SOURCE_URL``."""
+    try:
+        urls = metadata.metadata("linearformers").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        urls = []
+    named = dict(entry.split(", ", 1) for entry in urls if ", " in entry)
+    return named.get("Repository") or named.get("Homepage") or SOURCE_URL
+
+
+def framework_versions() -> dict[str, str]:
+    """Installed versions of linearformers and the libraries it runs on (those not installed are left out)."""
+    versions = {}
+    for name in FRAMEWORKS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def hyperparameters(training_args: TrainingArguments | Mapping[str, object] | object | None) -> dict[str, object]:
+    """The training run's settings, named as in Trainer's model cards, from transformers' ``TrainingArguments``
+    (or a dataclass / mapping with its field names); settings the arguments do not hold are left out."""
+    if training_args is None:
+        return {}
+    if hasattr(training_args, "to_dict"):
+        args = training_args.to_dict()
+    elif dataclasses.is_dataclass(training_args):
+        args = dataclasses.asdict(training_args)
+    elif isinstance(training_args, Mapping):
+        args = dict(training_args)
+    else:
+        raise TypeError(f"training_args must be TrainingArguments, a dataclass or a mapping, got {training_args!r}")
+    found = {
+        "learning_rate": args.get("learning_rate"),
+        "train_batch_size": args.get("per_device_train_batch_size"),
+        "eval_batch_size": args.get("per_device_eval_batch_size"),
+        "seed": args.get("seed"),
+        "gradient_accumulation_steps": args.get("gradient_accumulation_steps"),
+    }
+    world_size = getattr(training_args, "world_size", args.get("world_size"))
+    if found["train_batch_size"] and world_size:
+        found["num_devices"] = world_size
+        found["total_train_batch_size"] = (
+            found["train_batch_size"] * world_size * (found["gradient_accumulation_steps"] or 1)
+        )
+    optimizer = args.get("optim")
+    if optimizer and str(optimizer).startswith("adam"):
+        betas = (args.get("adam_beta1"), args.get("adam_beta2"))
+        optimizer = f"{optimizer} with betas={betas} and epsilon={args.get('adam_epsilon')}"
+    found["optimizer"] = optimizer
+    found["weight_decay"] = args.get("weight_decay") or None
+    found["lr_scheduler_type"] = args.get("lr_scheduler_type")
+    found["lr_scheduler_warmup_steps"] = args.get("warmup_steps") or None
+    if (args.get("max_steps") or 0) > 0:
+        found["training_steps"] = args["max_steps"]
+    else:
+        found["num_epochs"] = args.get("num_train_epochs")
+    precision = [name for name in ("bf16", "fp16") if args.get(name)] or [args.get("mixed_precision")]
+    found["mixed_precision_training"] = precision[0] if precision[0] not in (None, "no") else None
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _attention_text(config) -> tuple[str, str, list[str]]:
@@ -124,16 +208,19 @@ def _attention_text(config) -> tuple[str, str, list[str]]:
 
 
 def render_model_card(
-    model,
+    model: PreTrainedModel,
     *,
     results: dict | None = None,
     base_model: str | None = None,
     datasets: list[str] | None = None,
     license: str = "apache-2.0",
     repo_id: str | None = None,
+    training_args: TrainingArguments | Mapping[str, object] | None = None,
 ) -> ModelCard:
     """A README.md card: YAML metadata (library_name, license, tags, datasets, metrics, pipeline_tag,
-    base_model, model-index with ``results``) and prose on the attention, loading, and limits."""
+    base_model, model-index with ``results``) and prose on the attention, loading, the training hyperparameters
+    (from ``training_args``: transformers' ``TrainingArguments`` or a mapping of its field names), the framework
+    versions, and limits."""
     config = model.config
     head = type(model).__name__.removeprefix(type(config).__name__.removesuffix("Config"))
     pipeline_tag = PIPELINE_TAGS.get(head, "feature-extraction")
@@ -162,6 +249,7 @@ def render_model_card(
     )
     summary, details, limits = _attention_text(config)
     table = "\n".join(["| metric | value |", "|---|---|", *(f"| {k} | {v:.4g} |" for k, v in results.items())])
+    settings = hyperparameters(training_args)
     return ModelCard.from_template(
         card_data,
         template_str=TEMPLATE,
@@ -174,6 +262,10 @@ def render_model_card(
         auto_class=AUTO_CLASS.get(head, "AutoModel"),
         repo=repo_id or "path/to/this/folder",
         results_table=table if results else "No evaluation results were recorded.",
+        hyperparameters="\n".join(f"- {key}: {value}" for key, value in settings.items())
+        or "Not recorded: the model was saved without its training arguments.",
+        framework_versions="\n".join(f"- {name} {version}" for name, version in framework_versions().items()),
+        source_url=source_url(),
         limits="\n".join(f"- {line}" for line in limits)
         + (f"\n- Converted from `{base_model}`: see its card for data and biases." if base_model else ""),
     )

@@ -5,6 +5,8 @@ Read top to bottom: the pretrained base (init, redraws), the base model, then th
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -21,6 +23,8 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from ..configuration.common import LinearAttentionConfig
+from .attention import draw_random_features
 from .cache import LinearAttentionCache
 from .layers import (
     LinearAttentionEmbeddings,
@@ -41,7 +45,31 @@ NO_ATTENTION_MAPS = (
 )
 
 
+# softmax attention implementations that scripts pass out of habit; accepted and recorded, the linear kernels run
+SOFTMAX_ATTN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+)
+
+
+def _family_kernel(config) -> str:
+    """The attention a config builds, in words, for messages."""
+    kernel = {"performer": "FAVOR+ (Performer)", "linformer": "Linformer's E/F projections"}.get(
+        config.model_type, "linear attention"
+    )
+    if getattr(config, "num_local_heads", 0):
+        kernel += f" with {config.num_local_heads} local windowed-softmax head(s)"
+    return kernel
+
+
 class LinearAttentionPreTrainedModel(PreTrainedModel):
+    """The base of every linearformers model: weight init (FAVOR+ features, Linformer E / F), the accepted
+    ``attn_implementation`` values, and saves that carry the Hub code (``save_pretrained``)."""
+
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionLayer"]
@@ -49,7 +77,7 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
     # heads without a pooler (masked LM, token classification, QA) load checkpoints that have one, as BERT's do
     _keys_to_ignore_on_load_unexpected = [r"pooler\."]
 
-    def __init__(self, config, *inputs, **kwargs):
+    def __init__(self, config: LinearAttentionConfig, *inputs, **kwargs):
         # by model_type, not isinstance: exported remote code loads config and model classes as separate copies
         expected = getattr(self.config_class, "model_type", None)
         if expected and config.model_type != expected:
@@ -59,6 +87,34 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 f"{self.config_class.__name__}, or use the classes of the config's own family"
             )
         super().__init__(config, *inputs, **kwargs)
+
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """Accept the usual ``attn_implementation`` values and record them; the linear kernels run either way.
+
+        Scripts pass ``attn_implementation="sdpa"`` (or ``"eager"``, ``"flash_attention_2"``, ...) out of habit.
+        Those name softmax kernels over an n x n score matrix, which linear attention never forms: FAVOR+ or
+        Linformer (and the local heads' windowed softmax) always run. The value is kept in
+        ``config._attn_implementation`` (default ``"eager"``) and changes nothing; anything else raises.
+        """
+        if attn_implementation is None:
+            return "eager"
+        name = attn_implementation.removeprefix("paged|") if isinstance(attn_implementation, str) else None
+        if name not in SOFTMAX_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} is not a value {type(self).__name__} accepts: its "
+                f"attention is {_family_kernel(self.config)}, chosen by the config, not a softmax kernel that "
+                f"transformers can swap. Leave attn_implementation out (or pass one of "
+                f"{', '.join(SOFTMAX_ATTN_IMPLEMENTATIONS)}, which are recorded and change nothing)."
+            )
+        if name != "eager":
+            logger.warning_once(
+                f"attn_implementation={attn_implementation!r} is recorded but not used: this model runs "
+                f"{_family_kernel(self.config)}. Linear attention never forms the n x n softmax attention that "
+                "sdpa / flash / flex attention compute; outputs, speed and memory are those of the linear kernels."
+            )
+        return attn_implementation
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -82,6 +138,72 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 init.normal_(module.shared_projection, mean=0.0, std=module.shared_projection.shape[0] ** -0.5)
         if isinstance(module, MaskedLMHead):
             init.zeros_(module.decoder.bias)
+
+    # Hub code. Every folder save_pretrained writes (so push_to_hub's, Trainer's, save_for_hub's) carries the flat
+    # model code and an auto_map for AutoConfig and all seven Auto model classes, and loads with
+    # trust_remote_code=True where linearformers is not installed. transformers' own copy (custom_object_save, run
+    # after register_for_auto_class) cannot follow this package's nested imports, so it never runs. hub_code is
+    # imported in the methods to keep this block in one place.
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
+        """transformers' ``save_pretrained``, plus ``auto_map`` in ``config.json`` and the flat model code
+        (``modeling/hub_code.py``); with ``push_to_hub=True`` both are uploaded with the weights."""
+        from .hub_code import auto_map_for, write_remote_code
+
+        had_auto_map, previous = hasattr(self.config, "auto_map"), getattr(self.config, "auto_map", None)
+        self.config.auto_map = auto_map_for(self.config)
+        try:
+            super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        finally:
+            if had_auto_map:
+                self.config.auto_map = previous
+            else:
+                del self.config.auto_map
+        if self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
+            write_remote_code(save_directory)
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        # push_to_hub and save_pretrained(push_to_hub=True) upload from here, before save_pretrained above has
+        # written the code: write it now, so that it goes up with the weights
+        from .hub_code import write_remote_code
+
+        write_remote_code(working_dir)
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: str | type = "AutoModel") -> None:
+        """Nothing to register: ``save_pretrained`` already writes the code and an ``auto_map`` for every Auto
+        class. Checks only that ``auto_class`` names one of transformers' Auto classes."""
+        import transformers.models.auto as auto_module
+
+        name = auto_class if isinstance(auto_class, str) else auto_class.__name__
+        if not hasattr(auto_module, name):
+            raise ValueError(f"{name} is not a valid auto class.")
+
+
+def _redraw_step(
+    counter: torch.Tensor, features: list[torch.Tensor], seeds: list[int], interval: int, orthogonal: bool
+) -> None:
+    """One training forward of the redraw schedule: at every ``interval``-th forward after the first, set each
+    layer's features (m, head_dim) to draw number ``counter // interval``; then count this forward.
+
+    A custom op, so that torch.compile keeps it in the graph as one opaque call: read inside a compiled forward,
+    the counter would break the graph, and as a Python int it would recompile the graph at every step."""
+    seen = int(counter)
+    if seen and seen % interval == 0:
+        for buf, seed in zip(features, seeds):
+            draw = draw_random_features(*buf.shape, seed=seed, step=seen // interval, orthogonal=orthogonal)
+            buf.copy_(draw.to(device=buf.device, dtype=buf.dtype))
+    counter.add_(1)
+
+
+# registered once per process: a Hub remote-code copy of this module reuses the installed package's op
+if hasattr(torch.ops.linearformers, "redraw_schedule_step"):
+    _redraw_schedule_step = torch.ops.linearformers.redraw_schedule_step
+else:
+    _redraw_schedule_step = torch.library.custom_op(
+        "linearformers::redraw_schedule_step", mutates_args=("counter", "features")
+    )(_redraw_step)
+    _redraw_schedule_step.register_fake(lambda counter, features, seeds, interval, orthogonal: None)
 
 
 def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[str, tuple[int, ...]]:
@@ -188,6 +310,9 @@ def _broadcast_ids(ids: torch.Tensor | None, name: str, inputs: str, shape: tupl
     return ids.expand(batch, length)
 
 
+# never compiled: a forward that runs eagerly between compiled pieces (the kernels break the graph) calls it, and
+# dynamo would compile it as a frame of its own, whose .tolist() breaks
+@torch.compiler.disable
 def _check_id_range(ids: torch.Tensor, name: str, size: int, size_name: str, fix: str) -> None:
     """Raise when ids fall outside [0, size): one min / max, instead of an IndexError deep inside nn.Embedding."""
     low, high = torch.stack(torch.aminmax(ids)).tolist()
@@ -198,10 +323,15 @@ def _check_id_range(ids: torch.Tensor, name: str, size: int, size_name: str, fix
 
 
 def _key_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """The (batch, length) bool key-padding mask of the current tokens, or None when nothing is padded."""
+    """The (batch, length) bool key-padding mask of the current tokens, or None when nothing is padded.
+
+    Under torch.compile the mask is passed even when nothing is padded (the kernels treat an all-True mask as no
+    mask): testing ``mask.all()`` would read a value and break the graph. Eager mode skips the masked path."""
     if mask is None:
         return None
     mask = mask[:, -length:].bool()
+    if torch.compiler.is_compiling():
+        return mask
     return None if bool(mask.all()) else mask
 
 
@@ -212,7 +342,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
     so left and right padding give the same answers.
     """
 
-    def __init__(self, config, add_pooling_layer: bool = True):
+    def __init__(self, config: LinearAttentionConfig, add_pooling_layer: bool = True):
         super().__init__(config)
         # the construction-time checks again: fields may have been set one by one since (config.num_attention_heads
         # = 5 with hidden_size 768 fails here, naming both, rather than in a reshape)
@@ -247,11 +377,10 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         interval = getattr(self.config, "feature_redraw_interval", None)
         if not (self.training and interval):
             return
-        seen = int(self.feature_redraws)
-        if seen and seen % interval == 0:
-            with torch.no_grad():
-                self.redraw_features(seen // interval)
-        self.feature_redraws += 1
+        attentions = [layer.attention for layer in self.layers if isinstance(layer.attention, PerformerAttention)]
+        features = [attention.random_features for attention in attentions]
+        seeds = [attention.draw_seed for attention in attentions]
+        _redraw_schedule_step(self.feature_redraws, features, seeds, interval, self.config.orthogonal_features)
 
     def _check_id_ranges(self, input_ids, token_type_ids, position_ids) -> None:
         if input_ids is not None:
@@ -293,6 +422,30 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        """Run the stack.
+
+        Args:
+            input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
+            attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
+                integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
+                With past_key_values: (batch, past + length), covering the cached and the new tokens.
+            token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
+                default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
+            position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
+                real tokens (the cumulative sum of attention_mask), so left and right padding agree.
+            inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
+            past_key_values: decoder only, the LinearAttentionCache of earlier calls: the fixed-size recurrent
+                state per layer (not keys and values). input_ids then holds only the new tokens.
+            use_cache: decoder only; return the cache as past_key_values (default config.use_cache). In eval mode
+                a new cache is built when none is passed.
+            **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
+                tuple. output_attentions=True raises: linear attention never forms the n x n map.
+
+        Returns:
+            BaseModelOutputWithPoolingAndCrossAttentions: last_hidden_state (batch, length, hidden_size);
+            pooler_output (batch, hidden_size), the encoder's [CLS] pooler (None for a decoder or without a
+            pooler); past_key_values when caching; hidden_states when asked for.
+        """
         if kwargs.get("output_attentions"):
             raise ValueError(NO_ATTENTION_MAPS)
         inputs, shape = _checked_inputs(input_ids, inputs_embeds, self.embeddings)
@@ -352,9 +505,12 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
 
 
 class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
+    """BERT's masked-LM head (dense, activation, LayerNorm, decoder tied to the word embeddings) on the encoder
+    stack, without a pooler. Needs ``is_decoder=False``."""
+
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
-    def __init__(self, config):
+    def __init__(self, config: LinearAttentionConfig):
         super().__init__(config)
         if config.is_decoder:
             raise ValueError(f"{type(self).__name__} needs a bidirectional encoder config; got is_decoder=True")
@@ -379,6 +535,25 @@ class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
         labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
+        """Masked-LM logits, and the loss when labels are given.
+
+        Args:
+            input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
+            attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
+                integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
+            token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
+                default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
+            position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
+                real tokens (the cumulative sum of attention_mask), so left and right padding agree.
+            inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
+            labels: (batch, length) token ids to predict at the masked positions, -100 elsewhere (ignored by the
+                cross-entropy), as DataCollatorForLanguageModeling makes them.
+            **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
+                tuple. output_attentions=True raises: linear attention never forms the n x n map.
+
+        Returns:
+            MaskedLMOutput: logits (batch, length, vocab_size); loss (scalar) when labels are given.
+        """
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -396,6 +571,10 @@ class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
 
 
 class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
+    """GPT-2-style causal LM: the pre-LN decoder stack (``is_decoder=True``) and an LM head tied to the word
+    embeddings. ``generate()`` decodes from a LinearAttentionCache, a fixed-size recurrent state per layer, so
+    each new token costs the same at any context length."""
+
     _tied_weights_keys = {"lm_head.weight": "model.embeddings.word_embeddings.weight"}
     _is_stateful = True  # a recurrent state cannot be cropped: no assisted decoding
 
@@ -403,7 +582,7 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the recurrent cache has no sequence length; forward builds a LinearAttentionCache
 
-    def __init__(self, config):
+    def __init__(self, config: LinearAttentionConfig):
         super().__init__(config)
         if not config.is_decoder:
             raise ValueError(
@@ -425,11 +604,43 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        token_type_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """Next-token logits, and the loss when labels are given; generate() calls this step by step.
+
+        Args:
+            input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
+            attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
+                integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
+                With past_key_values: (batch, past + length), covering the cached and the new tokens.
+            token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
+                default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
+            position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
+                real tokens (the cumulative sum of attention_mask), so left and right padding agree.
+            inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
+            past_key_values: the LinearAttentionCache returned by the previous call (the recurrent state of every
+                layer, a fixed size whatever the context length); input_ids then holds only the new tokens.
+            labels: (batch, length) token ids, usually input_ids itself; shifted inside (position t predicts token
+                t + 1). -100 is ignored.
+            use_cache: return the cache as past_key_values (default config.use_cache; in eval mode a new cache is
+                built when none is passed).
+            logits_to_keep: compute logits for the last this many positions only (0: all), or a tensor of the
+                positions to keep.
+            **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
+                tuple. output_attentions=True raises: linear attention never forms the n x n map.
+
+        Returns:
+            CausalLMOutputWithPast: logits (batch, length or logits_to_keep, vocab_size); loss (scalar) when
+            labels are given; past_key_values when caching.
+        """
+        # WordPiece tokenizers return token_type_ids, and generate(**tokenizer(text, return_tensors="pt")) passes
+        # them on: accepted here (checked for shape), and unused, since the GPT-2-style stack has no segment
+        # embeddings
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
@@ -456,7 +667,7 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
     # accumulation itself (with **kwargs in forward it would assume the loss already did, and steps would be N x)
     accepts_loss_kwargs = False
 
-    def __init__(self, config):
+    def __init__(self, config: LinearAttentionConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = self.base_model_class(config)
@@ -475,6 +686,26 @@ class LinearAttentionForSequenceClassification(LinearAttentionPreTrainedModel):
         labels: torch.Tensor | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput:
+        """Class logits of each sequence, and the loss when labels are given.
+
+        Args:
+            input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
+            attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
+                integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
+            token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
+                default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
+            position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
+                real tokens (the cumulative sum of attention_mask), so left and right padding agree.
+            inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
+            labels: (batch,) int class ids for single-label classification (or regression with num_labels=1:
+                float targets); (batch, num_labels) float 0/1 for multi-label. config.problem_type picks the loss,
+                as in transformers (inferred from num_labels and the labels' dtype when unset).
+            **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
+                tuple. output_attentions=True raises: linear attention never forms the n x n map.
+
+        Returns:
+            SequenceClassifierOutput: logits (batch, num_labels); loss (scalar) when labels are given.
+        """
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -511,7 +742,7 @@ class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
 
     accepts_loss_kwargs = False  # a mean over examples, as for sequence classification
 
-    def __init__(self, config):
+    def __init__(self, config: LinearAttentionConfig):
         super().__init__(config)
         if config.is_decoder:
             raise ValueError(f"{type(self).__name__} needs a bidirectional encoder config; got is_decoder=True")
@@ -531,6 +762,22 @@ class LinearAttentionForMultipleChoice(LinearAttentionPreTrainedModel):
         labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> MultipleChoiceModelOutput:
+        """One score per choice, and the loss when labels are given.
+
+        Args:
+            input_ids: (batch, num_choices, length) token ids of each (context, choice) pair. Pass exactly one of
+                input_ids and inputs_embeds.
+            attention_mask: (batch, num_choices, length) padding mask, 1 for real tokens and 0 for padding.
+            token_type_ids: (batch, num_choices, length) segment ids (context 0, choice 1).
+            position_ids: (batch, num_choices, length) positions; default from attention_mask.
+            inputs_embeds: (batch, num_choices, length, hidden_size) vectors in place of input_ids.
+            labels: (batch,) index of the right choice in [0, num_choices).
+            **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
+                tuple. output_attentions=True raises: linear attention never forms the n x n map.
+
+        Returns:
+            MultipleChoiceModelOutput: logits (batch, num_choices); loss (scalar) when labels are given.
+        """
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None or source.dim() < 3:
             raise ValueError("multiple choice inputs must be shaped (batch, num_choices, length)")
@@ -565,13 +812,18 @@ class LinearAttentionForTokenClassification(GenericForTokenClassification):
     """transformers' generic token-classification head (forward and weight names ``model``, ``score``), with the
     stack built from ``base_model_class`` rather than ``AutoModel.from_config``: from exported remote code that
     call would need ``trust_remote_code`` again and fail. Dropout follows BERT (classifier_dropout, else
-    hidden_dropout_prob). No pooler, as in BERT's head: an unused one gets no gradient, which breaks plain DDP."""
+    hidden_dropout_prob). No pooler, as in BERT's head: an unused one gets no gradient, which breaks plain DDP.
+
+    ``forward`` is the generic one (its docstring is transformers'): input_ids / attention_mask / position_ids
+    (batch, length), inputs_embeds (batch, length, hidden_size), labels (batch, length) class ids with -100
+    ignored; token_type_ids (batch, length) pass through its ``**kwargs``. past_key_values and use_cache are for
+    a decoder stack only. Returns a TokenClassifierOutput with logits (batch, length, num_labels)."""
 
     # the generic loss is a mean that ignores num_items_in_batch: Trainer must scale it for gradient accumulation
     # itself (with **kwargs in forward it would assume the loss already did, and steps would be N x)
     accepts_loss_kwargs = False
 
-    def __init__(self, config):
+    def __init__(self, config: LinearAttentionConfig):
         super(GenericForTokenClassification, self).__init__(config)  # the PreTrainedModel, not the generic init
         self.num_labels = config.num_labels
         self.model = self.base_model_class(config, add_pooling_layer=False)
@@ -582,9 +834,14 @@ class LinearAttentionForTokenClassification(GenericForTokenClassification):
 
 class LinearAttentionForQuestionAnswering(GenericForQuestionAnswering):
     """transformers' generic extractive-QA head (``model``, ``qa_outputs``), with the stack built from
-    ``base_model_class`` and no pooler (see LinearAttentionForTokenClassification)."""
+    ``base_model_class`` and no pooler (see LinearAttentionForTokenClassification).
 
-    def __init__(self, config):
+    ``forward`` is the generic one (its docstring is transformers'): input_ids / attention_mask / position_ids
+    (batch, length), inputs_embeds (batch, length, hidden_size), start_positions / end_positions (batch,) token
+    indices of the answer span (clamped to the sequence); token_type_ids (batch, length) pass through its
+    ``**kwargs``. Returns a QuestionAnsweringModelOutput with start_logits and end_logits (batch, length)."""
+
+    def __init__(self, config: LinearAttentionConfig):
         super(GenericForQuestionAnswering, self).__init__(config)
         self.model = self.base_model_class(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)

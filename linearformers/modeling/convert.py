@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.utils import cached_file
 
 from ..configuration import LinformerConfig, PerformerConfig
 from . import linformer as linformer_models
@@ -92,15 +93,27 @@ SOURCES = {
 }
 
 
-def _load(source, converter: str) -> PreTrainedModel:
+def _config_dict(source: str | Path, hub: dict) -> dict:
+    """The raw config.json of a local folder or a Hub id (resolved through the HF cache, as from_pretrained does)."""
+    if Path(source).is_dir():
+        if not (Path(source) / "config.json").is_file():
+            raise ValueError(f"{str(source)!r} has no config.json; pass a folder written by save_pretrained")
+        return json.loads((Path(source) / "config.json").read_text())
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(str(source), **hub)
+    except OSError as error:
+        raise ValueError(
+            f"{str(source)!r} is not a checkpoint folder (it does not exist) and does not resolve as a Hub model id "
+            f"({error}); pass a folder written by save_pretrained or an id such as 'google-bert/bert-base-uncased'"
+        ) from None
+    return config
+
+
+def _load(source, converter: str, hub: dict) -> PreTrainedModel:
     if isinstance(source, PreTrainedModel):
         return source
     if isinstance(source, str | Path):
-        if not Path(source).exists():
-            raise ValueError(f"checkpoint folder {str(source)!r} does not exist")
-        if not (Path(source) / "config.json").is_file():
-            raise ValueError(f"{str(source)!r} has no config.json; pass a folder written by save_pretrained")
-        config = json.loads((Path(source) / "config.json").read_text())
+        config = _config_dict(source, hub)
         model_type, wanted, default = SOURCES[converter]
         if config.get("model_type") != model_type:
             others = [name for name, (other, _, _) in SOURCES.items() if other == config.get("model_type")]
@@ -117,8 +130,8 @@ def _load(source, converter: str) -> PreTrainedModel:
         model_class = getattr(transformers, architecture, None)
         if model_class is None:
             raise ValueError(f"{str(source)!r} names architecture {architecture!r}, which transformers does not have")
-        return model_class.from_pretrained(source)
-    raise TypeError(f"source must be a folder or a transformers model, got {type(source).__name__}")
+        return model_class.from_pretrained(source, **hub)
+    raise TypeError(f"source must be a folder, a Hub model id or a transformers model, got {type(source).__name__}")
 
 
 def _config_fields(config_cls) -> set[str]:
@@ -208,16 +221,28 @@ def _apply(model: nn.Module, state: dict, mapping: list[tuple[str, str]], report
         raise ValueError(f"conversion left these weights of {type(model).__name__} without a source: {missing}")
 
 
-def convert_bert(source, family: str = "performer", **config_overrides):
-    """Convert a ``BertModel`` / ``BertFor*`` (folder or model) into the matching ``Linformer*`` / ``Performer*``.
+def convert_bert(
+    source: PreTrainedModel | str | Path,
+    family: str = "performer",
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    **config_overrides,
+) -> tuple[PreTrainedModel, ConversionReport]:
+    """Convert a ``BertModel`` / ``BertFor*`` into the matching ``Linformer*`` / ``Performer*``.
 
+    ``source`` is a model, a folder, or a Hub id (``"google-bert/bert-base-uncased"``), loaded as
+    ``from_pretrained`` loads it, with ``revision``, ``cache_dir``, ``token`` and ``local_files_only`` passed on.
     ``config_overrides`` set fields of the family's config, typically the attention's (e.g.
     ``num_random_features=256``, ``feature_redraw_interval=None`` or ``projected_length=128``); a name the config
     does not have raises a ValueError naming close matches. Returns ``(model, ConversionReport)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    bert = _load(source, "convert_bert")
+    hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+    bert = _load(source, "convert_bert", hub)
     head = BERT_HEADS.get(type(bert).__name__)
     if head is None:
         raise ValueError(f"cannot convert {type(bert).__name__}; supported: {sorted(BERT_HEADS)}")
@@ -278,15 +303,26 @@ def convert_bert(source, family: str = "performer", **config_overrides):
     return model.eval(), report
 
 
-def convert_gpt2(source, family: str = "performer", **config_overrides):
-    """Convert a ``GPT2LMHeadModel`` (folder or model) into ``LinformerForCausalLM`` / ``PerformerForCausalLM``.
+def convert_gpt2(
+    source: PreTrainedModel | str | Path,
+    family: str = "performer",
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    **config_overrides,
+) -> tuple[PreTrainedModel, ConversionReport]:
+    """Convert a ``GPT2LMHeadModel`` into ``LinformerForCausalLM`` / ``PerformerForCausalLM``.
 
-    GPT-2's Conv1D weights are transposed into nn.Linear layout and ``c_attn`` is split into q, k, v.
-    ``config_overrides`` as for :func:`convert_bert`. Returns ``(model, ConversionReport)``.
+    ``source`` and the Hub arguments as for :func:`convert_bert`. GPT-2's Conv1D weights are transposed into
+    nn.Linear layout and ``c_attn`` is split into q, k, v. ``config_overrides`` as for :func:`convert_bert`.
+    Returns ``(model, ConversionReport)``.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    gpt2 = _load(source, "convert_gpt2")
+    hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+    gpt2 = _load(source, "convert_gpt2", hub)
     if type(gpt2).__name__ != "GPT2LMHeadModel":
         raise ValueError(f"cannot convert {type(gpt2).__name__}; pass a GPT2LMHeadModel")
     gc = gpt2.config
@@ -351,26 +387,31 @@ def convert_gpt2(source, family: str = "performer", **config_overrides):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Convert a BERT / GPT-2 checkpoint to Linformer / Performer")
-    parser.add_argument("source", help="folder of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
+    parser.add_argument("source", help="folder or Hub id of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
     parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
     parser.add_argument("--num_random_features", type=int)
     parser.add_argument("--projected_length", type=int)
     parser.add_argument("--max_seq_length", type=int)
+    parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
+    parser.add_argument("--cache_dir", help="Hugging Face cache folder (default: the usual HF cache)")
     args = parser.parse_args(argv)
-    config = json.loads((Path(args.source) / "config.json").read_text()) if Path(args.source).is_dir() else {}
-    convert = convert_gpt2 if config.get("model_type") == "gpt2" else convert_bert
+    hub = dict(revision=args.revision, cache_dir=args.cache_dir)
+    convert = convert_gpt2 if _config_dict(args.source, hub).get("model_type") == "gpt2" else convert_bert
     names = ("num_random_features",) if args.family == "performer" else ("projected_length", "max_seq_length")
     overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}  # None: not given
-    model, report = convert(args.source, args.family, **overrides)
+    model, report = convert(args.source, args.family, **hub, **overrides)
     model.save_pretrained(args.output)
     # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
     # builds an empty tokenizer of the model type, which would be saved as if it were real
     tokenizer_files = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
-    if any((Path(args.source) / name).exists() for name in tokenizer_files):
+    found = (
+        cached_file(args.source, name, _raise_exceptions_for_missing_entries=False, **hub) for name in tokenizer_files
+    )
+    if any(found):
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(args.source).save_pretrained(args.output)
+        AutoTokenizer.from_pretrained(args.source, **hub).save_pretrained(args.output)
     print(report)
 
 

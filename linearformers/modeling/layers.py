@@ -27,6 +27,7 @@ from .attention import (
     num_relative_positions,
 )
 from .attention.linformer import check_sequence_length, slot_first_writes
+from .cache import LinearAttentionCache
 
 
 def sinusoidal_embeddings(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -82,7 +83,8 @@ class LinearAttentionEmbeddings(nn.Module):
         embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         if self.position_embeddings is not None:
             limit = self.config.max_position_embeddings
-            if position_ids.numel() and int(position_ids.max()) >= limit:
+            # checked in eager mode only: reading the maximum would break a compiled graph
+            if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= limit:
                 raise ValueError(
                     f"position {int(position_ids.max())} is past max_position_embeddings={limit} of this model's "
                     "learned absolute positions. Truncate the input, or use position_embedding_type='rotary' or "
@@ -126,6 +128,10 @@ class LinearAttention(nn.Module):
             else None
         )
 
+    def extra_repr(self) -> str:
+        local = f", num_local_heads={self.num_local}, local_window={self.config.local_window}" if self.num_local else ""
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, causal={self.causal}{local}"
+
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
@@ -135,7 +141,7 @@ class LinearAttention(nn.Module):
         hidden_states: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache=None,
+        cache: LinearAttentionCache | None = None,
         shared_projection: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -143,18 +149,25 @@ class LinearAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         g = self.num_global
-        outs = []
+        # plain assignments around the kernel calls: where a kernel breaks a compiled graph, an object built in this
+        # call (a list being appended to) would sit on the stack, and dynamo would recompile the rest at every call
+        out = None
         if g:
-            outs.append(
-                self.global_attention(q[:, :g], k[:, :g], v[:, :g], key_mask, cache, shared_projection, position_ids)
-            )
+            out = self.global_attention(q[:, :g], k[:, :g], v[:, :g], key_mask, cache, shared_projection, position_ids)
         if self.num_local:
-            outs.append(self.local_heads(q[:, g:], k[:, g:], v[:, g:], key_mask, cache))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            local = self.local_heads(q[:, g:], k[:, g:], v[:, g:], key_mask, cache)
+            out = local if out is None else torch.cat([out, local], dim=1)
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def local_heads(self, q, k, v, key_mask, cache):
+    def local_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cache: LinearAttentionCache | None,
+    ) -> torch.Tensor:
         window = self.config.local_window
         if cache is None:
             return local_attention(
@@ -162,7 +175,16 @@ class LinearAttention(nn.Module):
             )
         return cache.local_attention(self.layer_idx, q, k, v, window, key_mask, self.relative_bias)
 
-    def global_attention(self, q, k, v, key_mask, cache, shared_projection, position_ids):
+    def global_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cache: LinearAttentionCache | None,
+        shared_projection: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -172,19 +194,36 @@ class PerformerAttention(LinearAttention):
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
+        self.draw_seed = config.feature_seed * 10_007 + layer_idx  # this layer's stream of draws
         self.register_buffer("random_features", self.draw_features(0), persistent=True)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
+            f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
+        )
 
     def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
         return draw_random_features(
             self.config.num_random_features,
             self.head_dim,
-            seed=self.config.feature_seed * 10_007 + self.layer_idx,
+            seed=self.draw_seed,
             step=draw_index,
             orthogonal=self.config.orthogonal_features,
             device=device,
         )
 
-    def global_attention(self, q, k, v, key_mask, cache, shared_projection, position_ids):
+    def global_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cache: LinearAttentionCache | None,
+        shared_projection: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         kwargs = {"kernel": self.config.kernel, "kernel_eps": self.config.kernel_eps}
         if not self.causal:
             return favor_attention(q, k, v, self.random_features, key_padding_mask=key_mask, **kwargs)
@@ -239,6 +278,13 @@ class LinformerAttention(LinearAttention):
             if config.sharing not in ("key_value", "layerwise"):
                 self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
 
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"{super().extra_repr()}, projected_length={c.projected_length_for(self.layer_idx)}, "
+            f"max_seq_length={c.max_seq_length}, sharing={c.sharing!r}, projection={c.projection!r}"
+        )
+
     def _slot_first_writes(self, e: torch.Tensor) -> torch.Tensor:
         """slot_first_writes(E), recomputed only when E changes (decoding calls it once per token)."""
         key = (e.data_ptr(), e._version)
@@ -246,7 +292,16 @@ class LinformerAttention(LinearAttention):
             self._first_writes_key, self._first_writes = key, slot_first_writes(e)
         return self._first_writes
 
-    def global_attention(self, q, k, v, key_mask, cache, shared_projection, position_ids):
+    def global_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cache: LinearAttentionCache | None,
+        shared_projection: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         e = shared_projection if self.e_proj is None and self.config.projection == "learned" else self.e_proj
         f = self.f_proj
         if self.window is not None:  # pool / conv run on any length: hold them to max_seq_length, as learned E is
@@ -278,7 +333,7 @@ class LinformerAttention(LinearAttention):
                 q, k, v, e, f, state, position_ids[:, -1], first_writes=self._slot_first_writes(e)
             )
         else:  # a continued prefill: a long prompt fed in pieces
-            if key_mask is not None:
+            if key_mask is not None and not bool(key_mask.all()):  # compiled forwards pass an all-True mask
                 raise ValueError(
                     "a cached causal Linformer continues with real tokens only; padding belongs in the first "
                     "(prefill) call. Call without past_key_values to recompute the prefix."
@@ -355,7 +410,7 @@ class LinearAttentionLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values=None,
+        past_key_values: LinearAttentionCache | None = None,
         shared_projection: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:

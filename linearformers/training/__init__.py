@@ -3,11 +3,12 @@ modules, atomic checkpoints."""
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import check_block_size, load_raw_dataset, prepare_dataset
-from .loop import TrainArguments, build_model, default_tokenizer, evaluate_model, new_config, train
+from .loop import ModelDataArguments, build_model, default_tokenizer, evaluate_model, new_config, train
 from .metrics import load_metric
+from .tokenizer import train_bpe_tokenizer
 
 __all__ = [
-    "TrainArguments",
+    "ModelDataArguments",
     "build_model",
     "check_block_size",
     "default_tokenizer",
@@ -20,4 +21,5 @@ __all__ = [
     "prepare_dataset",
     "save_checkpoint",
     "train",
+    "train_bpe_tokenizer",
 ]

@@ -9,16 +9,25 @@ leaves the previous checkpoint and pointer intact; a failed write (a full disk, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
+import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 POINTER = "latest"
 RUN_FILE = "run.json"
+TOKENIZER_FOLDER = "tokenizer"
 # what torch (its zip writer), safetensors and the OS say when a write meets a full disk
 _DISK_FULL = ("no space left on device", "unexpected pos", "file write failed", "storagefull")
 
@@ -39,11 +48,13 @@ def _fsync_tree(folder: Path) -> None:
     _fsync_dir(folder)
 
 
-def _publish(root: Path, tmp: Path, final: Path, progress: dict, run: dict | None) -> None:
+def _publish(root: Path, tmp: Path, final: Path, progress: dict, run: dict | None, tokenizer) -> None:
     """Complete the state Accelerate wrote into ``tmp``, flush it, rename it to ``final`` and point ``latest`` at it."""
     (tmp / "progress.json").write_text(json.dumps(progress))
     if run is not None:
         (tmp / RUN_FILE).write_text(json.dumps(run, indent=1))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / TOKENIZER_FOLDER)
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -67,16 +78,60 @@ def _is_disk_full(error: BaseException) -> bool:
     return any(sign in str(error).lower() for sign in _DISK_FULL)
 
 
-def save_checkpoint(
-    accelerator: Accelerator, root: str | Path, progress: dict, keep: int = 2, run: dict | None = None
-) -> Path:
-    """Write checkpoint ``step-<step>`` under ``root`` atomically; keep the newest ``keep``. All processes call it.
+class _TiedWeightsFilter(logging.Filter):
+    """Drops Accelerate's "Removed shared tensor {...} while saving" when the removed names are tied weights (an LM
+    head tied to the input embeddings): safetensors stores a shared tensor once, and loading ties them again, so
+    the warning asks the user to check something that is expected at every checkpoint."""
 
-    ``run`` (JSON: the run's arguments and model config) is saved as ``run.json`` for a resume to compare with. A
-    write that fails removes what it wrote, and ``latest`` still names the previous checkpoint; a full disk raises an
-    OSError (ENOSPC) that says so and names both folders.
+    def __init__(self, tied: set[str]) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message, sign = record.getMessage(), "Removed shared tensor {"
+        if sign not in message:
+            return True
+        start = message.index(sign) + len(sign)
+        names = message[start : message.index("}", start)].replace("'", "").split(", ")
+        return not all(name.removeprefix("module.").removeprefix("_orig_mod.") in self.tied for name in names)
+
+
+def _tied_keys(accelerator: Accelerator) -> set[str]:
+    tied = set()
+    for model in accelerator._models:
+        keys = getattr(accelerator.unwrap_model(model), "_tied_weights_keys", None) or {}
+        tied.update(keys)  # a dict {tied: source} in transformers 5
+    return tied
+
+
+@contextlib.contextmanager
+def _expected_tied_weights_quiet(accelerator: Accelerator) -> Iterator[None]:
+    target = logging.getLogger("accelerate.utils.other")
+    quiet = _TiedWeightsFilter(_tied_keys(accelerator))
+    target.addFilter(quiet)
+    try:
+        yield
+    finally:
+        target.removeFilter(quiet)
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    root: str | Path,
+    progress: dict,
+    keep: int | float = 2,
+    run: dict | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Path:
+    """Write checkpoint ``step-<step>`` under ``root`` atomically; keep the newest ``keep`` (``math.inf``: all). All
+    processes call it.
+
+    ``run`` (JSON: the run's arguments and model config) is saved as ``run.json`` for a resume to compare with, and
+    ``tokenizer`` in ``tokenizer/``, which a resume reads instead of building the tokenizer again. A write that fails
+    removes what it wrote, and ``latest`` still names the previous checkpoint; a full disk raises an OSError (ENOSPC)
+    that says so and names both folders.
     """
-    if not isinstance(keep, int) or keep < 1:
+    if not (keep == math.inf or (isinstance(keep, int) and not isinstance(keep, bool))) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (the checkpoint just written is always kept), got {keep!r}")
     root = Path(root)
     name = f"step-{progress['step']:08d}"
@@ -86,10 +141,11 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp))
+        with _expected_tied_weights_quiet(accelerator):
+            accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            _publish(root, tmp, final, progress, run)
+            _publish(root, tmp, final, progress, run, tokenizer)
     except Exception as error:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -107,14 +163,15 @@ def save_checkpoint(
                 if kept
                 else "There is no earlier one: free"
             )
-            + " space (or lower --keep_checkpoints) and run again"
-            + (" with --resume true to continue from it." if kept else "."),
+            + " space (or lower --save_total_limit) and run again"
+            + (" with --resume_from_checkpoint true to continue from it." if kept else "."),
         ) from error
     if accelerator.is_main_process:
         # prune the oldest of this run's line: never the folder just written (which "latest" names), and never
         # a higher-numbered folder, which is not this run's to delete
         earlier = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name < name)
-        for path in earlier[: max(len(earlier) - (keep - 1), 0)]:
+        drop = 0 if keep == math.inf else max(len(earlier) - (keep - 1), 0)
+        for path in earlier[:drop]:
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

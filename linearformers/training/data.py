@@ -7,9 +7,13 @@ import codecs
 import math
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 TASKS = ("mlm", "clm", "classification")
 _BUILDERS = {".txt": "text", ".text": "text", ".csv": "csv", ".json": "json", ".jsonl": "json"}
@@ -21,11 +25,14 @@ def load_raw_dataset(
     dataset_dir: str | None = None,
     validation_split: float = 0.05,
     seed: int = 0,
+    sample_by: str = "line",
 ) -> DatasetDict:
     """A DatasetDict with "train" and "validation" from local files or a `save_to_disk` folder.
 
-    Without a validation file or split, ``validation_split`` of the training rows are held out (seeded). An empty
-    file, or one that is not UTF-8 text, raises a ValueError naming it.
+    Rows of a text file are its lines, or with ``sample_by="paragraph"`` its paragraphs (separated by a blank line;
+    line breaks inside a paragraph are kept): the documents a causal LM separates with end-of-text. Without a
+    validation file or split, ``validation_split`` of the training rows are held out (seeded). An empty file, or one
+    that is not UTF-8 text, raises a ValueError naming it.
     """
     if not 0 < validation_split < 1:
         raise ValueError(
@@ -52,8 +59,9 @@ def load_raw_dataset(
         if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
             raise ValueError(f"data files must share one of the extensions {sorted(_BUILDERS)}, got {sorted(suffixes)}")
         builder = _BUILDERS[suffixes.pop()]
+        options = {"sample_by": sample_by} if builder == "text" else {}
         try:
-            raw = load_dataset(builder, data_files=files)
+            raw = load_dataset(builder, data_files=files, **options)
         except Exception as error:
             # datasets' own errors (DatasetGenerationError, a bare StopIteration for an empty JSON file) name no file
             for split, path in files.items():
@@ -105,15 +113,16 @@ def _require_column(dataset: Dataset, column: str, what: str) -> None:
 
 def prepare_dataset(
     raw: DatasetDict,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     task: str,
     block_size: int,
     text_column: str = "text",
     label_column: str = "label",
 ) -> tuple[DatasetDict, list[str] | None]:
     """Tokenize for ``task``. LM tasks concatenate all texts and cut them into blocks of ``block_size``
-    tokens; classification truncates each text to ``block_size``. Returns the datasets and, for
-    classification, the label names (sorted, as found in train)."""
+    tokens (for clm, each text followed by the tokenizer's end-of-text token when it has one, so documents are
+    separated in the blocks and the model learns where text ends); classification truncates each text to
+    ``block_size``. Returns the datasets and, for classification, the label names (sorted, as found in train)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
     for split in raw.values():
@@ -154,8 +163,13 @@ def prepare_dataset(
         columns = raw["train"].column_names
         return raw.map(encode, batched=True, remove_columns=columns), labels
 
+    end = tokenizer.eos_token_id if task == "clm" else None
+
     def tokenize(batch):
-        return tokenizer(batch[text_column], add_special_tokens=False)
+        encoded = tokenizer([str(text) for text in batch[text_column]], add_special_tokens=False)
+        if end is not None:
+            encoded["input_ids"] = [[*ids, end] for ids in encoded["input_ids"]]
+        return {"input_ids": encoded["input_ids"]}
 
     def group(batch):
         ids = list(chain.from_iterable(batch["input_ids"]))
@@ -176,7 +190,7 @@ def prepare_dataset(
     return grouped, None
 
 
-def check_block_size(config, block_size: int) -> None:
+def check_block_size(config: PreTrainedConfig, block_size: int) -> None:
     """Raise a ValueError naming the limit if the model cannot take blocks of ``block_size`` tokens."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

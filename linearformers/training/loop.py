@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate import utils as accelerate_utils
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
@@ -26,16 +28,22 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TrainingArguments,
     default_data_collator,
     get_scheduler,
 )
+from transformers.integrations import get_available_reporting_integrations
 from transformers.utils import logging
 
 from .. import LinformerConfig, PerformerConfig
-from .checkpoint import latest_checkpoint, load_checkpoint, load_run, save_checkpoint
+from .checkpoint import TOKENIZER_FOLDER, latest_checkpoint, load_checkpoint, load_run, save_checkpoint
 from .data import TASKS, check_block_size, load_raw_dataset, prepare_dataset
 from .metrics import load_metric
 from .output_dir import check_writable, lock_output_dir
+from .tokenizer import train_bpe_tokenizer
 
 logger = logging.get_logger(__name__)
 
@@ -55,49 +63,61 @@ def default_tokenizer() -> str:
 
 
 @dataclass
-class TrainArguments:
-    """Command-line arguments of ``linearformers-train`` (an ``HfArgumentParser`` dataclass)."""
+class ModelDataArguments:
+    """What ``linearformers-train`` adds to transformers' ``TrainingArguments``: the task, the model and the data (an
+    ``HfArgumentParser`` dataclass, parsed with ``TrainingArguments`` exactly as the Trainer examples do)."""
 
-    task: str = field(metadata={"help": f"one of {TASKS}"})
-    output_dir: str = field(metadata={"help": "checkpoints/, final/ and logs/ go here"})
-    family: str = field(default="performer", metadata={"help": "performer or linformer (new models)"})
+    task: str = field(
+        metadata={
+            "help": "mlm (masked LM), clm (causal LM, a decoder) or classification (one label per text)",
+            "choices": TASKS,
+        }
+    )
+    family: str = field(
+        default="performer",
+        metadata={"help": "attention of a new model (ignored with --model_name_or_path)", "choices": tuple(FAMILIES)},
+    )
     model_name_or_path: str | None = field(default=None, metadata={"help": "start from a saved model"})
     config_overrides: str | None = field(
         default=None, metadata={"help": "comma-separated config fields for a new model, e.g. hidden_size=128"}
     )
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder (default: MiniLM's WordPiece)"})
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer folder (default: for clm a byte-level BPE trained on train_file; otherwise MiniLM's "
+            "WordPiece)"
+        },
+    )
+    tokenizer_vocab_size: int = field(
+        default=8192, metadata={"help": "vocabulary of the BPE tokenizer trained for clm when no tokenizer is given"}
+    )
     train_file: str | None = field(default=None, metadata={"help": ".txt, .csv, .json or .jsonl"})
-    validation_file: str | None = None
+    validation_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "evaluation data, same format as train_file; without it 5%% of the training rows are held out"
+        },
+    )
     dataset_dir: str | None = field(default=None, metadata={"help": "a folder written by Dataset.save_to_disk"})
-    text_column: str = "text"
-    label_column: str = "label"
-    block_size: int = 128
-    per_device_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 5e-4
-    weight_decay: float = 0.01
-    lr_scheduler: str = field(default="linear", metadata={"help": "any transformers scheduler name"})
-    warmup_steps: int = 0
-    max_steps: int = 100
-    max_grad_norm: float = 1.0
-    mixed_precision: str = field(default="no", metadata={"help": "no, bf16 or fp16"})
-    mlm_probability: float = 0.15
-    eval_every: int = 50
-    save_every: int = 50
-    keep_checkpoints: int = 2
-    resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest"})
+    text_column: str = field(
+        default="text", metadata={"help": "column of the texts (.csv, .json, .jsonl or dataset_dir)"}
+    )
+    label_column: str = field(default="label", metadata={"help": "column of the labels, for classification"})
+    block_size: int = field(
+        default=128,
+        metadata={
+            "help": "tokens per sequence: mlm / clm cut the concatenated texts into blocks of this length, "
+            "classification truncates each text to it"
+        },
+    )
+    mlm_probability: float = field(default=0.15, metadata={"help": "share of tokens masked for mlm"})
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "a fresh run (no --resume) deletes an earlier run's checkpoints instead of refusing to start"
+            "help": "a fresh run (no --resume_from_checkpoint) deletes an earlier run's checkpoints instead of "
+            "refusing to start"
         },
     )
-    seed: int = 0
-    cpu: bool = False
-    report_to: str = field(default="none", metadata={"help": "none, tensorboard or trackio"})
-    push_to_hub: bool = False
-    hub_model_id: str | None = None
-    progress_bar: bool = True
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -119,7 +139,7 @@ def _split_top_level(text: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def parse_overrides(overrides: str | None, config_class) -> dict:
+def parse_overrides(overrides: str | None, config_class: type[PreTrainedConfig]) -> dict:
     """``hidden_size=128,position_embedding_type=rotary,projected_length_per_layer=[64,128]`` -> a dict. Values
     are JSON (numbers, true/false, null or None, lists, quoted strings); anything else is taken as a plain
     string, so ``rotary`` and ``"rotary"`` are the same. The config's own checks then judge each value."""
@@ -144,11 +164,11 @@ def parse_overrides(overrides: str | None, config_class) -> dict:
 def new_config(
     family: str,
     task: str,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     block_size: int,
     overrides: str | None = None,
     num_labels: int | None = None,
-):
+) -> LinformerConfig | PerformerConfig:
     """A config for a new model of ``family`` sized for ``tokenizer`` and ``block_size``.
 
     ``overrides`` is a comma-separated list of config fields with JSON values, e.g.
@@ -173,7 +193,9 @@ def new_config(
     return FAMILIES[family](**fields)
 
 
-def build_model(args: TrainArguments, tokenizer, labels: list[str] | None):
+def build_model(
+    args: ModelDataArguments, tokenizer: PreTrainedTokenizerBase, labels: list[str] | None
+) -> PreTrainedModel:
     auto = AUTO_FOR_TASK[args.task]
     if args.model_name_or_path:
         extra = {}
@@ -196,7 +218,7 @@ def build_model(args: TrainArguments, tokenizer, labels: list[str] | None):
     return auto.from_config(config)
 
 
-def _collator(args: TrainArguments, tokenizer):
+def _collator(args: ModelDataArguments, tokenizer):
     # LM blocks all have block_size tokens (and CLM blocks carry their labels); MLM masking happens in the loop
     return DataCollatorWithPadding(tokenizer) if args.task == "classification" else default_data_collator
 
@@ -216,7 +238,13 @@ def mask_tokens(masker: DataCollatorForLanguageModeling, batch: dict, seed: int)
 
 
 @torch.no_grad()
-def evaluate_model(model, loader, accelerator: Accelerator, task: str, masker=None) -> dict:
+def evaluate_model(
+    model: torch.nn.Module,
+    loader: DataLoader,
+    accelerator: Accelerator,
+    task: str,
+    masker: DataCollatorForLanguageModeling | None = None,
+) -> dict:
     """Mean eval loss (perplexity for LM tasks; accuracy and macro F1 for classification). MLM masks are
     drawn from the batch index, so every evaluation sees the same masks."""
     model.eval()
@@ -245,28 +273,135 @@ def evaluate_model(model, loader, accelerator: Accelerator, task: str, masker=No
     return results
 
 
-def check_arguments(args: TrainArguments) -> None:
-    """ValueError naming the argument for values that would fail late or silently misbehave."""
+# TrainingArguments options this loop does not implement, refused when set to anything but their default: each would
+# otherwise be silently ignored by a user who expects it to work as under Trainer
+UNSUPPORTED_TRAINING_ARGUMENTS = (
+    "optim_args",
+    "optim_target_modules",
+    "lr_scheduler_kwargs",
+    "label_smoothing_factor",
+    "bf16_full_eval",
+    "fp16_full_eval",
+    "gradient_checkpointing",
+    "activation_checkpointing",
+    "torch_compile",
+    "use_liger_kernel",
+    "neftune_noise_alpha",
+    "auto_find_batch_size",
+    "eval_delay",
+    "eval_on_start",
+    "eval_accumulation_steps",
+    "load_best_model_at_end",
+    "metric_for_best_model",
+    "save_only_model",
+    "save_on_each_node",
+    "data_seed",
+    "full_determinism",
+    "dataloader_drop_last",
+    "train_sampling_strategy",
+    "ignore_data_skip",
+    "fsdp",
+    "fsdp_config",
+    "deepspeed",
+    "include_num_input_tokens_seen",
+    "torch_empty_cache_steps",
+)
+_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+_STRATEGIES = {"eval_strategy": ("no", "steps"), "save_strategy": ("no", "steps"), "logging_strategy": ("no", "steps")}
+# pip names of Accelerate's trackers where they differ from the tracker's name
+_TRACKER_PACKAGES = {"comet_ml": "comet-ml"}
+
+
+def _plain(value):
+    """An enum's value, a list's plain values: what run.json and comparisons hold."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _field_default(name: str):
+    spec = TrainingArguments.__dataclass_fields__[name]
+    if spec.default_factory is not MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def trackers(training_args: TrainingArguments) -> list[str]:
+    """The Accelerate trackers ``report_to`` names; a ValueError names one Accelerate lacks or one not installed
+    (with the pip command). ``all`` (which TrainingArguments expands to transformers' installed integrations) means
+    every installed tracker Accelerate supports."""
+    from accelerate import tracking
+
+    names = _plain(training_args.report_to) or []
+    if names == "all" or "all" in names or names == get_available_reporting_integrations():
+        return [str(_plain(name)) for name in tracking.get_available_trackers()]
+    for name in names:
+        if name not in tracking.LOGGER_TYPE_TO_CLASS:
+            raise ValueError(
+                f"report_to {name!r} is not a tracker this loop supports (through Accelerate); choose from "
+                f"{sorted(tracking.LOGGER_TYPE_TO_CLASS)}, 'all' or 'none'"
+            )
+        if not getattr(accelerate_utils, f"is_{name}_available")():
+            package = _TRACKER_PACKAGES.get(name, name)
+            raise ValueError(
+                f"report_to {name!r} needs the {package} package, which is not installed: pip install {package}"
+            )
+    return list(names)
+
+
+def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) -> None:
+    """ValueError naming the argument for values that would fail late or silently misbehave, and for
+    TrainingArguments options this loop does not implement."""
     if args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; choose one of {TASKS}")
-    if args.report_to not in ("none", "tensorboard", "trackio"):
-        raise ValueError(f"report_to must be none, tensorboard or trackio, got {args.report_to!r}")
+    unsupported = [
+        f"--{name} {_plain(getattr(training_args, name))!r}"
+        for name in UNSUPPORTED_TRAINING_ARGUMENTS
+        if _plain(getattr(training_args, name)) not in (_plain(_field_default(name)), None, False, "", "no", [])
+    ]
+    optim = _plain(training_args.optim)
+    if optim not in _OPTIMIZERS:
+        unsupported.append(f"--optim {optim!r} (this loop runs {' or '.join(_OPTIMIZERS)})")
+    for name, supported in _STRATEGIES.items():
+        if _plain(getattr(training_args, name)) not in supported:
+            unsupported.append(f"--{name} {_plain(getattr(training_args, name))!r} (this loop has {supported})")
+    if unsupported:
+        raise ValueError(
+            "linearformers-train does not implement these TrainingArguments options: " + ", ".join(unsupported) + ". "
+            "Leave them at their defaults, or train with Trainer (examples/run_*.py)."
+        )
+    if training_args.bf16 and training_args.fp16:
+        raise ValueError("pass --bf16 or --fp16, not both")
+    trackers(training_args)
+    if training_args.max_steps <= 0 and not training_args.num_train_epochs > 0:
+        raise ValueError(
+            f"pass --max_steps N (N >= 1) or --num_train_epochs > 0, got max_steps={training_args.max_steps} and "
+            f"num_train_epochs={training_args.num_train_epochs}"
+        )
     at_least = {
-        "per_device_batch_size": 1,
-        "gradient_accumulation_steps": 1,
-        "max_steps": 1,
-        "keep_checkpoints": 1,
-        "block_size": 1,
-        "warmup_steps": 0,
-        "eval_every": 0,
-        "save_every": 0,
+        "per_device_train_batch_size": (training_args, 1),
+        "per_device_eval_batch_size": (training_args, 1),
+        "gradient_accumulation_steps": (training_args, 1),
+        "block_size": (args, 1),
+        "tokenizer_vocab_size": (args, 300),  # the 256 bytes and the special tokens
     }
-    for name, low in at_least.items():
-        value = getattr(args, name)
+    for name, (holder, low) in at_least.items():
+        value = getattr(holder, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if training_args.save_total_limit is not None and training_args.save_total_limit < 1:
+        raise ValueError(
+            f"save_total_limit must be None (keep every checkpoint) or an integer >= 1, got "
+            f"{training_args.save_total_limit!r}"
+        )
+    for name in ("warmup_steps", "save_steps", "eval_steps", "logging_steps"):
+        value = getattr(training_args, name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a number >= 0 (below 1: a fraction of the total steps), got {value!r}")
     for name in ("learning_rate", "weight_decay", "max_grad_norm"):
-        value = getattr(args, name)
+        value = getattr(training_args, name)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if not 0 < args.mlm_probability < 1:  # 0 masks nothing: the loss is NaN
@@ -274,21 +409,31 @@ def check_arguments(args: TrainArguments) -> None:
             f"mlm_probability must be a probability strictly between 0 and 1, got {args.mlm_probability!r} (BERT "
             "masks 0.15 of the tokens)"
         )
-    if args.push_to_hub:
-        if not args.hub_model_id:
+    if training_args.push_to_hub:
+        if not training_args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/performer-small)")
         from ..hub_cards.export import check_repo_id
 
-        check_repo_id(args.hub_model_id)  # before training, not after it
+        check_repo_id(training_args.hub_model_id)  # before training, not after it
 
 
-# On --resume the run is compared with the arguments saved in its checkpoint (run.json). Refused: a change of these
+def resume_target(training_args: TrainingArguments) -> str | None:
+    """``--resume_from_checkpoint``: None for a fresh run, "latest" (also ``true``) for output_dir's latest
+    checkpoint, or a checkpoint folder."""
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).lower() in ("false", "no", "none", ""):
+        return None
+    return "latest" if str(value).lower() in ("true", "yes", "latest") else str(value)
+
+
+# On a resume the run is compared with the arguments saved in its checkpoint (run.json). Refused: a change of these
 # would continue the checkpoint's weights on another task, data, tokenization, precision or random stream.
 RESUME_REFUSED = (
     "task",
     "family",
     "model_name_or_path",
-    "tokenizer",
+    "tokenizer_name",
+    "tokenizer_vocab_size",
     "train_file",
     "validation_file",
     "dataset_dir",
@@ -297,31 +442,68 @@ RESUME_REFUSED = (
     "block_size",
     "seed",
     "mlm_probability",
-    "mixed_precision",
+    "bf16",
+    "fp16",
 )
-# Allowed with a warning; they take effect from the resumed step on (the learning rate and weight decay replace the
-# values the checkpoint's optimizer state holds).
+# Allowed with a warning; they take effect from the resumed step on (the optimizer's settings replace the values the
+# checkpoint's optimizer state holds).
 RESUME_ALLOWED = (
     "learning_rate",
     "weight_decay",
-    "lr_scheduler",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "lr_scheduler_type",
     "warmup_steps",
     "max_steps",
+    "num_train_epochs",
     "max_grad_norm",
     "gradient_accumulation_steps",
-    "eval_every",
-    "save_every",
-    "keep_checkpoints",
-    "cpu",
+    "per_device_eval_batch_size",
+    "eval_strategy",
+    "eval_steps",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "logging_strategy",
+    "logging_steps",
+    "dataloader_num_workers",
+    "use_cpu",
     "report_to",
+    "run_name",
     "push_to_hub",
     "hub_model_id",
-    "progress_bar",
+    "hub_private_repo",
+    "disable_tqdm",
 )
 # Not compared: the model config is compared field by field instead of the overrides' text; a changed batch size or
 # process count has its own warning (the data layout); the rest say where and how to start.
-RESUME_IGNORED = ("config_overrides", "per_device_batch_size", "output_dir", "resume", "overwrite_output_dir")
-_PATH_ARGUMENTS = ("model_name_or_path", "tokenizer", "train_file", "validation_file", "dataset_dir")
+RESUME_IGNORED = (
+    "config_overrides",
+    "per_device_train_batch_size",
+    "output_dir",
+    "resume_from_checkpoint",
+    "overwrite_output_dir",
+)
+# The TrainingArguments fields this loop reads (the rest are refused when set, or have no effect on it)
+TRAINING_ARGUMENTS_READ = tuple(
+    name
+    for name in (*RESUME_REFUSED, *RESUME_ALLOWED, *RESUME_IGNORED)
+    if name in TrainingArguments.__dataclass_fields__
+)
+# run.json of checkpoints written before the loop took TrainingArguments' names: old name -> new name
+_OLD_NAMES = {
+    "tokenizer": "tokenizer_name",
+    "per_device_batch_size": "per_device_train_batch_size",
+    "lr_scheduler": "lr_scheduler_type",
+    "eval_every": "eval_steps",
+    "save_every": "save_steps",
+    "keep_checkpoints": "save_total_limit",
+    "cpu": "use_cpu",
+    "resume": "resume_from_checkpoint",
+}
+_PATH_ARGUMENTS = ("model_name_or_path", "tokenizer_name", "train_file", "validation_file", "dataset_dir")
 # config fields that shape outputs or record provenance, not the model; labels come from the (compared) data
 _CONFIG_NOT_COMPARED = (
     "transformers_version",
@@ -335,14 +517,27 @@ _CONFIG_NOT_COMPARED = (
 )
 
 
-def run_record(args: TrainArguments, config) -> dict:
-    """What a checkpoint saves of its run (``run.json``): the arguments, with local paths made absolute, and the
-    model config (before the classification labels, which come from the data)."""
+def run_record(args: ModelDataArguments, training_args: TrainingArguments, config: PreTrainedConfig) -> dict:
+    """What a checkpoint saves of its run (``run.json``): the arguments (ours and the TrainingArguments this loop
+    reads), with local paths made absolute, and the model config (before the classification labels, which come from
+    the data)."""
     arguments = asdict(args)
+    arguments.update({name: _plain(getattr(training_args, name)) for name in TRAINING_ARGUMENTS_READ})
     for name in _PATH_ARGUMENTS:
         if arguments[name] is not None and Path(arguments[name]).exists():
             arguments[name] = str(Path(arguments[name]).resolve())
     return {"arguments": arguments, "config": json.loads(config.to_json_string(use_diff=False))}
+
+
+def _upgrade_arguments(old: dict) -> dict:
+    """The arguments of an older run.json under today's names (``--mixed_precision bf16`` -> ``bf16: true``)."""
+    arguments = {_OLD_NAMES.get(name, name): value for name, value in old.items() if name != "progress_bar"}
+    if "mixed_precision" in arguments:
+        precision = arguments.pop("mixed_precision")
+        arguments.update(bf16=precision == "bf16", fp16=precision == "fp16")
+    if "report_to" in arguments and not isinstance(arguments["report_to"], list):
+        arguments["report_to"] = [] if arguments["report_to"] in ("none", None) else [arguments["report_to"]]
+    return arguments
 
 
 def _differences(old: dict, new: dict, names, prefix: str = "") -> list[str]:
@@ -359,40 +554,45 @@ def check_resume(folder: Path, saved: dict | None, run: dict) -> None:
     difference (old → new) that would not continue the same training; a warning lists the allowed changes."""
     if saved is None:
         logger.warning(
-            f"--resume: checkpoint {folder} was written without its run's arguments (by an older linearformers), so "
+            f"--resume_from_checkpoint: checkpoint {folder} was written without its run's arguments (by an older linearformers), so "
             "this run cannot be compared with it: a changed model config, data, block size or seed goes unnoticed"
         )
         return
     old_config, new_config = saved["config"], run["config"]
     fields = sorted((set(old_config) | set(new_config)) - set(_CONFIG_NOT_COMPARED))
-    refused = _differences(saved["arguments"], run["arguments"], RESUME_REFUSED)
+    old_arguments = _upgrade_arguments(saved["arguments"])
+    refused = _differences(old_arguments, run["arguments"], RESUME_REFUSED)
     refused += _differences(old_config, new_config, fields, prefix="config.")
     if refused:
         raise ValueError(
-            f"--resume: this run differs from checkpoint {folder} in what must stay the same to continue its "
+            f"--resume_from_checkpoint: this run differs from checkpoint {folder} in what must stay the same to continue its "
             "training:\n  " + "\n  ".join(refused) + "\nRun with the checkpoint's values, or start a new run: "
-            "another --output_dir, or --overwrite_output_dir true without --resume (which deletes these checkpoints)."
+            "another --output_dir, or --overwrite_output_dir true without --resume_from_checkpoint (which deletes these "
+            "checkpoints)."
         )
-    allowed = _differences(saved["arguments"], run["arguments"], RESUME_ALLOWED)
+    allowed = _differences(old_arguments, run["arguments"], RESUME_ALLOWED)
     if allowed:
         logger.warning(
-            f"--resume: continuing checkpoint {folder} with changed settings, in effect from here on: "
+            f"--resume_from_checkpoint: continuing checkpoint {folder} with changed settings, in effect from here on: "
             + "; ".join(allowed)
         )
 
 
-def _apply_optimizer_arguments(optimizer, scheduler, args: TrainArguments) -> None:
-    """A checkpoint restores the optimizer's learning rate and weight decay and the schedule's base rate; this run's
-    own values replace them, and the current rate is recomputed from this run's schedule at the restored step (the
-    same value, bit for bit, when nothing changed)."""
+def _apply_optimizer_arguments(optimizer, scheduler, training_args: TrainingArguments) -> None:
+    """A checkpoint restores the optimizer's settings and the schedule's base rate; this run's own values replace
+    them, and the current rate is recomputed from this run's schedule at the restored step (the same value, bit for
+    bit, when nothing changed)."""
+    learning_rate = training_args.learning_rate
     for group in optimizer.param_groups:
-        group["weight_decay"] = args.weight_decay
-        group["initial_lr"] = args.learning_rate
+        group["weight_decay"] = training_args.weight_decay
+        group["betas"] = (training_args.adam_beta1, training_args.adam_beta2)
+        group["eps"] = training_args.adam_epsilon
+        group["initial_lr"] = learning_rate
     schedule = scheduler.scheduler
     if isinstance(schedule, LambdaLR):  # every get_scheduler schedule the loop can step without a metric
-        schedule.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
+        schedule.base_lrs = [learning_rate for _ in optimizer.param_groups]
         for group, factor in zip(optimizer.param_groups, schedule.lr_lambdas):
-            group["lr"] = args.learning_rate * factor(schedule.last_epoch)
+            group["lr"] = learning_rate * factor(schedule.last_epoch)
 
 
 def _claim_output_dir(accelerator: Accelerator, output: Path):
@@ -411,19 +611,22 @@ def _claim_output_dir(accelerator: Accelerator, output: Path):
     return lock
 
 
-def train(args: TrainArguments) -> dict:
+def train(args: ModelDataArguments, training_args: TrainingArguments) -> dict:
     """Train, evaluate and save; returns the final evaluation results.
 
-    ``output_dir`` is proven writable and locked for the run's lifetime before any data work: a second run into it
-    is refused while this one lives.
+    ``args`` says what to train on which data; ``training_args`` is transformers' own ``TrainingArguments``, of
+    which the loop reads the fields in ``TRAINING_ARGUMENTS_READ`` (with Trainer's meanings) and refuses the options
+    in ``UNSUPPORTED_TRAINING_ARGUMENTS``. ``output_dir`` is proven writable and locked for the run's lifetime before
+    any data work: a second run into it is refused while this one lives.
     """
-    check_arguments(args)
-    output = Path(args.output_dir)
+    check_arguments(args, training_args)
+    output = Path(training_args.output_dir)
+    report_to = trackers(training_args)
     accelerator = Accelerator(
-        cpu=args.cpu,
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        log_with=None if args.report_to == "none" else args.report_to,
+        cpu=training_args.use_cpu,
+        mixed_precision="bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no",
+        gradient_accumulation_steps=training_args.gradient_accumulation_steps,
+        log_with=report_to or None,
         project_dir=str(output / "logs"),
         # FAVOR+ features are buffers drawn from (seed, step) on every rank: no need to broadcast them
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
@@ -431,97 +634,176 @@ def train(args: TrainArguments) -> dict:
         # follows the same learning-rate schedule on one process or many
         step_scheduler_with_optimizer=False,
     )
-    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu" and accelerator.scaler is None:
+    if training_args.fp16 and accelerator.device.type == "cpu" and accelerator.scaler is None:
         # Accelerate leaves fp16 off on CPU without a word (no autocast, no loss scaling); torch has both there, and
         # with these two set Accelerate autocasts the forward, scales the loss and saves the scale in checkpoints
         accelerator.native_amp = True
         accelerator.scaler = torch.amp.GradScaler("cpu")
     lock = _claim_output_dir(accelerator, output)
     try:
-        return _run(args, accelerator)
+        return _run(args, training_args, accelerator, report_to)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(args: TrainArguments, accelerator: Accelerator) -> dict:
+def _resume_folder(target: str | None, checkpoints: Path) -> Path | None:
+    if target is None:
+        return None
+    if target == "latest":
+        folder = latest_checkpoint(checkpoints)
+        if folder is None:
+            logger.warning(f"--resume_from_checkpoint: no checkpoint under {checkpoints}; starting from scratch")
+        return folder
+    folder = Path(target)
+    if not (folder / "progress.json").is_file():
+        raise ValueError(
+            f"--resume_from_checkpoint {target!r} is not a checkpoint folder of linearformers-train (it has no "
+            f"progress.json); pass one under {checkpoints}, or true for the latest"
+        )
+    return folder
+
+
+def _load_tokenizer(args: ModelDataArguments, accelerator: Accelerator, resume_from: Path | None, raw, output: Path):
+    """The run's tokenizer: the one saved with the checkpoint a run resumes from, ``--tokenizer_name``, for a causal
+    LM a byte-level BPE trained on the training text (by the main process, then read by every rank, so all ranks
+    share it), otherwise MiniLM's WordPiece."""
+    if resume_from is not None and (resume_from / TOKENIZER_FOLDER).is_dir():
+        return AutoTokenizer.from_pretrained(resume_from / TOKENIZER_FOLDER)
+    if args.tokenizer_name or args.task != "clm":
+        return AutoTokenizer.from_pretrained(args.tokenizer_name or default_tokenizer())
+    folder = output / TOKENIZER_FOLDER
+    if accelerator.is_main_process:
+        texts = (str(text) for text in raw["train"][args.text_column] if text is not None)
+        train_bpe_tokenizer(texts, args.tokenizer_vocab_size).save_pretrained(folder)
+    accelerator.wait_for_everyone()
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _steps(value: float | None, total: int) -> int:
+    """A TrainingArguments interval: below 1 a fraction of the total steps, else a step count; 0 or None: never."""
+    if not value:
+        return 0
+    return max(math.ceil(value * total), 1) if value < 1 else int(value)
+
+
+def _run(args: ModelDataArguments, training_args: TrainingArguments, accelerator: Accelerator, report_to) -> dict:
     """The run itself, in a locked output_dir."""
-    output = Path(args.output_dir)
+    output = Path(training_args.output_dir)
     checkpoints = output / "checkpoints"
-    if not args.resume and checkpoints.is_dir() and any(checkpoints.iterdir()):  # before any data work
+    target = resume_target(training_args)
+    if target is None and checkpoints.is_dir() and any(checkpoints.iterdir()):  # before any data work
         if not args.overwrite_output_dir:
             raise ValueError(
-                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume true to continue it, "
-                "--overwrite_output_dir true to start over (deleting them), or choose another output_dir"
+                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume_from_checkpoint true to "
+                "continue it, --overwrite_output_dir true to start over (deleting them), or choose another output_dir"
             )
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             shutil.rmtree(checkpoints)
         accelerator.wait_for_everyone()
-    set_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer())
+    seed = training_args.seed
+    set_seed(seed)
+    resume_from = _resume_folder(target, checkpoints)
+    sample_by = "paragraph" if args.task == "clm" else "line"  # a causal LM's documents end with end-of-text
+    raw = None
+    if resume_from is None and args.task == "clm" and not args.tokenizer_name:  # the tokenizer is trained on it
+        raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=seed, sample_by=sample_by)
+    tokenizer = _load_tokenizer(args, accelerator, resume_from, raw, output)
     # fail on a block size the model cannot take before any data work
     planned = AutoConfig.from_pretrained(args.model_name_or_path) if args.model_name_or_path else None
     planned = planned or new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides)
     check_block_size(planned, args.block_size)
-    run = run_record(args, planned)
-    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+    run = run_record(args, training_args, planned)
     if resume_from is not None:  # before any data work too
         check_resume(resume_from, load_run(resume_from), run)
-    raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=args.seed)
+    if raw is None:
+        raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=seed, sample_by=sample_by)
     with accelerator.main_process_first():
         data, labels = prepare_dataset(raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column)
     model = build_model(args, tokenizer, labels)
+    if args.task == "clm" and tokenizer.eos_token_id is not None:
+        # generate() stops at end-of-text and pads with it; saved with the model as its GenerationConfig
+        for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            setattr(model.config, name, getattr(tokenizer, name))
+            setattr(model.generation_config, name, getattr(tokenizer, name))
     collator = _collator(args, tokenizer)
     masker = None
     if args.task == "mlm":
         masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=args.mlm_probability)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, args.warmup_steps, args.max_steps)
+    batch_size = training_args.per_device_train_batch_size
+    max_steps = training_args.max_steps
+    if max_steps <= 0:  # Trainer's meaning: num_train_epochs of optimizer steps over the whole training set
+        batches = math.ceil(len(data["train"]) / (batch_size * accelerator.num_processes))
+        steps_per_epoch = max(batches // training_args.gradient_accumulation_steps, 1)
+        max_steps = math.ceil(training_args.num_train_epochs * steps_per_epoch)
+    eval_every = _steps(training_args.eval_steps, max_steps) if _plain(training_args.eval_strategy) == "steps" else 0
+    save_every = _steps(training_args.save_steps, max_steps) if _plain(training_args.save_strategy) == "steps" else 0
+    log_every = (
+        _steps(training_args.logging_steps, max_steps) if _plain(training_args.logging_strategy) == "steps" else 0
+    )
+    keep = training_args.save_total_limit or math.inf
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=training_args.learning_rate,
+        weight_decay=training_args.weight_decay,
+        betas=(training_args.adam_beta1, training_args.adam_beta2),
+        eps=training_args.adam_epsilon,
+        fused=_plain(training_args.optim) == "adamw_torch_fused" and accelerator.device.type == "cuda",
+    )
+    scheduler = get_scheduler(
+        _plain(training_args.lr_scheduler_type), optimizer, training_args.get_warmup_steps(max_steps), max_steps
+    )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    workers = training_args.dataloader_num_workers
     eval_loader = accelerator.prepare_data_loader(
         DataLoader(
             data["validation"],
-            batch_size=args.per_device_batch_size,
+            batch_size=training_args.per_device_eval_batch_size,
             collate_fn=collator,
-            generator=torch.Generator().manual_seed(args.seed),
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(seed),
         )
     )
-    if args.report_to != "none":
-        accelerator.init_trackers("linearformers", config={k: str(v) for k, v in asdict(args).items()})
+    if report_to:
+        hyperparameters = {
+            **asdict(args),
+            **{name: _plain(getattr(training_args, name)) for name in TRAINING_ARGUMENTS_READ},
+        }
+        accelerator.init_trackers(
+            training_args.run_name or "linearformers", config={k: str(v) for k, v in hyperparameters.items()}
+        )
 
-    layout = {"per_device_batch_size": args.per_device_batch_size, "num_processes": accelerator.num_processes}
+    layout = {"per_device_batch_size": batch_size, "num_processes": accelerator.num_processes}
     # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
     progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
-    if args.resume:
-        folder = resume_from
-        if folder is None:
-            logger.warning(f"--resume: no checkpoint under {checkpoints}; starting from scratch")
-        else:
-            loaded = load_checkpoint(accelerator, folder)
-            _apply_optimizer_arguments(optimizer, scheduler, args)
-            if "rows" not in loaded:  # a checkpoint from before rows were recorded: it had this layout's count
-                loaded["rows"] = loaded["batches"] * args.per_device_batch_size * accelerator.num_processes
-            progress = {**progress, **loaded}
-            saved = progress["layout"]
-            if saved != layout:
-                logger.warning(
-                    f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
-                    "data position, but is no longer identical to an uninterrupted run"
-                )
-                progress["layout"] = layout
-            accelerator.print(f"resumed from {folder} at step {progress['step']}")
+    if resume_from is not None:
+        loaded = load_checkpoint(accelerator, resume_from)
+        _apply_optimizer_arguments(optimizer, scheduler, training_args)
+        if "rows" not in loaded:  # a checkpoint from before rows were recorded: it had this layout's count
+            loaded["rows"] = loaded["batches"] * batch_size * accelerator.num_processes
+        progress = {**progress, **loaded}
+        saved = progress["layout"]
+        if saved != layout:
+            logger.warning(
+                f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
+                "data position, but is no longer identical to an uninterrupted run"
+            )
+            progress["layout"] = layout
+        logger.info(f"resumed from {resume_from} at step {progress['step']}")
 
     bar = tqdm(
-        total=args.max_steps, initial=progress["step"], disable=not (args.progress_bar and accelerator.is_main_process)
+        total=max_steps,
+        initial=progress["step"],
+        disable=bool(training_args.disable_tqdm) or not accelerator.is_main_process,
     )
-    history, results = progress["train_loss"], {}
+    history, results, logged = progress["train_loss"], {}, []
     model.train()
-    while progress["step"] < args.max_steps:
+    while progress["step"] < max_steps:
         # the order of an epoch is a function of (seed, epoch); a resumed run drops the rows its processes
         # already consumed (per-process batches are dealt round-robin, so each step of them covers
         # processes * size rows)
-        epoch_rows = data["train"].shuffle(seed=args.seed + progress["epoch"])
+        epoch_rows = data["train"].shuffle(seed=seed + progress["epoch"])
         if progress["rows"] >= len(epoch_rows):  # the checkpoint fell on the epoch's last batch
             progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
             continue
@@ -530,49 +812,57 @@ def _run(args: TrainArguments, accelerator: Accelerator) -> dict:
         loader = accelerator.prepare_data_loader(
             DataLoader(
                 epoch_rows,
-                batch_size=args.per_device_batch_size,
+                batch_size=batch_size,
                 collate_fn=collator,
+                num_workers=workers,
                 # its own generator: starting an iterator draws a seed, which must not move the global RNG
                 # that masking and dropout use
-                generator=torch.Generator().manual_seed(args.seed + progress["epoch"]),
+                generator=torch.Generator().manual_seed(seed + progress["epoch"]),
             )
         )
         for batch in loader:
             if masker is not None:
-                seed = args.seed
+                mask_seed = seed
                 for part in (progress["epoch"], progress["batches"], accelerator.process_index):
-                    seed = (seed * 1_000_003 + part) % (2**62)
-                batch = mask_tokens(masker, batch, seed=seed)
+                    mask_seed = (mask_seed * 1_000_003 + part) % (2**62)
+                batch = mask_tokens(masker, batch, seed=mask_seed)
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients and training_args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
                 optimizer.step()
                 if accelerator.sync_gradients:
                     scheduler.step()
                 optimizer.zero_grad()
             progress["batches"] += 1
-            progress["rows"] += args.per_device_batch_size * accelerator.num_processes
+            progress["rows"] += batch_size * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
             progress["step"] += 1
             mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
             history.append(mean_loss)
+            logged.append(mean_loss)
             bar.update(1)
             bar.set_postfix(loss=f"{mean_loss:.3f}")
-            accelerator.log({"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0]}, step=progress["step"])
-            if args.eval_every and progress["step"] % args.eval_every == 0:
+            if log_every and progress["step"] % log_every == 0:
+                accelerator.log(
+                    {"train/loss": sum(logged) / len(logged), "train/lr": scheduler.get_last_lr()[0]},
+                    step=progress["step"],
+                )
+                logged = []
+            if eval_every and progress["step"] % eval_every == 0:
                 results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
                 accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
-            if args.save_every and progress["step"] % args.save_every == 0:
-                save_checkpoint(accelerator, checkpoints, progress, keep=args.keep_checkpoints, run=run)
-            if progress["step"] >= args.max_steps:
+            if save_every and progress["step"] % save_every == 0:
+                save_checkpoint(accelerator, checkpoints, progress, keep=keep, run=run, tokenizer=tokenizer)
+            if progress["step"] >= max_steps:
                 break
         else:
             progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
     bar.close()
     results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
+    accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
     accelerator.wait_for_everyone()
     final = output / "final"
     unwrapped = accelerator.unwrap_model(model)
@@ -581,20 +871,27 @@ def _run(args: TrainArguments, accelerator: Accelerator) -> dict:
     unwrapped.save_pretrained(
         final, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
+    summary = {"results": results, "train_loss": history, "steps": progress["step"]}
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final)
-        summary = {"results": results, "train_loss": history, "steps": progress["step"]}
         (output / "results.json").write_text(json.dumps(summary, indent=2))
-        if args.push_to_hub:
+        if training_args.push_to_hub:
             from ..hub_cards import push_to_hub
 
-            push_to_hub(unwrapped, tokenizer, args.hub_model_id, results=results)
+            push_to_hub(
+                unwrapped,
+                tokenizer,
+                training_args.hub_model_id,
+                results=results,
+                private=bool(training_args.hub_private_repo),
+            )
     accelerator.end_training()
     return {
-        "results": results,
-        "train_loss": history,
+        **summary,
         "final_dir": str(final),
+        "results_file": str(output / "results.json"),
         "model": unwrapped,
+        "auto_class": AUTO_FOR_TASK[args.task].__name__,
         "num_processes": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "rank": accelerator.process_index,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import IO
 
 LOCK_FILE = ".lock"
 
@@ -18,7 +19,7 @@ LOCK_FILE = ".lock"
 class OutputDirLock:
     """The held lock of an output_dir; ``release()`` (or the process's end) frees it."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle: IO[str] | None) -> None:
         self._handle = handle
 
     def release(self) -> None:

@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from linearformers.hub_cards import flatten_module, push_to_hub, save_for_hub
-from linearformers.hub_cards.export import flat_name, remote_modules, write_remote_code
+from linearformers.modeling.hub_code import flat_name, remote_modules, write_remote_code
 from tests.conftest import tiny_config
 
 LOADER = """

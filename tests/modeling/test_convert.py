@@ -1,5 +1,7 @@
 """Converting pretrained BERT / GPT-2 checkpoints: every weight mapped, only new parameters initialized."""
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -147,7 +149,7 @@ def test_bad_conversion_requests_raise_clear_errors(tmp_path):
         convert_bert(str(tmp_path / "missing"), "performer")
     with pytest.raises(ValueError, match="pass a GPT2LMHeadModel"):
         convert_gpt2(bert, "performer")
-    with pytest.raises(TypeError, match="folder or a transformers model"):
+    with pytest.raises(TypeError, match="folder, a Hub model id or a transformers model"):
         convert_bert(42, "performer")
 
 
@@ -240,3 +242,43 @@ def test_span_heads_convert_without_a_pooler(cls, family):
     assert model.model.pooler is None
     assert not any("pooler" in name for name in report.initialized)
     assert not any("pooler" in dst for _, dst in report.mapped)
+
+
+def _as_hub_cache(folder, cache, repo_id: str, commit: str = "a" * 40) -> None:
+    """Lay ``folder`` out as huggingface_hub's cache stores a downloaded repository."""
+    root = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, root / "snapshots" / commit)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_converters_take_hub_ids_resolved_through_the_cache(tmp_path):
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(**SMALL_BERT)).eval()
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    bert.save_pretrained(tmp_path / "bert")
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    cache = tmp_path / "cache"
+    _as_hub_cache(tmp_path / "bert", cache, "owner/bert-tiny", commit="b" * 40)
+    _as_hub_cache(tmp_path / "gpt2", cache, "owner/gpt2-tiny")
+    ids = torch.randint(1, 60, (1, 20))
+    model, _ = convert_bert("owner/bert-tiny", "linformer", cache_dir=cache, local_files_only=True)
+    assert type(model).__name__ == "LinformerForMaskedLM"
+    torch.testing.assert_close(model(ids).logits, bert(ids).logits, rtol=1e-4, atol=1e-4)
+    pinned, _ = convert_bert("owner/bert-tiny", "linformer", revision="b" * 40, cache_dir=cache, local_files_only=True)
+    torch.testing.assert_close(pinned(ids).logits, bert(ids).logits, rtol=1e-4, atol=1e-4)
+    model, _ = convert_gpt2("owner/gpt2-tiny", "linformer", cache_dir=str(cache), local_files_only=True)
+    torch.testing.assert_close(model(ids, use_cache=False).logits, gpt2(ids).logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"owner/absent.*does not resolve as a Hub model id"):
+        convert_bert("owner/absent", cache_dir=cache, local_files_only=True)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2'.*convert_bert expects a BERT checkpoint"):
+        convert_bert("owner/gpt2-tiny", cache_dir=cache, local_files_only=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "linearformers.modeling.convert", "owner/gpt2-tiny", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*command, "--family", "linformer", "--cache_dir", str(cache)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GPT2LMHeadModel -> LinformerForCausalLM" in done.stdout

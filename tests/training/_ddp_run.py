@@ -3,14 +3,13 @@
 import sys
 
 import torch
-from transformers import HfArgumentParser
 
-from linearformers.training import TrainArguments, train
+from linearformers.training import train
+from linearformers.training.__main__ import parse_arguments
 
 if __name__ == "__main__":
     dump = sys.argv[1]
-    (args,) = HfArgumentParser(TrainArguments).parse_args_into_dataclasses(args=sys.argv[2:])
-    out = train(args)
+    out = train(*parse_arguments(sys.argv[2:]))
     features = [layer.attention.random_features.clone() for layer in out["model"].model.layers]
     torch.save(
         {

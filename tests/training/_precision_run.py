@@ -1,4 +1,4 @@
-"""Run by tests: the training CLI's main() for each argument list (separated by "---"; one process, so one
+"""Run by tests: the training CLI's parsing and train() for each argument list (separated by "---"; one process, so one
 mixed precision), with a hook that records the dtypes nn.Linear layers compute in. Dumps them with the losses as
 JSON, one entry per run."""
 
@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from linearformers.training.__main__ import main
+from linearformers.training import train
+from linearformers.training.__main__ import parse_arguments
 
 if __name__ == "__main__":
     dump, runs, dtypes = sys.argv[1], [], set()
@@ -21,7 +22,7 @@ if __name__ == "__main__":
     while argv:
         end = argv.index("---")
         dtypes.clear()
-        out = main(argv[:end])
+        out = train(*parse_arguments(argv[:end]))
         runs.append(
             {"dtypes": sorted(dtypes), "train_loss": out["train_loss"], "eval_loss": out["results"]["eval_loss"]}
         )

@@ -104,3 +104,19 @@ def test_feature_redraws_follow_the_schedule_under_trainer(tmp_path):
         expected = layer.attention.draw_features(2)
         torch.testing.assert_close(layer.attention.random_features, expected, rtol=0, atol=0)
     assert not torch.equal(model.model.layers[0].attention.random_features, first)
+
+
+SCRIPT_ARGS = [sys.executable, str(EXAMPLES / "convert_and_finetune.py"), "--max_steps", "2"]
+
+
+@pytest.mark.parametrize("family", ["performer", "linformer"])
+def test_convert_and_finetune_example_runs_as_the_readme_says(family, tmp_path):
+    """The README's conversion example: MiniLM converted, fine-tuned two steps, exported and reloaded."""
+    done = subprocess.run(
+        [*SCRIPT_ARGS, "--family", family, "--output_dir", str(tmp_path / "convert")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"reloaded {family.capitalize()}ForSequenceClassification" in done.stdout

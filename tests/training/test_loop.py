@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
-from linearformers.training import TrainArguments, latest_checkpoint, load_metric, train
+from linearformers.training import ModelDataArguments, latest_checkpoint, load_metric, train
 from tests.training.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,14 +33,12 @@ def _cli(text_file, out, *extra):
         "32",
         "--max_steps",
         "8",
-        "--eval_every",
-        "0",
-        "--save_every",
-        "0",
-        "--cpu",
+        "--save_strategy",
+        "no",
+        "--use_cpu",
         "true",
-        "--progress_bar",
-        "false",
+        "--disable_tqdm",
+        "true",
         "--learning_rate",
         "3e-3",
         *extra,
@@ -55,7 +54,12 @@ def _env():
 def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path):
     single = tmp_path / "single"
     subprocess.run(
-        [sys.executable, str(WORKER), str(single), *_cli(text_file, tmp_path / "o1", "--per_device_batch_size", "8")],
+        [
+            sys.executable,
+            str(WORKER),
+            str(single),
+            *_cli(text_file, tmp_path / "o1", "--per_device_train_batch_size", "8"),
+        ],
         check=True,
         env=_env(),
         cwd=REPO,
@@ -74,7 +78,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
             "29533",
             str(WORKER),
             str(double),
-            *_cli(text_file, tmp_path / "o2", "--per_device_batch_size", "4"),
+            *_cli(text_file, tmp_path / "o2", "--per_device_train_batch_size", "4"),
         ],
         check=True,
         env=_env(),
@@ -164,15 +168,13 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
         "32",
         "--max_steps",
         "150",
-        "--save_every",
+        "--save_steps",
         "4",
-        "--eval_every",
-        "0",
-        "--cpu",
+        "--use_cpu",
         "true",
-        "--progress_bar",
-        "false",
-        "--per_device_batch_size",
+        "--disable_tqdm",
+        "true",
+        "--per_device_train_batch_size",
         "4",
     ]
     cmd = [sys.executable, "-m", "linearformers.training"]
@@ -202,7 +204,7 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     proc.wait()
     assert not (killed / "final").exists(), "the run finished before it was killed"
     subprocess.run(
-        [*cmd, *args, "--output_dir", str(killed), "--resume", "true"],
+        [*cmd, *args, "--output_dir", str(killed), "--resume_from_checkpoint", "true"],
         check=True,
         env=_env(),
         cwd=REPO,
@@ -219,45 +221,51 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
 
 
 def _args(tmp_path, **kw):
+    """(ModelDataArguments, TrainingArguments) of a tiny run: ``train(*_args(...))``. Keywords go to whichever
+    dataclass has the field."""
     base = dict(
         task="clm",
         output_dir=str(tmp_path),
         config_overrides=TINY,
         block_size=16,
         max_steps=1,
-        cpu=True,
-        progress_bar=False,
-        eval_every=0,
-        save_every=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        save_steps=0,
+        learning_rate=5e-4,
+        weight_decay=0.01,
+        seed=0,
+        report_to="none",
     )
     base.update(kw)
-    return TrainArguments(**base)
+    ours = {name: base.pop(name) for name in list(base) if name in ModelDataArguments.__dataclass_fields__}
+    return ModelDataArguments(**ours), TrainingArguments(**base)
 
 
 def test_bad_input_gets_a_clear_error(tmp_path, text_file):
     with pytest.raises(ValueError, match="unknown task 'translation'"):
-        train(_args(tmp_path, task="translation", train_file=text_file))
+        train(*_args(tmp_path, task="translation", train_file=text_file))
     with pytest.raises(ValueError, match="train file '/nope.txt' does not exist"):
-        train(_args(tmp_path, train_file="/nope.txt"))
+        train(*_args(tmp_path, train_file="/nope.txt"))
     csv = tmp_path / "data.csv"
     csv.write_text("sentence,label\nhello there,1\nbye now,0\n" * 20)
     with pytest.raises(ValueError, match="no text column 'text'.*'sentence', 'label'"):
-        train(_args(tmp_path, task="classification", train_file=str(csv)))
+        train(*_args(tmp_path, task="classification", train_file=str(csv)))
     with pytest.raises(ValueError, match="no label column 'target'"):
         train(
-            _args(tmp_path, task="classification", train_file=str(csv), text_column="sentence", label_column="target")
+            *_args(tmp_path, task="classification", train_file=str(csv), text_column="sentence", label_column="target")
         )
     with pytest.raises(
         ValueError, match="block_size=1024 is beyond what this model supports: max_position_embeddings=512"
     ):
         train(
-            _args(
+            *_args(
                 tmp_path, train_file=text_file, block_size=1024, config_overrides=TINY + ",max_position_embeddings=512"
             )
         )
     with pytest.raises(ValueError, match="max_seq_length=64"):
         train(
-            _args(
+            *_args(
                 tmp_path,
                 train_file=text_file,
                 family="linformer",
@@ -266,7 +274,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, text_file):
             )
         )
     with pytest.raises(ValueError, match="not a PerformerConfig field"):
-        train(_args(tmp_path, train_file=text_file, config_overrides="hidden_sise=3"))
+        train(*_args(tmp_path, train_file=text_file, config_overrides="hidden_sise=3"))
 
 
 def test_a_validation_label_missing_from_train_is_named(tmp_path):
@@ -274,7 +282,7 @@ def test_a_validation_label_missing_from_train_is_named(tmp_path):
     train_csv.write_text("text,label\n" + "good one,pos\nbad one,neg\n" * 10)
     valid_csv.write_text("text,label\ngood,pos\nmeh,other\n")
     with pytest.raises(ValueError, match=r"validation split has labels the train split lacks: \['other'\]"):
-        train(_args(tmp_path, task="classification", train_file=str(train_csv), validation_file=str(valid_csv)))
+        train(*_args(tmp_path, task="classification", train_file=str(train_csv), validation_file=str(valid_csv)))
 
 
 def test_classification_trains_and_reports_accuracy_and_f1(tmp_path):
@@ -286,12 +294,12 @@ def test_classification_trains_and_reports_accuracy_and_f1(tmp_path):
     )
     csv.write_text("\n".join(rows))
     out = train(
-        _args(
+        *_args(
             tmp_path / "out",
             task="classification",
             train_file=str(csv),
             max_steps=30,
-            per_device_batch_size=8,
+            per_device_train_batch_size=8,
             learning_rate=3e-3,
         )
     )
@@ -312,7 +320,7 @@ def test_local_metric_modules_compute_offline():
 
 
 def test_tensorboard_logging_writes_event_files(tmp_path, text_file):
-    train(_args(tmp_path, train_file=text_file, max_steps=2, report_to="tensorboard"))
+    train(*_args(tmp_path, train_file=text_file, max_steps=2, report_to="tensorboard"))
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
 
 
@@ -322,8 +330,8 @@ def _interrupt_after_checkpoint(monkeypatch, step):
 
     original = loop.save_checkpoint
 
-    def save_then_stop(accelerator, root, progress, keep=2, run=None):
-        folder = original(accelerator, root, progress, keep=keep, run=run)
+    def save_then_stop(accelerator, root, progress, keep=2, run=None, tokenizer=None):
+        folder = original(accelerator, root, progress, keep=keep, run=run, tokenizer=tokenizer)
         if progress["step"] == step:
             raise KeyboardInterrupt
         return folder
@@ -341,24 +349,25 @@ def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_f
     from linearformers.training.loop import default_tokenizer
 
     data, _ = prepare_dataset(
-        load_raw_dataset(text_file), AutoTokenizer.from_pretrained(default_tokenizer()), "clm", 32
+        load_raw_dataset(text_file), AutoTokenizer.from_pretrained(default_tokenizer()), "mlm", 32
     )
     per_epoch = -(-len(data["train"]) // 8)
     common = dict(
+        task="mlm",
         train_file=text_file,
         block_size=32,
-        per_device_batch_size=8,
+        per_device_train_batch_size=8,
         max_steps=per_epoch + 3,
-        save_every=per_epoch,
-        lr_scheduler="constant",
+        save_steps=per_epoch,
+        lr_scheduler_type="constant",
         config_overrides=TINY + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
     )
-    whole = train(_args(tmp_path / "whole", **common))
+    whole = train(*_args(tmp_path / "whole", **common))
     with monkeypatch.context() as patch:
         _interrupt_after_checkpoint(patch, per_epoch)
         with pytest.raises(KeyboardInterrupt):
-            train(_args(tmp_path / "cut", **common))
-    resumed = train(_args(tmp_path / "cut", resume=True, **common))
+            train(*_args(tmp_path / "cut", **common))
+    resumed = train(*_args(tmp_path / "cut", resume_from_checkpoint="true", **common))
     assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-5)
     a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "model.safetensors")
@@ -375,15 +384,15 @@ def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_f
 
     from linearformers.training import loop
 
-    common = dict(train_file=text_file, block_size=32, max_steps=4, save_every=2)
+    common = dict(train_file=text_file, block_size=32, max_steps=4, save_steps=2)
     with monkeypatch.context() as patch:
         _interrupt_after_checkpoint(patch, 2)
         with pytest.raises(KeyboardInterrupt):
-            train(_args(tmp_path, per_device_batch_size=4, **common))
+            train(*_args(tmp_path, per_device_train_batch_size=4, **common))
     saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
     assert (saved["rows"], saved["batches"], len(saved["train_loss"])) == (8, 2, 2)
     with CaptureLogger(loop.logger) as captured:
-        train(_args(tmp_path, per_device_batch_size=8, resume=True, **common))
+        train(*_args(tmp_path, per_device_train_batch_size=8, resume_from_checkpoint="true", **common))
     assert "no longer identical to an uninterrupted run" in captured.out
     saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
     assert (saved["step"], saved["rows"], saved["layout"]["per_device_batch_size"]) == (4, 8 + 2 * 8, 8)
@@ -393,26 +402,26 @@ def test_resume_from_a_checkpoint_that_predates_the_row_count(tmp_path, text_fil
     """Older checkpoints recorded batches only: their position is batches x batch size x processes."""
     import json
 
-    common = dict(train_file=text_file, block_size=32, max_steps=4, save_every=2, per_device_batch_size=4)
+    common = dict(train_file=text_file, block_size=32, max_steps=4, save_steps=2, per_device_train_batch_size=4)
     with monkeypatch.context() as patch:
         _interrupt_after_checkpoint(patch, 2)
         with pytest.raises(KeyboardInterrupt):
-            train(_args(tmp_path, **common))
+            train(*_args(tmp_path, **common))
     progress_file = latest_checkpoint(tmp_path / "checkpoints") / "progress.json"
     old = json.loads(progress_file.read_text())
     progress_file.write_text(json.dumps({key: old[key] for key in ("step", "epoch", "batches")}))
-    train(_args(tmp_path, resume=True, **common))
+    train(*_args(tmp_path, resume_from_checkpoint="true", **common))
     saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
     assert (saved["step"], saved["rows"]) == (4, 16)
 
 
 def test_checkpoints_of_an_earlier_run_are_never_silently_mixed_or_pruned(tmp_path, text_file):
-    common = dict(train_file=text_file, block_size=16, save_every=2, keep_checkpoints=2)
-    train(_args(tmp_path, max_steps=6, **common))
+    common = dict(train_file=text_file, block_size=16, save_steps=2, save_total_limit=2)
+    train(*_args(tmp_path, max_steps=6, **common))
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000006"]
     with pytest.raises(ValueError, match="holds the checkpoints of an earlier run"):
-        train(_args(tmp_path, max_steps=2, **common))
-    train(_args(tmp_path, max_steps=2, overwrite_output_dir=True, **common))
+        train(*_args(tmp_path, max_steps=2, **common))
+    train(*_args(tmp_path, max_steps=2, overwrite_output_dir=True, **common))
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
 
@@ -421,23 +430,24 @@ def test_checkpoints_of_an_earlier_run_are_never_silently_mixed_or_pruned(tmp_pa
     "field,value,message",
     [
         ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be an integer >= 1, got 0"),
-        ("max_steps", -3, "max_steps must be an integer >= 1, got -3"),
-        ("save_every", -1, "save_every must be an integer >= 0, got -1"),
-        ("eval_every", -1, "eval_every must be an integer >= 0, got -1"),
-        ("warmup_steps", -5, "warmup_steps must be an integer >= 0, got -5"),
-        ("keep_checkpoints", 0, "keep_checkpoints must be an integer >= 1, got 0"),
+        ("num_train_epochs", 0, "pass --max_steps N .N >= 1. or --num_train_epochs > 0"),
+        ("save_steps", -1, "save_steps must be a number >= 0"),
+        ("eval_steps", -1, "eval_steps must be a number >= 0"),
+        ("warmup_steps", -5, "warmup_steps"),
+        ("save_total_limit", 0, "save_total_limit must be None .keep every checkpoint. or an integer >= 1, got 0"),
         ("learning_rate", float("nan"), "learning_rate must be a finite number >= 0, got nan"),
         ("max_grad_norm", -1.0, "max_grad_norm must be a finite number >= 0"),
     ],
 )
 def test_nonsense_numbers_are_refused_before_training(tmp_path, text_file, field, value, message):
     with pytest.raises(ValueError, match=message):
-        train(_args(tmp_path, train_file=text_file, **{field: value}))
+        extra = {"max_steps": -1} if field == "num_train_epochs" else {}
+        train(*_args(tmp_path, train_file=text_file, **{field: value}, **extra))
 
 
 def test_a_malformed_hub_model_id_is_refused_before_training(tmp_path, text_file):
     with pytest.raises(ValueError, match="repo_id must look like 'owner/name', got 'performer-small'"):
-        train(_args(tmp_path, train_file=text_file, push_to_hub=True, hub_model_id="performer-small"))
+        train(*_args(tmp_path, train_file=text_file, push_to_hub=True, hub_model_id="performer-small"))
     assert not (tmp_path / "final").exists()
 
 
@@ -462,8 +472,10 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
 def test_resuming_from_a_checkpoint_of_another_config_names_the_checkpoint(tmp_path, text_file):
     """A checkpoint that records no run arguments (an older one) cannot be compared before loading: loading it into
     another model fails, naming the checkpoint."""
-    train(_args(tmp_path, train_file=text_file, max_steps=2, save_every=2))
+    train(*_args(tmp_path, train_file=text_file, max_steps=2, save_steps=2))
     (latest_checkpoint(tmp_path / "checkpoints") / "run.json").unlink()
     other = TINY.replace("hidden_size=32", "hidden_size=64")
     with pytest.raises(ValueError, match="cannot resume from checkpoint .*step-00000002: RuntimeError"):
-        train(_args(tmp_path, train_file=text_file, max_steps=4, resume=True, config_overrides=other))
+        train(
+            *_args(tmp_path, train_file=text_file, max_steps=4, resume_from_checkpoint="true", config_overrides=other)
+        )

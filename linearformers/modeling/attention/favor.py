@@ -158,7 +158,7 @@ def favor_attention(
     kernel_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """FAVOR+ attention  out = D⁻¹ (phi(Q) (phi(K)ᵀ V)),  D = diag(phi(Q) (phi(K)ᵀ 1))   (Eq. 7-9).
 
     Args:

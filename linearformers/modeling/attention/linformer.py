@@ -203,7 +203,7 @@ def causal_linformer_attention(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     start: int = 0,
     return_state: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal Linformer with cumulative memory slots (after ABC, Peng et al. 2022), which never leaks.
 
     Plain Linformer writes every token into every slot, so each slot holds the future. Here the k slots are

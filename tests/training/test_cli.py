@@ -1,0 +1,175 @@
+"""linearformers-train as a command: exit status, error messages, the end-of-run summary, trackers, TrainingArguments
+options it refuses, and the byte-level BPE tokenizer a causal LM gets by default."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, pipeline
+
+from linearformers.training import train, train_bpe_tokenizer
+from linearformers.training.__main__ import main, parse_arguments
+from tests.training.conftest import TINY
+from tests.training.test_loop import REPO, _args, _env
+
+VENV_BIN = Path(sys.executable).parent
+ENTRY_POINTS = {
+    "console script": [str(VENV_BIN / "linearformers-train")],
+    "python -m": [sys.executable, "-m", "linearformers.training"],
+    "example": [sys.executable, str(REPO / "examples" / "train_accelerate.py")],
+}
+
+
+def _tiny_cli(text_file, out):
+    return [
+        *("--task", "clm", "--train_file", text_file, "--output_dir", str(out), "--config_overrides", TINY),
+        *("--block_size", "16", "--max_steps", "2", "--save_steps", "1", "--save_total_limit", "1"),
+        *("--tokenizer_vocab_size", "400", "--use_cpu", "--disable_tqdm", "true"),
+    ]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_exits_0_and_says_where_the_model_is(entry, text_file, tmp_path):
+    """Before, the console script exited 1 after every successful run, with the results dict (the model's repr
+    included) on stderr. Also: no "Removed shared tensor" warning for the tied LM head at each checkpoint."""
+    if not Path(ENTRY_POINTS[entry][0]).exists():
+        pytest.skip(f"{ENTRY_POINTS[entry][0]} is not installed")
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [*ENTRY_POINTS[entry], *_tiny_cli(text_file, out)],
+        env=_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "{'results'" not in done.stderr and "PerformerForCausalLM(" not in done.stderr
+    assert "Removed shared tensor" not in done.stderr + done.stdout
+    assert f'AutoModelForCausalLM.from_pretrained("{out / "final"}")' in done.stdout
+    assert "eval: eval_loss" in done.stdout and str(out / "results.json") in done.stdout
+
+
+def test_bad_input_exits_2_with_a_one_line_message_and_no_traceback(text_file, tmp_path):
+    cli = _tiny_cli(text_file, tmp_path / "run")
+    cli[cli.index("clm")] = "translation"
+    done = subprocess.run(
+        [sys.executable, "-m", "linearformers.training", *cli],
+        env=_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    # --task declares its choices, so argparse names the bad value and the valid ones
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("linearformers-train: error: argument --task: invalid choice: 'translation'")
+    )
+
+
+def test_main_returns_the_exit_status(text_file, tmp_path, capsys):
+    assert main(["--task", "clm", "--output_dir", str(tmp_path), "--train_file", "/nope.txt", "--use_cpu"]) == 2
+    assert "linearformers-train: error: train file '/nope.txt' does not exist" in capsys.readouterr().err
+
+
+def test_report_to_accepts_installed_trackers_and_names_the_package_of_a_missing_one(monkeypatch):
+    from accelerate import utils
+
+    from linearformers.training.loop import trackers
+
+    assert trackers(TrainingArguments(report_to="tensorboard")) == ["tensorboard"]
+    assert trackers(TrainingArguments(report_to="none")) == []
+    assert "tensorboard" in trackers(TrainingArguments(report_to="all"))
+    monkeypatch.setattr(utils, "is_comet_ml_available", lambda: False)
+    with pytest.raises(ValueError, match="report_to 'comet_ml' needs the comet-ml package.*pip install comet-ml"):
+        trackers(TrainingArguments(report_to="comet_ml"))
+    with pytest.raises(ValueError, match="report_to 'neptune' is not a tracker this loop supports"):
+        trackers(TrainingArguments(report_to="neptune"))
+
+
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        ({"activation_checkpointing": True}, "--activation_checkpointing True"),
+        ({"optim": "adafactor"}, "--optim 'adafactor'"),
+        ({"eval_strategy": "epoch"}, "--eval_strategy 'epoch'"),
+        ({"label_smoothing_factor": 0.1}, "--label_smoothing_factor 0.1"),
+    ],
+)
+def test_training_arguments_the_loop_lacks_are_refused_by_name(tmp_path, text_file, option, message):
+    with pytest.raises(ValueError, match="does not implement these TrainingArguments options: .*" + message):
+        train(*_args(tmp_path, train_file=text_file, **option))
+
+
+def test_the_cli_takes_trainer_names(tmp_path):
+    args, training_args = parse_arguments(
+        [
+            *("--task", "mlm", "--output_dir", str(tmp_path), "--per_device_train_batch_size", "4"),
+            *("--lr_scheduler_type", "cosine", "--bf16", "--use_cpu", "--save_steps", "10", "--save_total_limit", "3"),
+            *("--eval_strategy", "steps", "--eval_steps", "5", "--tokenizer_name", "tok"),
+            *("--resume_from_checkpoint", "true"),
+        ]
+    )
+    assert (args.task, args.tokenizer_name) == ("mlm", "tok")
+    assert training_args.per_device_train_batch_size == 4 and training_args.bf16 and training_args.use_cpu
+    assert (training_args.save_steps, training_args.save_total_limit, training_args.eval_steps) == (10, 3, 5)
+    assert training_args.lr_scheduler_type == "cosine" and training_args.resume_from_checkpoint == "true"
+
+
+def test_the_bpe_tokenizer_round_trips_code_and_adds_nothing(text_file):
+    tokenizer = train_bpe_tokenizer(Path(text_file).read_text().split("\n\n"), vocab_size=500)
+    for text in ("def __init__(self):", "    return {'a': [1, 2]}\n\n# é ✓"):
+        encoded = tokenizer(text)
+        assert tokenizer.decode(encoded["input_ids"]) == text
+        assert set(encoded) == {"input_ids", "attention_mask"}  # no token_type_ids, no [CLS] / [SEP]
+    assert tokenizer.eos_token == tokenizer.pad_token == tokenizer.bos_token == "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def clm_run(text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clm")
+    common = dict(train_file=text_file, block_size=16, max_steps=2, save_steps=2, tokenizer_vocab_size=400)
+    return out, common, train(*_args(out, **common))
+
+
+def test_a_causal_lm_run_saves_a_generation_ready_tokenizer(clm_run):
+    out, _, result = clm_run
+    final = Path(result["final_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert len(tokenizer) == 400 and tokenizer.eos_token == "<|endoftext|>"
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.eos_token_id
+    # tied weights come back tied, although the checkpoints stored the shared tensor once
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    text = generator("def __init__(self):", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("def __init__(self):") and "[CLS]" not in text and "[SEP]" not in text
+    checkpoint = out / "checkpoints" / "step-00000002"
+    assert AutoTokenizer.from_pretrained(checkpoint / "tokenizer").get_vocab() == tokenizer.get_vocab()
+
+
+def test_causal_lm_blocks_separate_documents_with_end_of_text(text_file):
+    from linearformers.training.data import load_raw_dataset, prepare_dataset
+
+    raw = load_raw_dataset(text_file, sample_by="paragraph")
+    tokenizer = train_bpe_tokenizer(raw["train"]["text"], vocab_size=400)
+    data, _ = prepare_dataset(raw, tokenizer, "clm", 64)
+    ids = torch.tensor(data["train"]["input_ids"])
+    assert (ids == tokenizer.eos_token_id).sum() > 10
+    assert "\n" in tokenizer.decode(ids[0])  # line breaks inside a paragraph are kept
+
+
+def test_a_resume_reads_the_checkpoint_tokenizer_instead_of_training_another(clm_run, monkeypatch):
+    from linearformers.training import loop
+
+    out, common, first = clm_run
+    monkeypatch.setattr(loop, "train_bpe_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer again"))
+    resumed = train(*_args(out, **{**common, "max_steps": 3, "resume_from_checkpoint": "true"}))
+    assert len(resumed["train_loss"]) == 3 and resumed["train_loss"][:2] == first["train_loss"]
