@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    Trainer,
+    TrainingArguments,
+)
 
 from tests.conftest import tiny_config
 from tests.training.conftest import TINY
@@ -55,6 +62,12 @@ def test_language_modelling_examples_run(script, family, text_file, tmp_path):
     metrics = json.loads((tmp_path / "eval_results.json").read_text())
     assert metrics["perplexity"] > 1
     assert (tmp_path / "model.safetensors").exists()
+    if script == "run_clm.py":  # a causal LM gets a byte-level BPE with an end-of-text that generation stops at
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+        assert tokenizer.eos_token == "<|endoftext|>" and "[CLS]" not in tokenizer.get_vocab()
+        assert tokenizer.decode(tokenizer("def __init__(self):")["input_ids"]) == "def __init__(self):"
+        config = AutoConfig.from_pretrained(tmp_path)
+        assert config.eos_token_id == tokenizer.eos_token_id == GenerationConfig.from_pretrained(tmp_path).eos_token_id
 
 
 def test_classification_example_reports_accuracy_and_f1(tmp_path):
