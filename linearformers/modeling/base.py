@@ -6,6 +6,7 @@ Read top to bottom: the pretrained base (init, redraws), the base model, then th
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from transformers.modeling_outputs import (
     MultipleChoiceModelOutput,
     SequenceClassifierOutput,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -160,6 +162,12 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
                 del self.config.auto_map
         if self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
             write_remote_code(save_directory)
+            # Trainer's checkpoint pushes (hub_strategy "every_save") copy only config and weights from
+            # output_dir/checkpoint-N into output_dir and upload output_dir: the code goes there too, so every pushed
+            # revision loads (output_dir receives the same files from the final save_model anyway)
+            parent = os.path.dirname(os.path.abspath(save_directory))
+            if re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", os.path.basename(os.path.abspath(save_directory))):
+                write_remote_code(parent)
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
         # push_to_hub and save_pretrained(push_to_hub=True) upload from here, before save_pretrained above has

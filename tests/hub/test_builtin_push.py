@@ -139,6 +139,24 @@ def pushed(tmp_path_factory, tokenizer_dir):
             trainer.push_to_hub()
             return model
 
+        def trainer_checkpoint_push():  # hub_strategy "every_save": the checkpoint's push is the repo's state
+            model = lf.LinformerForMaskedLM(tiny_config("linformer"))
+            data = [{"input_ids": row, "labels": row} for row in torch.randint(1, 99, (4, 12))]
+            args = TrainingArguments(
+                output_dir=str(tmp / "trainer_checkpoint"),
+                push_to_hub=True,
+                hub_model_id="me/trainer_checkpoint",
+                hub_strategy="every_save",
+                max_steps=1,
+                per_device_train_batch_size=2,
+                save_strategy="steps",
+                save_steps=1,
+                report_to="none",
+                use_cpu=True,
+            )
+            Trainer(model=model, args=args, train_dataset=data).train()
+            return model
+
         def registered(folder):
             def build():
                 lf.LinformerForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
@@ -152,6 +170,7 @@ def pushed(tmp_path_factory, tokenizer_dir):
         scenario("method", "me/method", "AutoModelForMaskedLM", method_push)
         scenario("save_pretrained", "me/save", "AutoModelForCausalLM", save_and_push)
         scenario("trainer", "me/trainer", "AutoModelForSequenceClassification", trainer_push)
+        scenario("trainer_checkpoint", "me/trainer_checkpoint", "AutoModelForMaskedLM", trainer_checkpoint_push)
         scenario("registered", str(tmp / "registered"), "AutoModelForTokenClassification", registered(tmp))
         if "registered" in jobs:
             models["registered_export"] = models["registered"]
@@ -192,6 +211,10 @@ def test_save_pretrained_with_push_to_hub_uploads_code_that_loads_without_the_pa
 
 def test_trainer_push_to_hub_uploads_code_that_loads_without_the_package(pushed):
     _check_loads_remotely(pushed, "trainer")
+
+
+def test_trainer_checkpoint_pushes_upload_code_that_loads_without_the_package(pushed):
+    _check_loads_remotely(pushed, "trainer_checkpoint")
 
 
 def test_register_for_auto_class_then_save_pretrained_and_save_for_hub_load_without_the_package(pushed):
