@@ -10,6 +10,7 @@ from linearformers.modeling.attention import (
     favor_step,
     softmax_attention,
 )
+from linearformers.modeling.attention.reference import favor_reference
 
 
 def _qkv(b=2, h=3, n=40, d=16, seed=0, scale=1.0):
@@ -78,11 +79,8 @@ def test_relu_kernel_equals_its_closed_form():
     q, k, v = _qkv(n=20)
     w = draw_random_features(32, 16, seed=1)
     out = favor_attention(q, k, v, w, kernel="relu")
-    s = 16**-0.25
-    phi_q = torch.relu((q * s) @ w.T) + 1e-3
-    phi_k = torch.relu((k * s) @ w.T) + 1e-3
-    a = phi_q @ phi_k.transpose(-1, -2)
-    torch.testing.assert_close(out, (a @ v) / a.sum(-1, keepdim=True), rtol=1e-4, atol=1e-5)
+    # phi(x) = relu(x' Wᵀ) + 1e-3, x' = x d^(-1/4), out = (A V) / (A 1) with A = phi(Q) phi(K)ᵀ
+    torch.testing.assert_close(out, favor_reference(q, k, v, w, kernel="relu"), rtol=1e-4, atol=1e-5)
 
 
 def test_relu_features_estimate_the_arc_cosine_kernel():
@@ -114,10 +112,7 @@ def test_chunked_causal_recurrent_and_naive_quadratic_agree():
     q, k, v = _qkv(n=45)
     w = draw_random_features(48, 16, seed=4)
     chunked, state = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
-    phi_q = favor_features(q, w, is_query=True)
-    phi_k = favor_features(k, w, is_query=False)
-    a = (phi_q @ phi_k.transpose(-1, -2)).tril()
-    naive = (a @ v) / a.sum(-1, keepdim=True)
+    naive = favor_reference(q.double(), k.double(), v.double(), w, causal=True).float()  # the (n x n) formula
     torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
     st, steps = None, []
     for t in range(q.shape[2]):
@@ -207,15 +202,10 @@ def test_hand_written_backward_matches_autograd_of_the_naive_formula(causal, ker
     g = torch.randn_like(out)
     fast = torch.autograd.grad(out, (q, k, v), g)
 
-    phi_q = favor_features(q, w, is_query=True, kernel=kernel)
-    phi_k = favor_features(k, w, is_query=False, kernel=kernel) * mask[:, None, :, None]
-    a = phi_q @ phi_k.transpose(-1, -2)
-    if causal:
-        a = a.tril()
-    # queries that see only padding output 0, as in the kernel
-    naive = (a @ (v.float() * mask[:, None, :, None])) / a.sum(-1, keepdim=True).clamp_min(1e-30)
-    torch.testing.assert_close(out.float(), naive, rtol=1e-4, atol=1e-5)
-    slow = torch.autograd.grad(naive, (q, k, v), g.float())
+    # plain autograd through the (n x n) formula, in float64; queries that see only padding output 0, as in the kernel
+    naive = favor_reference(q, k, v, w, causal=causal, kernel=kernel, key_padding_mask=mask)
+    torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-5)
+    slow = torch.autograd.grad(naive, (q, k, v), g)
     for name, f, s in zip("qkv", fast, slow):
         assert f.dtype == torch.float64
         torch.testing.assert_close(f.float(), s.float(), rtol=1e-3, atol=1e-5, msg=f"d{name}")
@@ -311,17 +301,8 @@ def test_causal_forward_without_a_graph_keeps_nothing_for_backward(monkeypatch):
 
 
 def _float64_reference(q, k, v, w, mask=None, causal=True):
-    """FAVOR+ with Lemma 1's features in float64, where nothing underflows: exp(w·k' - |k'|²/2) for keys,
-    exp(w·q' - c) for queries (per-query constants cancel)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    root = q.shape[-1] ** -0.25
-    u_q = (q * root) @ w.double().T
-    phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True).detach())
-    u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
-    keep = torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64) if mask is None else mask[:, None, :, None]
-    a = phi_q @ (torch.exp(u_k) * keep).transpose(-1, -2)
-    a = a.tril() if causal else a
-    return (a @ (v * keep)) / a.sum(-1, keepdim=True).clamp_min(1e-300)
+    """FAVOR+ with Lemma 1's features in float64, in log space, where nothing underflows (reference.py)."""
+    return favor_reference(q.double(), k.double(), v.double(), w, causal=causal, key_padding_mask=mask)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -512,29 +493,6 @@ def test_bad_decoding_states_raise():
     torch.testing.assert_close(favor_step(*one, w, state[:2])[0], favor_step(*one, w, state)[0])
 
 
-def _shifted_float64_reference(q, k, v, w, mask, causal):
-    """FAVOR+ in float64 with each query's key features taken relative to the largest exponent among the real keys
-    it sees (a per-query constant, which cancels in N / D): exact however large the keys."""
-    q, k, v = (x.double() for x in (q, k, v))
-    root = q.shape[-1] ** -0.25
-    u_q = (q * root) @ w.double().T
-    phi_q = torch.exp(u_q - u_q.amax(-1, keepdim=True))
-    u_k = (k * root) @ w.double().T - (k * root).pow(2).sum(-1, keepdim=True) / 2
-    u_k = u_k.masked_fill(~mask[:, None, :, None], -math.inf)
-    top = u_k.detach().amax(-1)  # (b, h, n)
-    top = torch.cummax(top, -1).values if causal else top.amax(-1, keepdim=True).expand_as(top)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real key seen yet: nothing to shift
-    exponents = u_k[:, :, None] - top[..., None, None]  # (b, h, query t, key s, m)
-    if causal:  # future keys may sit far above t's maximum: out before the exp
-        n = q.shape[2]
-        future = torch.ones(n, n, dtype=torch.bool).triu(1)[:, :, None]
-        exponents = exponents.masked_fill(future, -math.inf)
-    a = torch.einsum("bhtm,bhtsm->bhts", phi_q, torch.exp(exponents))
-    den = a.sum(-1, keepdim=True)
-    # queries that see no real key output 0 (and pass no gradient: a floor on den would square to 0 in backward)
-    return torch.where(den > 0, (a @ (v * mask[:, None, :, None])) / torch.where(den > 0, den, 1.0), 0.0)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_keys_of_large_norm_never_turn_outputs_or_gradients_nan(causal, monkeypatch):
     """A padded key's exponents may pass the offset taken over the real keys (bidirectional: their running maximum;
@@ -553,7 +511,9 @@ def test_padded_keys_of_large_norm_never_turn_outputs_or_gradients_nan(causal, m
             out = favor_attention(q, k * 40, v, w, causal=causal, key_padding_mask=mask, chunk_size=16)
             g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
             grads = torch.autograd.grad(out, (q, k, v), g)
-            reference = _shifted_float64_reference(q, k * 40, v, w, mask, causal)
+            # float64, in log space (reference.py): exact however large the keys; queries that see no real key
+            # output 0 and pass no gradient
+            reference = _float64_reference(q, k * 40, v, w, mask, causal)
             ref_grads = torch.autograd.grad(reference, (q, k, v), g.double())
             assert torch.isfinite(out).all() and all(torch.isfinite(x).all() for x in grads), f"seed {seed}"
             torch.testing.assert_close(out.double(), reference, rtol=1e-3, atol=1e-4, msg=f"seed {seed}")

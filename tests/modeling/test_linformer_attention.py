@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 
 from linearformers.modeling.attention import (
     causal_linformer_attention,
@@ -8,6 +7,7 @@ from linearformers.modeling.attention import (
     linformer_attention,
     softmax_attention,
 )
+from linearformers.modeling.attention.reference import causal_linformer_reference, linformer_reference
 
 
 def _qkv(b=2, h=3, n=32, d=16, seed=0):
@@ -47,9 +47,8 @@ def test_short_sequence_uses_the_first_n_columns():
     e = torch.randn(8, 64)
     f = torch.randn(8, 64)
     out = linformer_attention(q, k, v, e, f)
-    kp, vp = e[:, :20] @ k, f[:, :20] @ v
-    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # softmax(q (E[:, :20] k)ᵀ / 4) (F[:, :20] v)
+    torch.testing.assert_close(out, linformer_reference(q, k, v, e, f), rtol=1e-5, atol=1e-5)
 
 
 def test_per_head_projections_apply_per_head():
@@ -64,9 +63,7 @@ def test_per_head_projections_apply_per_head():
 def test_pool_projection_is_mean_pooling_over_windows():
     q, k, v = _qkv(n=32)
     out = linformer_attention(q, k, v, None, method="pool", window=4)
-    kp = F.avg_pool1d(k.flatten(0, 1).transpose(1, 2), 4).transpose(1, 2).view(2, 3, 8, 16)
-    vp = F.avg_pool1d(v.flatten(0, 1).transpose(1, 2), 4).transpose(1, 2).view(2, 3, 8, 16)
-    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
+    ref = linformer_reference(q, k, v, None, method="pool", window=4)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -74,9 +71,7 @@ def test_conv_projection_is_a_strided_convolution():
     q, k, v = _qkv(n=32)
     wk, wv = torch.randn(16, 16, 4) * 0.1, torch.randn(16, 16, 4) * 0.1
     out = linformer_attention(q, k, v, wk, wv, method="conv", window=4)
-    kp = F.conv1d(k.flatten(0, 1).transpose(1, 2), wk, stride=4).transpose(1, 2).reshape(2, 3, 8, 16)
-    vp = F.conv1d(v.flatten(0, 1).transpose(1, 2), wv, stride=4).transpose(1, 2).reshape(2, 3, 8, 16)
-    ref = torch.softmax(q @ kp.transpose(-1, -2) / 4, -1) @ vp
+    ref = linformer_reference(q, k, v, wk, wv, method="conv", window=4)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -124,13 +119,8 @@ def test_causal_linformer_chunked_step_and_naive_agree():
     q, k, v = _qkv(n=27)
     e, f = torch.randn(3, 6, 40), torch.randn(3, 6, 40)
     chunked, state = causal_linformer_attention(q, k, v, e, f, chunk_size=5, return_state=True)
-    naive = []
-    for t in range(27):  # the definition, position by position: O(n^2 k d)
-        kt = torch.einsum("hks,bhsd->bhkd", e[:, :, : t + 1], k[:, :, : t + 1])
-        vt = torch.einsum("hks,bhsd->bhkd", f[:, :, : t + 1], v[:, :, : t + 1])
-        p = torch.softmax(q[:, :, t : t + 1] @ kt.transpose(-1, -2) / 4, -1)
-        naive.append(p @ vt)
-    torch.testing.assert_close(chunked, torch.cat(naive, 2), rtol=1e-4, atol=1e-5)
+    naive = causal_linformer_reference(q, k, v, e, f)  # the definition: prefix sums of the slots, O(n k d)
+    torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
     st, steps = None, []
     for t in range(27):
         o, st = causal_linformer_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], e, f, st, t)
@@ -170,16 +160,6 @@ def test_bad_arguments_raise_clear_errors():
         causal_linformer_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], torch.randn(4, 32), None, None, 32)
 
 
-def _reference_linformer(q, k, v, e, f, bias, keep=None):
-    """The plain autograd formula: softmax(q (E k)ᵀ scale + bias) (F v), optional dropout multiplier."""
-    kp, vp = torch.matmul(e[..., : k.shape[2]], k), torch.matmul(f[..., : v.shape[2]], v)
-    logits = torch.matmul(q, kp.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if bias is not None:
-        logits = logits + bias
-    probs = torch.softmax(logits, dim=-1)
-    return torch.matmul(probs if keep is None else probs * keep, vp)
-
-
 @pytest.mark.parametrize("per_head", [False, True])
 def test_hand_written_backward_matches_autograd_over_several_query_blocks(monkeypatch, per_head):
     from linearformers.modeling.attention import _linformer_autograd as module
@@ -190,7 +170,7 @@ def test_hand_written_backward_matches_autograd_over_several_query_blocks(monkey
     g = torch.Generator().manual_seed(1)
     e, f = (torch.randn(shape, generator=g).requires_grad_() for _ in range(2))
     out = linformer_attention(q, k, v, e, f)
-    ref = _reference_linformer(q, k, v, e, f, None)
+    ref = linformer_reference(q, k, v, e, f)  # plain autograd: softmax(q (E k)ᵀ scale) (F v)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     weights = torch.randn_like(out)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v, e, f))
@@ -215,7 +195,7 @@ def test_hand_written_backward_with_dropout_regenerates_the_forward_mask(monkeyp
         dim=2,
     )
     assert 0.1 < (keep == 0).float().mean() < 0.5  # dropout really drops
-    ref = _reference_linformer(q, k, v, e, e, None, keep)
+    ref = linformer_reference(q, k, v, e, dropout_multiplier=keep)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     weights = torch.randn_like(out)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v, e))
@@ -231,9 +211,7 @@ def test_unwritten_slots_are_masked_in_the_hand_written_backward():
     q, k, v = (x.requires_grad_() for x in _qkv(n=20))
     eye = torch.eye(32)
     out = linformer_attention(q, k, v, eye)
-    bias = torch.zeros(32)
-    bias[20:] = float("-inf")
-    ref = _reference_linformer(q, k, v, eye, eye, bias)
+    ref = linformer_reference(q, k, v, eye)  # slots 20..31 (zero columns of E[:, :20]) take no share
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     got = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
     want = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))

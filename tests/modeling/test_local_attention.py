@@ -1,8 +1,8 @@
 import pytest
 import torch
-import torch.nn.functional as F
 
 from linearformers.modeling.attention import local_attention, local_attention_step, softmax_attention
+from linearformers.modeling.attention.reference import local_reference
 
 
 def _qkv(b=2, h=3, n=37, d=16, seed=0):
@@ -10,17 +10,11 @@ def _qkv(b=2, h=3, n=37, d=16, seed=0):
     return tuple(torch.randn(b, h, n, d, generator=g) for _ in range(3))
 
 
-def _window_mask(n, window, causal):
-    i = torch.arange(n)
-    dist = i[:, None] - i[None, :]
-    return ((dist >= 0) & (dist < window)) if causal else (dist.abs() <= window // 2)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [2, 5, 8])
 def test_equals_softmax_with_a_band_mask(causal, window):
     q, k, v = _qkv()
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(37, window, causal))
+    ref = local_reference(q, k, v, window, causal=causal)  # softmax with an explicit (n x n) band mask
     torch.testing.assert_close(local_attention(q, k, v, window, causal=causal), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -33,10 +27,7 @@ def test_relative_bias_is_added_by_distance():
     q, k, v = _qkv(n=20)
     bias = torch.randn(3, 5)
     out = local_attention(q, k, v, 5, causal=True, relative_bias=bias)
-    i = torch.arange(20)
-    dist = (i[:, None] - i[None, :]).clamp(0, 4)
-    full_bias = bias[:, dist].masked_fill(~_window_mask(20, 5, True), float("-inf"))
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full_bias)
+    ref = local_reference(q, k, v, 5, causal=True, relative_bias=bias)  # bias[:, i - j] on the band
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -412,9 +412,10 @@ class FavorCausal(torch.autograd.Function):
     offset 0, not differentiable, and the count of lost positions (see _lost_positions)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True):
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True, native=None):
         b, h, n, d = v.shape
-        ctx.native = _use_native(v, w.shape[0], chunk)
+        # native: favor.favor_attention's choice (_choose_backend); None decides here, as before that existed
+        ctx.native = _use_native(v, w.shape[0], chunk) if native is None else native
         if ctx.native:
             return _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk)
         c = min(chunk, n)
@@ -514,7 +515,13 @@ class FavorCausal(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def native_enabled() -> bool:
+    """Whether the compiled walk is switched on (NATIVE, read at call time: tests switch it)."""
+    return NATIVE
 
 
 def _use_native(v, m, chunk) -> bool:
@@ -555,7 +562,7 @@ def _native_backward(ctx, g):
         qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
     )
     grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:

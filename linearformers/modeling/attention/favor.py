@@ -27,10 +27,14 @@ import math
 import torch
 
 from ._checks import check_mask, check_qkv
-from ._favor_autograd import FavorBidirectional, FavorCausal
+from ._favor_autograd import FavorBidirectional, FavorCausal, native_enabled
+from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked
+from ._native import available as native_available
 from ._precision import outside_autocast
 
 KERNELS = ("softmax", "relu")
+BACKENDS = ("reference", "chunked", "walk", "native")
+WALK_CHUNK = 32  # the causal walk's (and the compiled walk's) default chunk: it carries one state, not one per chunk
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 _NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet
 
@@ -154,10 +158,11 @@ def favor_attention(
     key_padding_mask: torch.Tensor | None = None,
     kernel: str = "softmax",
     scale: float | None = None,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     kernel_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """FAVOR+ attention  out = D⁻¹ (phi(Q) (phi(K)ᵀ V)),  D = diag(phi(Q) (phi(K)ᵀ 1))   (Eq. 7-9).
 
@@ -166,14 +171,22 @@ def favor_attention(
         projection: (num_features, head_dim) random features from :func:`draw_random_features`.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk C. Time O(n m d + n C (m + d)). Memory: the running state S = Σ phi(k) vᵀ
+        chunk_size: causal chunk C; None: 32 for the walks, 64 for the chunked backend (see _favor_chunked).
+            Time O(n m d + n C (m + d)). Memory of the walks: the running state S = Σ phi(k) vᵀ
             (m x d per head) is carried chunk by chunk in place. Training keeps the state at the start of
             each block of 256 positions (512 in the compiled CPU walk) and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
             backward frees block by block as it goes, plus O(256 (m + C)) of work space; never the O(n m d)
-            per-position prefix tensor, nor an (n x m) feature map.
+            per-position prefix tensor, nor an (n x m) feature map. The chunked backend holds the feature maps
+            and one state per chunk while it runs, O(n (m + m d / C + C)), and keeps only q, k, v, out for backward.
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
             S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
         return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
+        backend: None (the default for the device, see :func:`_choose_backend`), "chunked" (all chunks batched:
+            a number of dispatched ops independent of n, the default off the CPU), "walk" (the PyTorch chunk
+            walk), "native" (the compiled CPU walk; ValueError where it cannot run), or "reference" (the plain
+            quadratic formula of ``reference.favor_reference``, for tests; no state in or out). "walk" and
+            "chunked" bypass the compiled walk, as ``LINEARFORMERS_NATIVE=0`` does for every call. Keys of large
+            norm and softmax continued prefills run the per-position offsets whatever the backend.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
@@ -181,7 +194,7 @@ def favor_attention(
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=causal)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
-    if chunk_size <= 0:
+    if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"favor_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}")
@@ -190,17 +203,39 @@ def favor_attention(
             "projection is a fixed draw of random features, not a parameter: favor_attention does not "
             "differentiate through it; pass projection.detach() (models keep it as a buffer)"
         )
+    chosen = _choose_backend(
+        backend,
+        v,
+        projection.shape[0],
+        chunk_size,
+        causal=causal,
+        state_in=initial_state is not None,
+        state_out=return_state,
+    )
+    if chosen == "reference":
+        return _reference()(
+            q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps
+        )
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK if chosen == "chunked" else WALK_CHUNK
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.to(device=q.device, dtype=torch.float32)
     keep = None if mask is None else mask[:, None, :, None].float()
     if initial_state is None:
-        # hand-written backward that recomputes the feature maps (see _favor_autograd)
+        # hand-written backward that recomputes the feature maps (see _favor_autograd, _favor_chunked)
         if not causal:
             return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
-        # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
-        track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        out, s_final, z_final, lost = FavorCausal.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track)
-        state = (s_final, z_final, s_final.new_zeros(s_final.shape[:2]))  # the walk runs at offset M = 0
+        if chosen == "chunked":
+            out, s_final, z_final, lost = FavorCausalChunked.apply(
+                q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, None
+            )
+        else:
+            # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
+            track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            out, s_final, z_final, lost = FavorCausal.apply(
+                q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track, chosen == "native"
+            )
+        state = (s_final, z_final, s_final.new_zeros(s_final.shape[:2]))  # both run at offset M = 0
         if kernel == "softmax" and not torch.compiler.is_compiling() and bool(lost):
             # keys of large norm underflowed at offset 0: redo this call with per-position offsets
             out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size)
@@ -208,13 +243,91 @@ def favor_attention(
     initial_state = _unpack_state(initial_state, q, v, w)
     if kernel == "softmax":  # offsets per position, continuing from the state's own
         out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state, detach_state=False)
-    else:
-        phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-        phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-        phi_k, vf = _masked_inputs(phi_k, v, mask)
-        out, (s, z) = _causal_chunked(phi_q, phi_k, vf, chunk_size, _at_offset_zero(initial_state))
-        out, state = out.to(v.dtype), (s, z, torch.zeros_like(initial_state[2]))  # ReLU features need no offset
+    else:  # ReLU features need no offset: the chunked backend takes the state as true sums (offset 0)
+        s0, z0 = _at_offset_zero(initial_state)
+        out, s, z, _ = FavorCausalChunked.apply(
+            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, torch.cat([s0, z0[..., None]], -1)
+        )
+        state = (s, z, torch.zeros_like(initial_state[2]))
     return (out, state) if return_state else out
+
+
+def _reference():
+    """reference.favor_reference, or None while that module (plain quadratic formulas) is absent."""
+    try:
+        from .reference import favor_reference
+    except ImportError:
+        return None
+    return favor_reference
+
+
+def _native_refusal(v: torch.Tensor, num_features: int, chunk_size: int) -> str | None:
+    """Why the compiled causal walk cannot run this call, or None when it can."""
+    if v.device.type != "cpu":
+        return f"it runs on CPU tensors only, these are on {v.device.type}"
+    for name, value in (("head_dim", v.shape[-1]), ("num_features", num_features), ("chunk_size", chunk_size)):
+        if value % 16:
+            return f"{name} must be a multiple of 16 (its tile width), got {value}"
+    if torch.compiler.is_compiling():
+        return "torch.compile cannot trace its ctypes call"
+    if not native_enabled():
+        return "it is switched off (_favor_autograd.NATIVE = False)"
+    if not native_available():
+        return (
+            "it is not built here: LINEARFORMERS_NATIVE=0, a CPU without x86-64 AVX2/FMA, no C++ compiler or a "
+            "failed build (see the log), or Hub remote code without its source"
+        )
+    return None
+
+
+def _choose_backend(
+    backend: str | None,
+    v: torch.Tensor,
+    num_features: int,
+    chunk_size: int | None,
+    *,
+    causal: bool,
+    state_in: bool = False,
+    state_out: bool = False,
+) -> str:
+    """The one place where favor_attention picks how to compute; returns a name from BACKENDS.
+
+    ``backend=None`` picks by device. Causal: "native" on CPUs where the compiled walk runs the shapes (x86-64 with
+    AVX2, built, not switched off by ``LINEARFORMERS_NATIVE=0``, head_dim / m / chunk multiples of 16, outside
+    torch.compile); "chunked" on every other device (CUDA: its op count does not grow with n, where the walk
+    launches a few kernels per chunk); "walk" on other CPUs (no paired CPU benchmark has shown the chunked form
+    faster there yet). Bidirectional attention has one kernel (blockwise, FavorBidirectional) that every name but
+    "reference" and "native" runs. With an ``initial_state`` (continued prefill) softmax runs the per-position
+    offsets and relu the chunked backend, whatever is asked. A named backend is taken as asked; "native" where the
+    compiled walk cannot run or with an initial state, and "reference" with a state in or out or without
+    reference.py, raise ValueError.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown FAVOR+ backend {backend!r}; choose None or one of {BACKENDS}")
+    if backend == "reference":
+        if state_in or state_out:
+            raise ValueError("backend='reference' takes no initial_state and returns no state")
+        if _reference() is None:
+            raise ValueError(
+                "backend='reference' needs linearformers/modeling/attention/reference.py (favor_reference)"
+            )
+        return "reference"
+    if backend == "native":
+        if not causal:
+            raise ValueError("backend='native' is the compiled causal walk; bidirectional FAVOR+ has no native kernel")
+        reason = _native_refusal(v, num_features, WALK_CHUNK if chunk_size is None else chunk_size)
+        if reason is None and state_in:
+            reason = "it takes no initial_state (continued prefills run per-position offsets or the chunked form)"
+        if reason is not None:
+            raise ValueError(f"backend='native' cannot run this call: {reason}")
+        return "native"
+    if backend is not None:
+        return backend
+    if v.device.type != "cpu":
+        return "chunked"
+    if causal and _native_refusal(v, num_features, WALK_CHUNK if chunk_size is None else chunk_size) is None:
+        return "native"
+    return "walk"
 
 
 _OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it sits this far (in e-folds) below
@@ -314,39 +427,6 @@ def _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state=None, 
     if detach_state:
         state = state.detach()
     return out, (state[..., :-1], state[..., -1], offset)
-
-
-def _causal_chunked(phi_q, phi_k, v, chunk_size, initial_state):
-    """Chunked causal linear attention on features. Returns (out float32, (S, z))."""
-    b, h, n, m = phi_q.shape
-    d = v.shape[-1]
-    c = min(chunk_size, n)
-    pad = (-n) % c
-    if pad:
-        phi_q = torch.nn.functional.pad(phi_q, (0, 0, 0, pad))
-        phi_k = torch.nn.functional.pad(phi_k, (0, 0, 0, pad))
-        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
-    nc = (n + pad) // c
-    pq = phi_q.view(b, h, nc, c, m)
-    pk = phi_k.view(b, h, nc, c, m)
-    vc = v.view(b, h, nc, c, d)
-    kv_chunk = torch.matmul(pk.transpose(-1, -2), vc)  # (b, h, nc, m, d)
-    z_chunk = pk.sum(dim=3)  # (b, h, nc, m)
-    kv_incl = torch.cumsum(kv_chunk, dim=2)
-    z_incl = torch.cumsum(z_chunk, dim=2)
-    kv_prefix = torch.cat([torch.zeros_like(kv_chunk[:, :, :1]), kv_incl[:, :, :-1]], dim=2)
-    z_prefix = torch.cat([torch.zeros_like(z_chunk[:, :, :1]), z_incl[:, :, :-1]], dim=2)
-    if initial_state is not None:
-        s0, z0 = initial_state
-        kv_prefix = kv_prefix + s0.float().unsqueeze(2)
-        z_prefix = z_prefix + z0.float().unsqueeze(2)
-    tril = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
-    scores = torch.matmul(pq, pk.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    num = torch.matmul(scores, vc) + torch.matmul(pq, kv_prefix)
-    den = scores.sum(-1) + torch.matmul(pq, z_prefix.unsqueeze(-1)).squeeze(-1)
-    out = (num / den.clamp_min(_TINY).unsqueeze(-1)).reshape(b, h, nc * c, d)[:, :, :n]
-    state = (kv_prefix[:, :, -1] + kv_chunk[:, :, -1], z_prefix[:, :, -1] + z_chunk[:, :, -1])
-    return out, state
 
 
 @outside_autocast

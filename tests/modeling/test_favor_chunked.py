@@ -1,0 +1,224 @@
+"""The chunked causal FAVOR+ backend (_favor_chunked): every chunk at once, so its dispatched-op count does not grow
+with n. Checked against the PyTorch walk and the plain quadratic formula (reference.favor_reference)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from linearformers.modeling.attention import draw_random_features, favor_attention, favor_step
+from linearformers.modeling.attention import favor as favor_module
+from linearformers.modeling.attention._favor_chunked import DEFAULT_CHUNK
+from linearformers.modeling.attention.reference import favor_reference
+
+
+def _qkv(b=2, h=2, n=37, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+
+
+def _mask(b, n, padding):
+    if padding is None:
+        return None
+    mask = torch.ones(b, n, dtype=torch.bool)
+    if padding == "left":
+        mask[1, :9] = False
+    else:
+        mask[1, -9:] = False
+    return mask
+
+
+def _run(backend, q, k, v, w, g, **kwargs):
+    """Output and the gradients of q, k, v for the upstream gradient g."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = favor_attention(q, k, v, w, causal=True, backend=backend, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_chunked_matches_the_walk_and_the_quadratic_formula(padding, kernel, dtype):
+    q, k, v = _qkv(dtype=dtype)  # n = 37: not a multiple of the chunk
+    w = draw_random_features(32, 16, seed=1)
+    mask = _mask(2, 37, padding)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    kwargs = dict(kernel=kernel, key_padding_mask=mask, chunk_size=8)
+    chunked = _run("chunked", q, k, v, w, g, **kwargs)
+    walk = _run("walk", q, k, v, w, g, **kwargs)
+    assert chunked[0].dtype == dtype
+    for a, b in zip(chunked, walk):
+        torch.testing.assert_close(a, b.to(dtype), rtol=2e-4, atol=2e-5)
+    exact = favor_reference(q.double(), k.double(), v.double(), w, causal=True, kernel=kernel, key_padding_mask=mask)
+    rows = slice(None) if padding != "left" else slice(9, None)  # left-padded rows with no real key are 0 / free
+    torch.testing.assert_close(chunked[0][1, :, rows].double(), exact[1, :, rows], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked[0][0].double(), exact[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_stay_finite_and_close_to_float32(dtype):
+    q, k, v = _qkv()
+    w = draw_random_features(32, 16, seed=1)
+    mask = _mask(2, 37, "left")
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    low = _run("chunked", *(x.to(dtype) for x in (q, k, v)), w, g.to(dtype), key_padding_mask=mask)
+    full = _run("chunked", *(x.to(dtype).float() for x in (q, k, v)), w, g.to(dtype).float(), key_padding_mask=mask)
+    for a, b in zip(low, full):
+        assert a.dtype == dtype and torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_gradcheck_in_float64(kernel):
+    q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=11, d=4, dtype=torch.float64))
+    w = draw_random_features(8, 4, seed=2, dtype=torch.float64)
+    mask = torch.ones(1, 11, dtype=torch.bool)
+    mask[0, 1] = False
+
+    def op(q, k, v):
+        return favor_attention(
+            q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=4, backend="chunked"
+        )
+
+    assert torch.autograd.gradcheck(op, (q, k, v), atol=1e-6, rtol=1e-4)
+
+
+def test_keys_of_large_norm_take_the_stabilized_fallback_as_the_walk_does(monkeypatch):
+    q, k, v = _qkv()
+    k = k * 40.0  # |k'| far beyond ~15: key features underflow at offset 0
+    w = draw_random_features(32, 16, seed=1)
+    mask = _mask(2, 37, "left")
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    calls = []
+    original = favor_module._causal_stabilized
+    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    chunked = _run("chunked", q, k, v, w, g, key_padding_mask=mask, chunk_size=8)
+    walk = _run("walk", q, k, v, w, g, key_padding_mask=mask, chunk_size=8)
+    assert len(calls) == 2
+    for a, b in zip(chunked, walk):
+        torch.testing.assert_close(a, b)
+    exact = favor_reference(q.double(), k.double(), v.double(), w, causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(chunked[0][0].double(), exact[0], rtol=1e-4, atol=1e-5)
+    _run("chunked", q, k / 40.0, v, w, g, chunk_size=8)
+    assert len(calls) == 2, "moderate keys never take the fallback"
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_continued_prefill_and_returned_state(kernel):
+    q, k, v = _qkv()
+    w = draw_random_features(32, 16, seed=1)
+    kwargs = dict(kernel=kernel, chunk_size=8)
+    whole, state = favor_attention(q, k, v, w, causal=True, backend="chunked", return_state=True, **kwargs)
+    _, walk_state = favor_attention(q, k, v, w, causal=True, backend="walk", return_state=True, **kwargs)
+    assert (state[2] == 0).all()
+    for a, b in zip(state, walk_state):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    head, mid = favor_attention(
+        *(x[:, :, :13] for x in (q, k, v)), w, causal=True, backend="chunked", return_state=True, **kwargs
+    )
+    tail, end = favor_attention(
+        *(x[:, :, 13:] for x in (q, k, v)),
+        w,
+        causal=True,
+        backend="chunked",
+        initial_state=mid,
+        return_state=True,
+        **kwargs,
+    )
+    torch.testing.assert_close(torch.cat([head, tail], 2), whole, rtol=1e-5, atol=1e-5)
+    # the same true sums exp(M) S, exp(M) z (softmax continues through per-position offsets: M may move)
+    factor = torch.exp(end[2])
+    torch.testing.assert_close(end[0] * factor[..., None, None], state[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(end[1] * factor[..., None], state[1], rtol=1e-4, atol=1e-5)
+
+
+def test_relu_initial_state_carries_gradient():
+    q, k, v = _qkv(n=12)
+    w = draw_random_features(32, 16, seed=1)
+    s0 = torch.rand(2, 2, 32, 16, requires_grad=True)
+    z0 = (torch.rand(2, 2, 32) + 1).requires_grad_()
+    out = favor_attention(q, k, v, w, causal=True, kernel="relu", chunk_size=8, initial_state=(s0, z0))
+    ds, dz = torch.autograd.grad(out.sum(), (s0, z0))
+    # the same through plain autograd on the formula: out_t = phi_t (S0 + Σ_{s<=t} phi_s v_sᵀ) / phi_t (z0 + Σ phi_s)
+    phi_q = favor_module.favor_features(q, w, is_query=True, kernel="relu")
+    phi_k = favor_module.favor_features(k, w, is_query=False, kernel="relu")
+    mask = torch.ones(12, 12).tril()
+    a = phi_q @ phi_k.transpose(-1, -2) * mask
+    num = a @ v + phi_q @ s0
+    den = a.sum(-1, keepdim=True) + phi_q @ z0[..., None]
+    ds_ref, dz_ref = torch.autograd.grad((num / den).sum(), (s0, z0))
+    torch.testing.assert_close(out, (num / den).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ds, ds_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(dz, dz_ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_decoding_after_a_chunked_prefill_equals_the_full_pass(kernel):
+    q, k, v = _qkv(n=30)
+    w = draw_random_features(32, 16, seed=1)
+    full = favor_attention(q, k, v, w, causal=True, kernel=kernel, backend="chunked")
+    head, state = favor_attention(
+        *(x[:, :, :21] for x in (q, k, v)), w, causal=True, kernel=kernel, backend="chunked", return_state=True
+    )
+    steps = [head]
+    for t in range(21, 30):
+        out, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state, kernel=kernel)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, 2), full, rtol=1e-5, atol=1e-5)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(n, backend):
+    """Ops dispatched by forward + backward of causal FAVOR+ (b = h = 1, d = 16, m = 32)."""
+    q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
+    w = draw_random_features(32, 16, seed=0)
+    with _CountOps() as counter:
+        favor_attention(q, k, v, w, causal=True, backend=backend).sum().backward()
+    return counter.count
+
+
+def test_chunked_op_count_does_not_depend_on_n():
+    """On a GPU every dispatched op is a kernel launch: the chunked backend's count is the same at any n, where the
+    walk's grows with the number of chunks."""
+    assert _ops(2048, "chunked") == _ops(16384, "chunked")
+    assert _ops(4096, "walk") > 1.5 * _ops(2048, "walk")
+
+
+def test_backend_choice():
+    v = torch.zeros(1, 1, 4, 16)
+    choose = favor_module._choose_backend
+    assert choose(None, v.to("meta"), 32, None, causal=True) == "chunked"  # any device but the CPU
+    expected = "native" if favor_module._native_refusal(v, 32, 32) is None else "walk"
+    assert choose(None, v, 32, None, causal=True) == expected
+    assert choose(None, v[..., :12], 32, None, causal=True) == "walk"  # not a multiple of 16: no native
+    assert choose("chunked", v, 32, None, causal=True) == "chunked"
+    with pytest.raises(ValueError, match="multiple of 16"):
+        choose("native", v[..., :12], 32, None, causal=True)
+    with pytest.raises(ValueError, match="CPU"):
+        choose("native", v.to("meta"), 32, None, causal=True)
+    with pytest.raises(ValueError, match="unknown FAVOR"):
+        choose("flash", v, 32, None, causal=True)
+    with pytest.raises(ValueError, match="no state"):
+        choose("reference", v, 32, None, causal=True, state_out=True)
+    with pytest.raises(ValueError, match="bidirectional"):
+        choose("native", v, 32, None, causal=False)
+    assert DEFAULT_CHUNK == 64
+
+
+def test_reference_backend_is_the_quadratic_formula():
+    q, k, v = _qkv(n=10)
+    w = draw_random_features(32, 16, seed=1)
+    for causal in (False, True):
+        out = favor_attention(q, k, v, w, causal=causal, backend="reference")
+        torch.testing.assert_close(out, favor_reference(q, k, v, w, causal=causal))
+        torch.testing.assert_close(
+            out, favor_attention(q, k, v, w, causal=causal, backend="chunked"), rtol=1e-4, atol=1e-5
+        )

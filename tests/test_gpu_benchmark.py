@@ -1,0 +1,50 @@
+"""Smoke test of benchmarks/gpu.py on CPU: it runs end to end and writes the JSON it promises. No timings checked."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+
+
+def test_gpu_benchmark_cpu_quick(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Targets (H100)" in done.stdout
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert set(result) >= {"header", "attention", "training", "targets"}
+    header = result["header"]
+    for key in ("device", "torch", "transformers", "fla", "command", "timing", "memory"):
+        assert key in header
+    assert header["device_type"] == "cpu" and "--quick" in header["command"]
+    lengths = {"64", "128"}
+
+    rows = result["attention"]["rows"]
+    for name in ("sdpa", "sdpa_causal", "favor/auto", "favor_causal/auto", "linformer", "linformer_causal/auto"):
+        assert set(rows[name]) == lengths
+        for row in rows[name].values():
+            assert row["status"] == "ok" and row["seconds"] > 0 and row["peak_mb"] is None  # no memory on CPU
+    assert {row["status"] for row in rows["fla_causal"].values()} <= {"not installed", "unavailable"}
+    for name in rows:  # each backend this checkout has: measured, or recorded as refused
+        for row in rows[name].values():
+            assert row["status"] in {"ok", "unavailable", "not installed"}, (name, row)
+    assert set(result["attention"]["ratios"]["favor_causal/auto"]) == lengths
+
+    rows = result["training"]["rows"]
+    assert set(rows) == {"gpt2", "performer_clm", "linformer_clm", "bert", "performer_mlm", "linformer_mlm"}
+    for by_n in rows.values():
+        assert set(by_n) == lengths
+        assert all(row["status"] == "ok" and row["tokens_per_s"] > 0 for row in by_n.values())
+    ratios = result["training"]["ratios"]
+    assert "tokens_per_s_vs_gpt2" in ratios["performer_clm"]["128"]
+    assert "tokens_per_s_vs_bert" in ratios["performer_mlm"]["128"]
+
+    verdicts = {t["verdict"] for t in result["targets"]}
+    assert verdicts == {"not measured"}  # the H100 targets need 16K / 64K on a GPU
