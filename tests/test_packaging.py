@@ -52,3 +52,12 @@ def test_project_urls_name_the_repository():
     urls = PYPROJECT["project"]["urls"]
     assert {"Homepage", "Repository", "Issues"} <= set(urls)
     assert all(url.startswith("https://github.com/linearformers/linearformers") for url in urls.values())
+
+
+def test_the_package_imports_under_python_oo():
+    """``python -OO`` strips docstrings; the configs append the shared field docs to theirs, which must not fail."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-OO", "-c", "import linearformers"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -145,7 +145,7 @@ class LinearAttentionConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = True
 
-    __doc__ += SHARED_FIELDS_DOC
+    __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
 
     def __post_init__(self, **kwargs):
         saved_type = kwargs.get("model_type", type(self).model_type)

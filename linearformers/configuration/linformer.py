@@ -35,7 +35,7 @@ class LinformerConfig(LinearAttentionConfig):
             that, up to rounding, does not change the result (default 128; e.g. 64).
     """
 
-    __doc__ += SHARED_FIELDS_DOC
+    __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
     model_type = "linformer"
 
     max_seq_length: int | None = None

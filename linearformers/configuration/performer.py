@@ -35,7 +35,7 @@ class PerformerConfig(LinearAttentionConfig):
             does not change the result (default 32; e.g. 64).
     """
 
-    __doc__ += SHARED_FIELDS_DOC
+    __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
     model_type = "performer"
 
     num_random_features: int = 256

@@ -20,7 +20,6 @@ from transformers.modeling_outputs import (
     MultipleChoiceModelOutput,
     SequenceClassifierOutput,
 )
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
@@ -166,7 +165,8 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
             # output_dir/checkpoint-N into output_dir and upload output_dir: the code goes there too, so every pushed
             # revision loads (output_dir receives the same files from the final save_model anyway)
             parent = os.path.dirname(os.path.abspath(save_directory))
-            if re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", os.path.basename(os.path.abspath(save_directory))):
+            # Trainer names them PREFIX_CHECKPOINT_DIR-N; transformers.trainer_utils is not imported for it (it pulls in peft)
+            if re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.abspath(save_directory))):
                 write_remote_code(parent)
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
@@ -321,13 +321,17 @@ def _broadcast_ids(ids: torch.Tensor | None, name: str, inputs: str, shape: tupl
 # never compiled: a forward that runs eagerly between compiled pieces (the kernels break the graph) calls it, and
 # dynamo would compile it as a frame of its own, whose .tolist() breaks
 @torch.compiler.disable
-def _check_id_range(ids: torch.Tensor, name: str, size: int, size_name: str, fix: str) -> None:
-    """Raise when ids fall outside [0, size): one min / max, instead of an IndexError deep inside nn.Embedding."""
-    low, high = torch.stack(torch.aminmax(ids)).tolist()
-    if low < 0 or high >= size:
-        raise ValueError(
-            f"{name} hold {low if low < 0 else high}, outside 0 .. {size - 1} of this model's {size_name}={size}; {fix}"
-        )
+def _check_id_ranges(checks: list[tuple[torch.Tensor, str, int, str]]) -> None:
+    """Raise when ids fall outside [0, size): the min and max of every (ids, name, size, fix) are read back in one
+    host sync (one per forward, generate()'s steps included), instead of an IndexError deep inside nn.Embedding.
+    ``size`` 0 checks only that ids are >= 0."""
+    if not checks:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)).to(torch.long) for ids, *_ in checks]).tolist()
+    for (low, high), (_, name, size, fix) in zip(bounds, checks):
+        if low < 0 or (size and high >= size):
+            limit = f", outside 0 .. {size - 1}" if size else "; they start at 0"
+            raise ValueError(f"{name} hold {low if low < 0 else high}{limit}; {fix}")
 
 
 def _key_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -391,31 +395,26 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         _redraw_schedule_step(self.feature_redraws, features, seeds, interval, self.config.orthogonal_features)
 
     def _check_id_ranges(self, input_ids, token_type_ids, position_ids) -> None:
+        checks = []
         if input_ids is not None:
-            _check_id_range(
-                input_ids,
-                "input_ids",
-                self.embeddings.word_embeddings.num_embeddings,
-                "vocab_size",
-                "check that the tokenizer belongs to this model (or resize_token_embeddings(len(tokenizer))), and "
-                "that no label value such as -100 was passed as an input id",
+            size = self.embeddings.word_embeddings.num_embeddings
+            fix = (
+                f"this model's vocab_size={size}; check that the tokenizer belongs to this model (or "
+                "resize_token_embeddings(len(tokenizer))), and that no label value such as -100 was passed as an id"
             )
+            checks.append((input_ids, "input_ids", size, fix))
         types = self.embeddings.token_type_embeddings
         if token_type_ids is not None and types is not None:
-            _check_id_range(
-                token_type_ids,
-                "token_type_ids",
-                types.num_embeddings,
-                "type_vocab_size",
-                "pass segment ids from 0 (first segment) up to type_vocab_size - 1",
-            )
+            size = types.num_embeddings
+            fix = f"this model's type_vocab_size={size}; pass segment ids from 0 (first segment) up to {size - 1}"
+            checks.append((token_type_ids, "token_type_ids", size, fix))
         if position_ids is not None:
-            low = int(position_ids.min())
-            if low < 0:
-                raise ValueError(
-                    f"position_ids hold {low}; positions start at 0. Pass position_ids >= 0, or leave them out: by "
-                    "default they count each sequence's real tokens in the attention_mask"
-                )
+            fix = (
+                "pass position_ids >= 0, or leave them out: by default they count each sequence's real tokens in "
+                "the attention_mask"
+            )
+            checks.append((position_ids, "position_ids", 0, fix))
+        _check_id_ranges(checks)
 
     @merge_with_config_defaults
     @capture_outputs

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import errno
 import sys
+import traceback
+from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments
 
 from .loop import ModelDataArguments, train
 
 PROG = "linearformers-train"
+PACKAGE = Path(__file__).resolve().parents[1]  # linearformers/
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[ModelDataArguments, TrainingArguments]:
@@ -37,11 +40,25 @@ def _summary(out: dict) -> str:
     )
 
 
+def _raised_by_linearformers(error: BaseException) -> bool:
+    """Whether ``error`` was raised in this package's own code: its ValueErrors are the checks of arguments, data,
+    checkpoints and output_dir, each naming the problem, which the user fixes, so one line says it all."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``linearformers-train``; returns the exit status (the console script and ``python -m`` exit with it)."""
-    try:
-        out = train(*parse_arguments(argv))
+    try:  # TrainingArguments checks its own values (e.g. --bf16 on a machine without bf16)
+        arguments = parse_arguments(argv)
     except ValueError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        out = train(*arguments)
+    except ValueError as error:
+        if not _raised_by_linearformers(error):  # a bug or a library's failure mid-run: keep its traceback
+            raise
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:

@@ -668,8 +668,11 @@ def _load_tokenizer(args: ModelDataArguments, accelerator: Accelerator, resume_f
     """The run's tokenizer: the one saved with the checkpoint a run resumes from, ``--tokenizer_name``, for a causal
     LM a byte-level BPE trained on the training text (by the main process, then read by every rank, so all ranks
     share it), otherwise MiniLM's WordPiece."""
-    if resume_from is not None and (resume_from / TOKENIZER_FOLDER).is_dir():
-        return AutoTokenizer.from_pretrained(resume_from / TOKENIZER_FOLDER)
+    if resume_from is not None:
+        if (resume_from / TOKENIZER_FOLDER).is_dir():
+            return AutoTokenizer.from_pretrained(resume_from / TOKENIZER_FOLDER)
+        # a checkpoint from before tokenizers were saved with it: those runs all used --tokenizer_name or WordPiece
+        return AutoTokenizer.from_pretrained(args.tokenizer_name or default_tokenizer())
     if args.tokenizer_name or args.task != "clm":
         return AutoTokenizer.from_pretrained(args.tokenizer_name or default_tokenizer())
     folder = output / TOKENIZER_FOLDER
@@ -884,6 +887,10 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, accelerator
                 training_args.hub_model_id,
                 results=results,
                 private=bool(training_args.hub_private_repo),
+                training_args={
+                    **training_args.to_dict(),
+                    "world_size": accelerator.num_processes,  # the launch's, without TrainingArguments' device set-up
+                },
             )
     accelerator.end_training()
     return {

@@ -1,6 +1,7 @@
 """linearformers-train as a command: exit status, error messages, the end-of-run summary, trackers, TrainingArguments
 options it refuses, and the byte-level BPE tokenizer a causal LM gets by default."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,34 @@ def test_a_resume_reads_the_checkpoint_tokenizer_instead_of_training_another(clm
     monkeypatch.setattr(loop, "train_bpe_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer again"))
     resumed = train(*_args(out, **{**common, "max_steps": 3, "resume_from_checkpoint": "true"}))
     assert len(resumed["train_loss"]) == 3 and resumed["train_loss"][:2] == first["train_loss"]
+
+
+def test_a_causal_lm_checkpoint_saved_without_a_tokenizer_resumes_with_wordpiece(text_file, tmp_path):
+    """Checkpoints written before tokenizers were saved with them: those runs used WordPiece (or --tokenizer_name),
+    so a resume takes that, instead of training a BPE on data it has not loaded."""
+    from linearformers.training import default_tokenizer
+
+    common = dict(train_file=text_file, block_size=16, max_steps=2, save_steps=2, tokenizer_name=default_tokenizer())
+    first = train(*_args(tmp_path, **common))
+    step = tmp_path / "checkpoints" / "step-00000002"
+    for old in (step / "tokenizer", step / "run.json"):  # as an older version wrote it
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    del common["tokenizer_name"]
+    resumed = train(*_args(tmp_path, **{**common, "max_steps": 3, "resume_from_checkpoint": "true"}))
+    assert resumed["train_loss"][:2] == first["train_loss"] and len(resumed["train_loss"]) == 3
+
+
+def _fails_in_a_library():
+    raise ValueError("a library's own failure, mid-run")
+
+
+def test_a_value_error_from_outside_the_package_keeps_its_traceback(monkeypatch, capsys):
+    """Only the package's own checks are one-line usage errors (exit 2); another ValueError is a bug or a library
+    failing mid-run, and propagates with its traceback."""
+    import linearformers.training.__main__ as cli
+
+    monkeypatch.setattr(cli, "parse_arguments", lambda argv: ())
+    monkeypatch.setattr(cli, "train", _fails_in_a_library)
+    with pytest.raises(ValueError, match="mid-run"):
+        cli.main([])
+    assert "linearformers-train: error" not in capsys.readouterr().err

@@ -31,6 +31,7 @@ from ._favor_autograd import FavorBidirectional, FavorCausal, native_enabled
 from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked
 from ._native import available as native_available
 from ._precision import outside_autocast
+from .reference import favor_reference
 
 KERNELS = ("softmax", "relu")
 BACKENDS = ("reference", "chunked", "walk", "native")
@@ -213,7 +214,7 @@ def favor_attention(
         state_out=return_state,
     )
     if chosen == "reference":
-        return _reference()(
+        return favor_reference(
             q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps
         )
     if chunk_size is None:
@@ -252,15 +253,6 @@ def favor_attention(
     return (out, state) if return_state else out
 
 
-def _reference():
-    """reference.favor_reference, or None while that module (plain quadratic formulas) is absent."""
-    try:
-        from .reference import favor_reference
-    except ImportError:
-        return None
-    return favor_reference
-
-
 def _native_refusal(v: torch.Tensor, num_features: int, chunk_size: int) -> str | None:
     """Why the compiled causal walk cannot run this call, or None when it can."""
     if v.device.type != "cpu":
@@ -295,22 +287,19 @@ def _choose_backend(
     ``backend=None`` picks by device. Causal: "native" on CPUs where the compiled walk runs the shapes (x86-64 with
     AVX2, built, not switched off by ``LINEARFORMERS_NATIVE=0``, head_dim / m / chunk multiples of 16, outside
     torch.compile); "chunked" on every other device (CUDA: its op count does not grow with n, where the walk
-    launches a few kernels per chunk); "walk" on other CPUs (no paired CPU benchmark has shown the chunked form
-    faster there yet). Bidirectional attention has one kernel (blockwise, FavorBidirectional) that every name but
+    launches a few kernels per chunk); "walk" on other CPUs (on a 2-core x86 CPU the chunked form ran 2.7x slower
+    than the walk, README). Bidirectional attention has one kernel (blockwise, FavorBidirectional) that every name but
     "reference" and "native" runs. With an ``initial_state`` (continued prefill) softmax runs the per-position
     offsets and relu the chunked backend, whatever is asked. A named backend is taken as asked; "native" where the
-    compiled walk cannot run or with an initial state, and "reference" with a state in or out or without
-    reference.py, raise ValueError.
+    compiled walk cannot run or with an initial state, and "reference" with a state in or out, raise
+    ValueError. Softmax calls read one flag back from the device (positions whose keys all underflowed), one host
+    sync per causal layer whatever the backend.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown FAVOR+ backend {backend!r}; choose None or one of {BACKENDS}")
     if backend == "reference":
         if state_in or state_out:
             raise ValueError("backend='reference' takes no initial_state and returns no state")
-        if _reference() is None:
-            raise ValueError(
-                "backend='reference' needs linearformers/modeling/attention/reference.py (favor_reference)"
-            )
         return "reference"
     if backend == "native":
         if not causal:
