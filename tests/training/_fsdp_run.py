@@ -61,4 +61,7 @@ if __name__ == "__main__":
     if rank == 0:
         model.save_pretrained(folder, state_dict=full)
     if sharded:
+        # rank 1 must not tear gloo down while rank 0 is still saving (an abort, "terminate called without an
+        # active exception", seen once under load)
+        dist.barrier()
         dist.destroy_process_group()
