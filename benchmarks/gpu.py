@@ -64,7 +64,6 @@ RESULTS = Path(__file__).parent / "results"
 HEADS, DIM = 12, 64
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK_LENGTHS = [64, 128]
-FAVOR_BACKENDS = ("reference", "chunked", "walk", "native")  # tried when favor_attention takes backend=
 LINFORMER_BACKENDS = ("chunked", "walk")  # tried when causal_linformer_attention takes backend=
 GPT2_SHAPE = dict(hidden=768, layers=12, heads=12, intermediate=3072, vocab=50257, m=256, k=256)
 BERT_SHAPE = dict(hidden=768, layers=12, heads=12, intermediate=3072, vocab=30522, m=256, k=256)
@@ -83,11 +82,9 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.modeling.attention import causal_linformer_attention, favor_attention
-    from linearformers.modeling.attention import favor as favor_module
+    from linearformers.modeling.attention import BACKENDS, causal_linformer_attention, favor_attention
 
-    # the library's own list where it has one (None, the default, is our "auto")
-    favor = _backends(favor_attention, [b for b in getattr(favor_module, "BACKENDS", FAVOR_BACKENDS) if b])
+    favor = _backends(favor_attention, BACKENDS)  # "auto" is backend=None
     return [
         "sdpa",
         "sdpa_causal",

@@ -1,6 +1,6 @@
 """Every attention kernel, and both model families, under CPU autocast in bf16 and fp16: the kernels compute in
 float32 and return their inputs' dtype whatever the ambient autocast, so outputs and gradients match a float32
-evaluation of the same (rounded) inputs, padded on either side or not, through both causal FAVOR+ walks.
+evaluation of the same (rounded) inputs, padded on either side or not, through both causal FAVOR+ backends (the native walk and the chunked form).
 
 Backward runs outside the autocast context, as torch recommends and Trainer / Accelerate do. The hand-written
 backward passes also give float32 results when ``loss.backward()`` is called inside it (autograd's own backward
@@ -21,6 +21,8 @@ from linearformers.modeling.attention import (
     linformer_attention,
     local_attention,
     local_attention_step,
+    native_walk_enabled,
+    set_native_walk,
 )
 from tests.conftest import tiny_config
 
@@ -28,17 +30,19 @@ DTYPES = [torch.bfloat16, torch.float16]
 # a few roundings of the output / gradient dtype; float32 inputs (under autocast too) see float32 work only
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 NO_NATIVE = pytest.mark.skipif(not _native.available(), reason="the native kernel is unavailable here")
-WALKS = [pytest.param(True, id="native", marks=NO_NATIVE), pytest.param(False, id="pytorch")]
+WALKS = [pytest.param(True, id="native", marks=NO_NATIVE), pytest.param(False, id="chunked")]
 
 
 @pytest.fixture
 def walk(request, monkeypatch):
-    """Causal FAVOR+ through the compiled walk (native) or the PyTorch walk; counts the compiled calls."""
+    """Causal FAVOR+ through the compiled walk (native) or the chunked backend (set_native_walk(False)); counts the
+    compiled calls."""
     calls = []
     if request.param is None:  # not a FAVOR+ test: leave the choice alone
         return calls
     forward = _favor_autograd.native_forward
-    monkeypatch.setattr(_favor_autograd, "NATIVE", request.param)
+    previous = set_native_walk(request.param)
+    request.addfinalizer(lambda: set_native_walk(previous))
     monkeypatch.setattr(_favor_autograd, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     return calls
 
@@ -107,7 +111,7 @@ def test_causal_favor_under_autocast_matches_float32(walk, kernel, padding, dtyp
         return favor_attention(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=16)
 
     _check(op, dtype, _inputs())
-    assert len(walk) == (2 if _favor_autograd.NATIVE else 0)  # autocast and float32: both on the chosen walk
+    assert len(walk) == (2 if native_walk_enabled() else 0)  # autocast and float32: both on the chosen walk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -254,7 +258,7 @@ def _tiny_model(family, causal, **overrides):
     [
         pytest.param("linformer", None, id="linformer"),
         pytest.param("performer", True, id="performer-native", marks=NO_NATIVE),
-        pytest.param("performer", False, id="performer-pytorch"),
+        pytest.param("performer", False, id="performer-chunked"),
     ],
     indirect=["walk"],
 )

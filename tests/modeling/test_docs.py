@@ -73,7 +73,8 @@ def _public_functions():
                     if method_name.startswith("_") and method_name != "__init__":
                         continue
                     method = getattr(method, "__func__", getattr(method, "fget", method))
-                    if inspect.isfunction(method):
+                    # typing.Protocol puts its own __init__ in the class: not ours to annotate
+                    if inspect.isfunction(method) and method.__module__ == module.__name__:
                         yield f"{module.__name__}.{name}.{method_name}", inspect.unwrap(method)
 
 

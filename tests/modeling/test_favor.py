@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from linearformers.modeling.attention import (
+    _native,
     draw_random_features,
     favor_attention,
     favor_features,
@@ -11,6 +12,8 @@ from linearformers.modeling.attention import (
     softmax_attention,
 )
 from linearformers.modeling.attention.reference import favor_reference
+
+NO_NATIVE = pytest.mark.skipif(not _native.available(), reason="the native kernel is unavailable here")
 
 
 def _qkv(b=2, h=3, n=40, d=16, seed=0, scale=1.0):
@@ -211,39 +214,44 @@ def test_hand_written_backward_matches_autograd_of_the_naive_formula(causal, ker
         torch.testing.assert_close(f.float(), s.float(), rtol=1e-3, atol=1e-5, msg=f"d{name}")
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_blockwise_walk_over_long_sequences_matches_one_block(causal, monkeypatch):
-    from linearformers.modeling.attention import _favor_autograd
+CAUSAL_BACKENDS = ["chunked", pytest.param("native", marks=NO_NATIVE)]
 
-    q, k, v = (x.requires_grad_() for x in _qkv(n=70))
-    w = draw_random_features(24, 16, seed=2)
+
+@pytest.mark.parametrize("backend", [None, *CAUSAL_BACKENDS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocks_over_long_sequences_match_one_block(causal, backend):
+    """block_size only trades memory against per-block overhead: the bidirectional kernel's feature-map blocks and
+    the native walk's saved states. Chunks of 8 and 32 give the same results too."""
+    if backend is not None and not causal:
+        pytest.skip("one bidirectional kernel")
+    q, k, v = (x.requires_grad_() for x in _qkv(n=70, d=16))
+    w = draw_random_features(32, 16, seed=2)
     mask = torch.ones(2, 70, dtype=torch.bool)
     mask[0, :9] = False
-    out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
+    chunk = 16 if causal else None
+    out = favor_attention(q, k, v, w, causal=causal, chunk_size=chunk, key_padding_mask=mask, backend=backend)
     grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
-    monkeypatch.setattr(_favor_autograd, "_ROWS", 16)  # 5 blocks instead of 1
-    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)
-    out_blocks = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
-    torch.testing.assert_close(out_blocks, out, rtol=1e-5, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(out_blocks.pow(2).sum(), (q, k, v)), grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for block, other_chunk in ((16, chunk), (32, 32 if causal else None)):  # 5 or 3 blocks instead of 1
+        out_blocks = favor_attention(
+            q, k, v, w, causal=causal, chunk_size=other_chunk, block_size=block, key_padding_mask=mask, backend=backend
+        )
+        torch.testing.assert_close(out_blocks, out, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(out_blocks.pow(2).sum(), (q, k, v)), grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_causal_backward_twice_through_a_retained_graph_and_under_saved_tensor_hooks(monkeypatch):
-    """Backward drops each block's saved state and scores once used; a second backward (retain_graph) rebuilds
-    them, and under saved-tensor hooks (non-reentrant checkpointing, offloading) they go through the hooks."""
-    from linearformers.modeling.attention import _favor_autograd
-
-    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)  # several blocks
-    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
-    w = draw_random_features(24, 16, seed=2)
-    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
+@pytest.mark.parametrize("backend", CAUSAL_BACKENDS)
+def test_causal_backward_twice_through_a_retained_graph_and_under_saved_tensor_hooks(backend):
+    """A second backward (retain_graph) gives the same gradients; under saved-tensor hooks (non-reentrant
+    checkpointing, offloading) everything backward reads goes through the hooks, with the same result."""
+    q, k, v = (x.requires_grad_() for x in _qkv(n=50, d=16))
+    w = draw_random_features(32, 16, seed=2)
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=16, block_size=16, backend=backend)
     g = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
     second = torch.autograd.grad(out, (q, k, v), g)
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
     packed = []
 
     def pack(t):
@@ -251,50 +259,28 @@ def test_causal_backward_twice_through_a_retained_graph_and_under_saved_tensor_h
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out_hooked = favor_attention(q, k, v, w, causal=True, chunk_size=8)
-    # q, k, v, w, the output and its denominator, then 4 block-start states and 4 blocks of scores
-    states = [s for s in packed if s == (2 * 3, 24, 17)]
-    scores = [s for s in packed if s[1:] == (2 * 3, 8, 8)]
-    assert len(states) == 4 and len(scores) == 4
+        out_hooked = favor_attention(q, k, v, w, causal=True, chunk_size=16, block_size=16, backend=backend)
+    assert packed.count(tuple(q.shape)) >= 3  # q, k, v at least (the native walk keeps a padded output)
     for a, b in zip(torch.autograd.grad(out_hooked, (q, k, v), g), first):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    checkpointed = torch.utils.checkpoint.checkpoint(
+        lambda x, y, z: favor_attention(x, y, z, w, causal=True, chunk_size=16, backend=backend),
+        q,
+        k,
+        v,
+        use_reentrant=False,
+    )
+    for a, b in zip(torch.autograd.grad(checkpointed, (q, k, v), g), first):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_causal_backward_hands_freed_blocks_back_to_the_os(monkeypatch):
-    from linearformers.modeling.attention import _favor_autograd
-
-    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
-    w = draw_random_features(24, 16, seed=2)
-    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
-    expected = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
-    calls = []
-    monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)  # 4 blocks
-    monkeypatch.setattr(_favor_autograd, "_TRIM_BYTES", 1)  # trim after every freed block
-    monkeypatch.setattr(_favor_autograd, "_MALLOC_TRIM", lambda pad: calls.append(pad))
-    out = favor_attention(q, k, v, w, causal=True, chunk_size=8)
-    for a, b in zip(torch.autograd.grad(out.pow(2).sum(), (q, k, v)), expected):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert calls == [0] * 4  # once per block: each pop passes the 1-byte threshold
-
-
-def test_causal_forward_without_a_graph_keeps_nothing_for_backward(monkeypatch):
-    from linearformers.modeling.attention import _favor_autograd
-
-    kept = []
-    walk = _favor_autograd._causal_walk
-
-    def spy(*args, **kwargs):
-        starts, scores, *rest = walk(*args, **kwargs)
-        kept.append(len(starts) + len(scores))
-        return starts, scores, *rest
-
-    monkeypatch.setattr(_favor_autograd, "_causal_walk", spy)
-    q, k, v = (x.requires_grad_() for x in _qkv(n=50))
-    w = draw_random_features(24, 16, seed=2)
-    out, state = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
+@pytest.mark.parametrize("backend", CAUSAL_BACKENDS)
+def test_causal_forward_without_a_graph_gives_the_same_output_and_state(backend):
+    q, k, v = (x.requires_grad_() for x in _qkv(n=50, d=16))
+    w = draw_random_features(32, 16, seed=2)
+    out, state = favor_attention(q, k, v, w, causal=True, chunk_size=16, return_state=True, backend=backend)
     with torch.no_grad():  # generate()'s prefill
-        out_ng, state_ng = favor_attention(q, k, v, w, causal=True, chunk_size=8, return_state=True)
-    assert kept[0] > 0 and kept[1] == 0
+        out_ng, state_ng = favor_attention(q, k, v, w, causal=True, chunk_size=16, return_state=True, backend=backend)
     torch.testing.assert_close(out_ng, out.detach(), rtol=0, atol=0)
     for a, b in zip(state_ng, state):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -307,16 +293,11 @@ def _float64_reference(q, k, v, w, mask=None, causal=True):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks, monkeypatch):
+def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks):
     """Every key feature is exp(-|w - k'|² / 2) <= 1; at |k'| ~ 20 most of them fall below float32's range and the
     outputs used to collapse to 0. Bidirectional attention subtracts a running maximum of the key exponents;
     causal attention redoes such a call with per-position prefix maxima. Both cancel in N / D, so outputs and
     gradients match a float64 evaluation of the same features."""
-    from linearformers.modeling.attention import _favor_autograd
-
-    if blocks > 1:
-        monkeypatch.setattr(_favor_autograd, "_ROWS", 16)
-        monkeypatch.setattr(_favor_autograd, "_CAUSAL_ROWS", 16)
     q, k, v = _qkv(n=37, seed=3)
     k = k * 10.0
     mask = torch.ones(2, 37, dtype=torch.bool)
@@ -326,7 +307,8 @@ def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks, monkey
     den = (a.tril() if causal else a).sum(-1)
     assert (den < 1e-30).float().mean() > 0.5, "most queries must lose every key in float32 without an offset"
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, key_padding_mask=mask)
+    block = 16 if blocks > 1 else None
+    out = favor_attention(q, k, v, w, causal=causal, chunk_size=8, block_size=block, key_padding_mask=mask)
     g = torch.randn_like(out)
     fast = torch.autograd.grad(out, (q, k, v), g)
     naive = _float64_reference(q, k, v, w, mask, causal)
@@ -342,8 +324,8 @@ def test_causal_fallback_for_large_keys_never_reads_the_future_and_is_not_taken_
     q, k, v = _qkv(n=37, seed=3)
     w = draw_random_features(24, 16, seed=2)
     calls = []
-    original = favor_module._causal_stabilized
-    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a: calls.append(1) or original(*a))
+    original = favor_module.favor_causal_offsets
+    monkeypatch.setattr(favor_module, "favor_causal_offsets", lambda *a: calls.append(1) or original(*a))
     favor_attention(q, k, v, w, causal=True, chunk_size=8)
     assert calls == [], "moderate keys must stay on the fast walk"
     k = k * 10.0
@@ -494,21 +476,18 @@ def test_bad_decoding_states_raise():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padded_keys_of_large_norm_never_turn_outputs_or_gradients_nan(causal, monkeypatch):
+def test_padded_keys_of_large_norm_never_turn_outputs_or_gradients_nan(causal):
     """A padded key's exponents may pass the offset taken over the real keys (bidirectional: their running maximum;
     decoding: the state's M); exp then overflowed before the mask zeroed it, and 0 x inf = NaN in ~30% of draws.
-    Padded keys are masked before the exp. Causal: both walks (the compiled one runs where it builds)."""
-    from linearformers.modeling.attention import _favor_autograd
-
-    for native in (True, False) if causal else (True,):
-        monkeypatch.setattr(_favor_autograd, "NATIVE", native)
+    Padded keys are masked before the exp. Causal: both backends (the compiled walk where it builds)."""
+    for backend in (None, "chunked") if causal else (None,):
         for seed in range(20):
             q, k, v = (x.requires_grad_() for x in _qkv(b=2, h=2, n=12, seed=seed))
             mask = torch.ones(2, 12, dtype=torch.bool)
             mask[0, 9:] = False  # right padding
             mask[1, :4] = False  # left padding
             w = draw_random_features(16, 16, seed=seed)
-            out = favor_attention(q, k * 40, v, w, causal=causal, key_padding_mask=mask, chunk_size=16)
+            out = favor_attention(q, k * 40, v, w, causal=causal, key_padding_mask=mask, chunk_size=16, backend=backend)
             g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
             grads = torch.autograd.grad(out, (q, k, v), g)
             # float64, in log space (reference.py): exact however large the keys; queries that see no real key

@@ -1,13 +1,20 @@
 """The chunked causal FAVOR+ backend (_favor_chunked): every chunk at once, so its dispatched-op count does not grow
-with n. Checked against the PyTorch walk and the plain quadratic formula (reference.favor_reference)."""
+with n. Checked against the plain quadratic formula (reference.favor_reference), and the backend choice."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from linearformers.modeling.attention import draw_random_features, favor_attention, favor_step
+from linearformers.modeling.attention import (
+    draw_random_features,
+    favor_attention,
+    favor_step,
+    native_walk_enabled,
+    set_native_walk,
+)
 from linearformers.modeling.attention import favor as favor_module
 from linearformers.modeling.attention._favor_chunked import DEFAULT_CHUNK
+from linearformers.modeling.attention.backends import choose_backend, native_refusal
 from linearformers.modeling.attention.reference import favor_reference
 
 
@@ -37,21 +44,17 @@ def _run(backend, q, k, v, w, g, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_chunked_matches_the_walk_and_the_quadratic_formula(padding, kernel, dtype):
+def test_chunked_matches_the_quadratic_formula(padding, kernel, dtype):
     q, k, v = _qkv(dtype=dtype)  # n = 37: not a multiple of the chunk
     w = draw_random_features(32, 16, seed=1)
     mask = _mask(2, 37, padding)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
-    kwargs = dict(kernel=kernel, key_padding_mask=mask, chunk_size=8)
-    chunked = _run("chunked", q, k, v, w, g, **kwargs)
-    walk = _run("walk", q, k, v, w, g, **kwargs)
+    kwargs = dict(kernel=kernel, key_padding_mask=mask)
+    chunked = _run("chunked", q, k, v, w, g, chunk_size=8, **kwargs)
+    exact = _run("reference", *(x.double() for x in (q, k, v)), w.double(), g.double(), **kwargs)
     assert chunked[0].dtype == dtype
-    for a, b in zip(chunked, walk):
-        torch.testing.assert_close(a, b.to(dtype), rtol=2e-4, atol=2e-5)
-    exact = favor_reference(q.double(), k.double(), v.double(), w, causal=True, kernel=kernel, key_padding_mask=mask)
-    rows = slice(None) if padding != "left" else slice(9, None)  # left-padded rows with no real key are 0 / free
-    torch.testing.assert_close(chunked[0][1, :, rows].double(), exact[1, :, rows], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(chunked[0][0].double(), exact[0], rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, exact):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -82,24 +85,22 @@ def test_gradcheck_in_float64(kernel):
     assert torch.autograd.gradcheck(op, (q, k, v), atol=1e-6, rtol=1e-4)
 
 
-def test_keys_of_large_norm_take_the_stabilized_fallback_as_the_walk_does(monkeypatch):
+def test_keys_of_large_norm_take_the_stabilized_fallback(monkeypatch):
     q, k, v = _qkv()
     k = k * 40.0  # |k'| far beyond ~15: key features underflow at offset 0
     w = draw_random_features(32, 16, seed=1)
     mask = _mask(2, 37, "left")
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
     calls = []
-    original = favor_module._causal_stabilized
-    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = favor_module.favor_causal_offsets
+    monkeypatch.setattr(favor_module, "favor_causal_offsets", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     chunked = _run("chunked", q, k, v, w, g, key_padding_mask=mask, chunk_size=8)
-    walk = _run("walk", q, k, v, w, g, key_padding_mask=mask, chunk_size=8)
-    assert len(calls) == 2
-    for a, b in zip(chunked, walk):
-        torch.testing.assert_close(a, b)
+    assert len(calls) == 1
     exact = favor_reference(q.double(), k.double(), v.double(), w, causal=True, key_padding_mask=mask)
     torch.testing.assert_close(chunked[0][0].double(), exact[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked[0][1, :, 9:].double(), exact[1, :, 9:], rtol=1e-4, atol=1e-5)
     _run("chunked", q, k / 40.0, v, w, g, chunk_size=8)
-    assert len(calls) == 2, "moderate keys never take the fallback"
+    assert len(calls) == 1, "moderate keys never take the fallback"
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
@@ -108,10 +109,10 @@ def test_continued_prefill_and_returned_state(kernel):
     w = draw_random_features(32, 16, seed=1)
     kwargs = dict(kernel=kernel, chunk_size=8)
     whole, state = favor_attention(q, k, v, w, causal=True, backend="chunked", return_state=True, **kwargs)
-    _, walk_state = favor_attention(q, k, v, w, causal=True, backend="walk", return_state=True, **kwargs)
     assert (state[2] == 0).all()
-    for a, b in zip(state, walk_state):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    phi_k = favor_module.favor_features(k, w, is_query=False, kernel=kernel)  # the sums over every key, at offset 0
+    torch.testing.assert_close(state[0], phi_k.transpose(-1, -2) @ v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[1], phi_k.sum(2), rtol=1e-5, atol=1e-5)
     head, mid = favor_attention(
         *(x[:, :, :13] for x in (q, k, v)), w, causal=True, backend="chunked", return_state=True, **kwargs
     )
@@ -186,25 +187,35 @@ def _ops(n, backend):
 
 
 def test_chunked_op_count_does_not_depend_on_n():
-    """On a GPU every dispatched op is a kernel launch: the chunked backend's count is the same at any n, where the
-    walk's grows with the number of chunks."""
+    """On a GPU every dispatched op is a kernel launch: the chunked backend's count is the same at any n."""
     assert _ops(2048, "chunked") == _ops(16384, "chunked")
-    assert _ops(4096, "walk") > 1.5 * _ops(2048, "walk")
 
 
 def test_backend_choice():
     v = torch.zeros(1, 1, 4, 16)
-    choose = favor_module._choose_backend
+    choose = choose_backend
     assert choose(None, v.to("meta"), 32, None, causal=True) == "chunked"  # any device but the CPU
-    expected = "native" if favor_module._native_refusal(v, 32, 32) is None else "walk"
+    expected = "native" if native_refusal(v, 32, 32) is None else "chunked"
     assert choose(None, v, 32, None, causal=True) == expected
-    assert choose(None, v[..., :12], 32, None, causal=True) == "walk"  # not a multiple of 16: no native
+    assert choose(None, v[..., :12], 32, None, causal=True) == "chunked"  # not a multiple of 16: no native
+    assert choose(None, v, 32, None, causal=True, state_in=True) == "chunked"  # the native walk takes no state
     assert choose("chunked", v, 32, None, causal=True) == "chunked"
+    assert choose(None, v, 32, None, causal=False) == "chunked"  # the one bidirectional kernel
+    previous = set_native_walk(False)
+    try:
+        assert not native_walk_enabled()
+        assert choose(None, v, 32, None, causal=True) == "chunked"
+        with pytest.raises(ValueError, match="switched off"):
+            choose("native", v, 32, None, causal=True)
+    finally:
+        set_native_walk(previous)
+    with pytest.raises(TypeError, match="bool"):
+        set_native_walk("no")
     with pytest.raises(ValueError, match="multiple of 16"):
         choose("native", v[..., :12], 32, None, causal=True)
     with pytest.raises(ValueError, match="CPU"):
         choose("native", v.to("meta"), 32, None, causal=True)
-    with pytest.raises(ValueError, match="unknown FAVOR"):
+    with pytest.raises(ValueError, match="unknown backend"):
         choose("flash", v, 32, None, causal=True)
     with pytest.raises(ValueError, match="no state"):
         choose("reference", v, 32, None, causal=True, state_out=True)

@@ -1,6 +1,6 @@
-"""The compiled causal FAVOR+ walk (modeling/attention/_native) against the PyTorch walk it replaces on CPU: same
-outputs, gradients, final state and lost count, whatever the kernel, mask, dtype, padding, thread count or
-autograd path; and its build: a fresh cache, the off switch, and a compiler that fails."""
+"""The compiled causal FAVOR+ walk (modeling/attention/_native) against the portable chunked backend: same
+outputs, gradients, final state and lost count, whatever the kernel, mask, dtype, padding, block size, thread count
+or autograd path; and its build: a fresh cache, the off switch, and a compiler that fails."""
 
 import hashlib
 import os
@@ -27,20 +27,20 @@ def _inputs(n=300, b=2, h=3, d=16, seed=0, key_scale=1.0, dtype=torch.float32):
 
 
 def _run(monkeypatch, native, q, k, v, w, **kwargs):
-    """favor_attention(causal) through one walk: outputs, final state and dq, dk, dv, plus how often it went native."""
+    """favor_attention(causal) on the native walk or the chunked backend: outputs, final state and dq, dk, dv, plus
+    how often it went native."""
     calls = []
     forward = _favor_autograd.native_forward
-    monkeypatch.setattr(_favor_autograd, "NATIVE", native)
     monkeypatch.setattr(_favor_autograd, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    out, state = favor_attention(q, k, v, w, causal=True, return_state=True, **kwargs)
+    backend = "native" if native else "chunked"
+    out, state = favor_attention(q, k, v, w, causal=True, return_state=True, backend=backend, **kwargs)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())
     return out, state, grads, len(calls)
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_native_walk_matches_the_pytorch_walk(monkeypatch, kernel, padding):
-    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 3)  # a saved state every 3 chunks: 300 positions span 4 blocks
+def test_native_walk_matches_the_chunked_backend(monkeypatch, kernel, padding):
     q, k, v = _inputs()
     w = draw_random_features(48, 16, seed=1)
     mask = None
@@ -49,7 +49,8 @@ def test_native_walk_matches_the_pytorch_walk(monkeypatch, kernel, padding):
         mask[1, :37] = False if padding == "left" else mask[1, :37]
         mask[1, 250:] = False if padding == "right" else mask[1, 250:]
     kwargs = dict(kernel=kernel, key_padding_mask=mask, chunk_size=32)
-    out, state, grads, native_calls = _run(monkeypatch, True, q, k, v, w, **kwargs)
+    # a saved state every 3 chunks: 300 positions span 4 blocks
+    out, state, grads, native_calls = _run(monkeypatch, True, q, k, v, w, block_size=96, **kwargs)
     ref_out, ref_state, ref_grads, reference_calls = _run(monkeypatch, False, q, k, v, w, **kwargs)
     assert (native_calls, reference_calls) == (1, 0)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
@@ -72,12 +73,12 @@ def test_native_walk_takes_half_precision_inputs(monkeypatch, dtype):
 
 
 def test_native_walk_hands_keys_of_large_norm_to_the_stabilized_fallback(monkeypatch):
-    """The native walk counts lost positions like the PyTorch walk, so such calls are redone the same way."""
+    """The native walk counts lost positions like the chunked backend, so such calls are redone the same way."""
     q, k, v = _inputs(n=90, key_scale=10.0)
     w = draw_random_features(32, 16, seed=2)
     stabilized = []
-    original = favor_module._causal_stabilized
-    monkeypatch.setattr(favor_module, "_causal_stabilized", lambda *a: stabilized.append(1) or original(*a))
+    original = favor_module.favor_causal_offsets
+    monkeypatch.setattr(favor_module, "favor_causal_offsets", lambda *a: stabilized.append(1) or original(*a))
     out, state, grads, native_calls = _run(monkeypatch, True, q, k, v, w)
     ref_out, ref_state, ref_grads, _ = _run(monkeypatch, False, q, k, v, w)
     assert native_calls == 1 and stabilized == [1, 1]
@@ -91,12 +92,10 @@ def test_native_walk_is_the_same_on_one_thread_and_with_saved_tensor_hooks(monke
     checkpointing recomputes the forward and saves through the hooks; a retained graph backs up twice."""
     q, k, v = _inputs(n=260, b=1, h=5)
     w = draw_random_features(32, 16, seed=3)
-    monkeypatch.setattr(_favor_autograd, "NATIVE", True)
-    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 2)
     threads = torch.get_num_threads()
 
-    def loss(x, y, z):
-        return favor_attention(x, y, z, w, causal=True).square().sum()
+    def loss(x, y, z):  # a saved state every 2 chunks of 32
+        return favor_attention(x, y, z, w, causal=True, backend="native", block_size=64).square().sum()
 
     try:
         torch.set_num_threads(1)
@@ -109,11 +108,6 @@ def test_native_walk_is_the_same_on_one_thread_and_with_saved_tensor_hooks(monke
     checkpointed = torch.utils.checkpoint.checkpoint(loss, q, k, v, use_reentrant=False)
     for a, b in zip(torch.autograd.grad(checkpointed, (q, k, v)), two):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    value = loss(q, k, v)
-    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 5)  # backward keeps the spacing its forward saved with
-    for a, b in zip(torch.autograd.grad(value, (q, k, v)), two):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    monkeypatch.setattr(_native, "_BLOCK_CHUNKS", 2)
     value = loss(q, k, v)
     first = torch.autograd.grad(value, (q, k, v), retain_graph=True)
     for a, b in zip(torch.autograd.grad(value, (q, k, v)), first):
@@ -155,7 +149,7 @@ def built_library():
 
 
 def _probe_correct(cache):
-    """A fresh process: causal favor_attention through the native walk (asserted) matches the PyTorch walk. The
+    """A fresh process: causal favor_attention through the native walk (asserted) matches the chunked backend. The
     attention package imports only torch, so the probe loads it alone and skips transformers' import (seconds)."""
     root = Path(_native.__file__).parents[4]  # the folder that holds linearformers/
     code = (
@@ -164,12 +158,12 @@ def _probe_correct(cache):
         "    sys.modules[name] = types.ModuleType(name)\n"
         f"    sys.modules[name].__path__ = [{str(root)!r} + '/' + name.replace('.', '/')]\n"
         "import torch\n"
-        "from linearformers.modeling.attention import _favor_autograd, _native, favor_attention, draw_random_features\n"
+        "from linearformers.modeling.attention import _native, favor_attention, draw_random_features, set_native_walk\n"
         "logging.basicConfig()\n"
         "q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)\n"
         "w = draw_random_features(32, 16, seed=0)\n"
         "out = favor_attention(q, k, v, w, causal=True)\n"
-        "_favor_autograd.NATIVE = False\n"
+        "set_native_walk(False)\n"
         "ref = favor_attention(q, k, v, w, causal=True)\n"
         "print('available', _native.available(), bool(torch.allclose(out, ref, rtol=1e-4, atol=1e-5)))\n"
     )

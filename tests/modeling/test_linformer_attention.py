@@ -161,15 +161,12 @@ def test_bad_arguments_raise_clear_errors():
 
 
 @pytest.mark.parametrize("per_head", [False, True])
-def test_hand_written_backward_matches_autograd_over_several_query_blocks(monkeypatch, per_head):
-    from linearformers.modeling.attention import _linformer_autograd as module
-
-    monkeypatch.setattr(module, "_ROWS", 16)  # 40 queries: 3 blocks, the last one short
+def test_hand_written_backward_matches_autograd_over_several_query_blocks(per_head):
     q, k, v = (x.double().float().requires_grad_() for x in _qkv(n=40))
     shape = (q.shape[1], 8, 64) if per_head else (8, 64)
     g = torch.Generator().manual_seed(1)
     e, f = (torch.randn(shape, generator=g).requires_grad_() for _ in range(2))
-    out = linformer_attention(q, k, v, e, f)
+    out = linformer_attention(q, k, v, e, f, block_size=16)  # 40 queries: 3 blocks, the last one short
     ref = linformer_reference(q, k, v, e, f)  # plain autograd: softmax(q (E k)ᵀ scale) (F v)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     weights = torch.randn_like(out)
@@ -179,14 +176,13 @@ def test_hand_written_backward_matches_autograd_over_several_query_blocks(monkey
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, msg=f"gradient of {name}")
 
 
-def test_hand_written_backward_with_dropout_regenerates_the_forward_mask(monkeypatch):
-    from linearformers.modeling.attention import _linformer_autograd as module
+def test_hand_written_backward_with_dropout_regenerates_the_forward_mask():
+    from linearformers.modeling.attention import _linformer_autograd as module  # for its per-block dropout draw
 
-    monkeypatch.setattr(module, "_ROWS", 16)
     q, k, v = (x.requires_grad_() for x in _qkv(n=40))
     e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
     torch.manual_seed(123)
-    out = linformer_attention(q, k, v, e, dropout_p=0.3)
+    out = linformer_attention(q, k, v, e, dropout_p=0.3, block_size=16)
     torch.manual_seed(123)
     seed = int(torch.randint(0, 2**62, (1,)).item())
     b, h, n = q.shape[:3]
@@ -203,7 +199,7 @@ def test_hand_written_backward_with_dropout_regenerates_the_forward_mask(monkeyp
     for name, a, c in zip("qkve", got, want):
         torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"gradient of {name}: {m}")
     torch.manual_seed(124)
-    assert not torch.allclose(linformer_attention(q, k, v, e, dropout_p=0.3), out)  # a new draw per call
+    assert not torch.allclose(linformer_attention(q, k, v, e, dropout_p=0.3, block_size=16), out)  # new draw per call
 
 
 def test_unwritten_slots_are_masked_in_the_hand_written_backward():
@@ -220,9 +216,7 @@ def test_unwritten_slots_are_masked_in_the_hand_written_backward():
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_causal_prefill_without_gradients_walks_blocks_with_the_same_result(monkeypatch, masked):
-    from linearformers.modeling.attention import linformer as module
-
+def test_causal_prefill_without_gradients_walks_blocks_with_the_same_result(masked):
     q, k, v = _qkv(n=40)
     e = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     mask = None
@@ -233,10 +227,68 @@ def test_causal_prefill_without_gradients_walks_blocks_with_the_same_result(monk
         whole, whole_state = causal_linformer_attention(
             q, k, v, e, key_padding_mask=mask, chunk_size=8, return_state=True
         )
-        monkeypatch.setattr(module, "_PREFILL_ROWS", 16)  # 3 blocks: 16, 16, 8
         blocks, block_state = causal_linformer_attention(
-            q, k, v, e, key_padding_mask=mask, chunk_size=8, return_state=True
-        )
+            q, k, v, e, key_padding_mask=mask, chunk_size=8, return_state=True, prefill_block=16
+        )  # 3 blocks: 16, 16, 8
     torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
     for a, b in zip(block_state, whole_state):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize(
+    "method,proj,window",
+    [("learned", torch.randn(3, 8, 64), None), ("pool", None, 4), ("conv", torch.randn(16, 16, 4) * 0.1, 4)],
+)
+def test_reference_backend_equals_the_default(masked, method, proj, window):
+    q, k, v = (x.double() for x in _qkv(n=30))
+    proj = None if proj is None else proj.double()
+    mask = None
+    if masked:
+        mask = torch.ones(2, 30, dtype=torch.bool)
+        mask[0, :7] = False
+        mask[1, 25:] = False
+    kwargs = dict(method=method, window=window, key_padding_mask=mask)
+    ref = linformer_attention(q, k, v, proj, backend="reference", **kwargs)
+    assert ref.dtype == torch.float64
+    torch.testing.assert_close(ref, linformer_reference(q, k, v, proj, **kwargs), rtol=0, atol=0)
+    default = linformer_attention(q, k, v, proj, **kwargs)
+    assert torch.equal(linformer_attention(q, k, v, proj, backend="blockwise", **kwargs), default)
+    torch.testing.assert_close(default, ref, rtol=1e-4, atol=1e-5)  # the blockwise kernel computes in float32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_size_changes_nothing_gradients_included(masked):
+    q, k, v = (x.requires_grad_() for x in _qkv(n=30))
+    e, f = (torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(s)).requires_grad_() for s in (1, 2))
+    mask = None
+    if masked:
+        mask = torch.ones(2, 30, dtype=torch.bool)
+        mask[1, :9] = False
+    default = linformer_attention(q, k, v, e, f, key_padding_mask=mask)
+    small = linformer_attention(q, k, v, e, f, key_padding_mask=mask, block_size=4)  # 8 blocks, the last short
+    torch.testing.assert_close(small, default, rtol=1e-5, atol=1e-5)  # float32 rounding of other block shapes
+    weights = torch.randn_like(default)
+    got = torch.autograd.grad((small * weights).sum(), (q, k, v, e, f))
+    want = torch.autograd.grad((default * weights).sum(), (q, k, v, e, f))
+    for name, a, c in zip("qkvef", got, want):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_bad_backend_and_block_size_raise_value_errors():
+    from linearformers.modeling.attention.linformer import BACKENDS
+
+    q, k, v = _qkv()
+    e = torch.randn(4, 32)
+    assert BACKENDS == ("reference", "blockwise")
+    with pytest.raises(ValueError, match=r"unknown Linformer backend 'chunked'.*'reference', 'blockwise'"):
+        linformer_attention(q, k, v, e, backend="chunked")
+    for bad in (0, -1, 4.0, False, "16"):
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            linformer_attention(q, k, v, e, block_size=bad)
+    with pytest.raises(ValueError, match="backend='reference' has no dropout"):
+        linformer_attention(q, k, v, e, dropout_p=0.1, backend="reference")
+    with pytest.raises(ValueError, match="needs a positive window"):
+        linformer_attention(q, k, v, None, method="pool", backend="reference")
+    with pytest.raises(ValueError, match="conv projection weight"):
+        linformer_attention(q, k, v, torch.randn(16, 16, 3), method="conv", window=4, backend="reference")

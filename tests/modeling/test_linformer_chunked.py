@@ -1,17 +1,21 @@
-"""The causal Linformer's chunked form (issue 16): checked against the definition, and its op count.
+"""The causal Linformer's chunked form (issue 16): checked against the reference, and its op count.
 
 ``causal_linformer_attention`` computes every chunk at once (per-chunk slot writes by one batched GEMM, an
 exclusive cumsum over chunks, inter- and intra-chunk parts by batched GEMMs), so with gradients the number of
 dispatched aten ops (GPU kernel launches) does not depend on n. Only the no-grad long prefill walks blocks of
-``_PREFILL_ROWS`` positions in Python, on purpose, to bound its memory; the last test documents that contrast.
+``prefill_block`` positions in Python, on purpose, to bound its memory; the last test documents that contrast.
 """
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from linearformers.modeling.attention import linformer as module
-from linearformers.modeling.attention.linformer import causal_linformer_attention, causal_linformer_step
+from linearformers.modeling.attention.linformer import (
+    CAUSAL_BACKENDS,
+    causal_linformer_attention,
+    causal_linformer_step,
+)
+from linearformers.modeling.attention.reference import causal_linformer_reference
 
 
 def _inputs(b=2, h=3, n=21, d=8, slots=6, n_max=32, dtype=torch.float32, per_head=True, late=0, seed=0):
@@ -25,20 +29,17 @@ def _inputs(b=2, h=3, n=21, d=8, slots=6, n_max=32, dtype=torch.float32, per_hea
     return tuple(t.to(dtype).requires_grad_() for t in (q, k, v, e, f))
 
 
-def _definition(q, k, v, e, f, scale=None):
-    """The formula position by position (cumsum over positions), float64: O(n k d) memory per head."""
-    n, d = q.shape[2], q.shape[3]
-    scale = d**-0.5 if scale is None else scale
-    q, k, v, e, f = (t.double() for t in (q, k, v, e, f))
-    e_h = e[..., :n] if e.dim() == 3 else e[None, :, :n]  # (h', k, n)
-    f_h = f[..., :n] if f.dim() == 3 else f[None, :, :n]
-    k_tilde = torch.cumsum(torch.einsum("hjs,bhsd->bhsjd", e_h, k), dim=2)  # (b, h, n, k, d)
-    v_tilde = torch.cumsum(torch.einsum("hjs,bhsd->bhsjd", f_h, v), dim=2)
-    logits = torch.einsum("bhtd,bhtjd->bhtj", q, k_tilde) * scale
-    written = torch.cumsum((e if e.dim() == 3 else e[None]) != 0, dim=-1)[..., :n] > 0  # (h', k, n)
-    logits = logits.masked_fill(~written.transpose(-1, -2)[None], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
-    return torch.einsum("bhtj,bhtjd->bhtd", probs, v_tilde), (k_tilde[:, :, -1], v_tilde[:, :, -1])
+def _reference(q, k, v, e, f):
+    """The oracle: reference.causal_linformer_reference in float64."""
+    return causal_linformer_reference(*(t.double() for t in (q, k, v, e, f)))
+
+
+def _final_state(k, v, e, f):
+    """The state after the last position, K̃_n = E[:, :n] K and Ṽ_n = F[:, :n] V, in float64. Written here
+    because the reference returns outputs only: it has no state to compare with."""
+    n = k.shape[2]
+    e_h, f_h = ((p if p.dim() == 3 else p[None]).double()[..., :n] for p in (e, f))  # (h', k, n)
+    return torch.einsum("hjs,bhsd->bhjd", e_h, k.double()), torch.einsum("hjs,bhsd->bhjd", f_h, v.double())
 
 
 def _grads(out, inputs, seed=1):
@@ -49,10 +50,10 @@ def _grads(out, inputs, seed=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("chunk_size", [4, 5, 128])  # 21 positions: exact fit never, one chunk for 128
-def test_chunked_equals_the_definition_with_gradients(dtype, per_head, chunk_size):
+def test_chunked_equals_the_reference_with_gradients(dtype, per_head, chunk_size):
     inputs = _inputs(dtype=dtype, per_head=per_head, late=9)
     out, state = causal_linformer_attention(*inputs, chunk_size=chunk_size, return_state=True)
-    ref, ref_state = _definition(*inputs)
+    ref, ref_state = _reference(*inputs), _final_state(*inputs[1:])
     # the kernels compute in float32 whatever the inputs' dtype (see _precision.py), float64 included
     tol = dict(rtol=1e-4, atol=1e-5)
     assert out.dtype == dtype
@@ -70,7 +71,7 @@ def test_rows_before_any_slot_is_written_read_zero_and_have_finite_gradients():
     inputs = (*inputs[:3], e.requires_grad_(), inputs[4])
     out = causal_linformer_attention(*inputs, chunk_size=5)
     assert (out[:, :, :4] == 0).all()
-    torch.testing.assert_close(out, _definition(*inputs)[0].float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, _reference(*inputs).float(), rtol=1e-4, atol=1e-5)
     assert all(torch.isfinite(g).all() for g in _grads(out, inputs))
 
 
@@ -138,7 +139,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _op_count(n, masked, grad=True):
+def _op_count(n, masked, grad=True, prefill_block=None):
     """Aten ops dispatched by forward (+ backward) at b = h = 1, d = 16, k = 16 slots."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, n, 16, generator=g).requires_grad_(grad) for _ in range(3))
@@ -148,7 +149,9 @@ def _op_count(n, masked, grad=True):
         mask = torch.ones(1, n, dtype=torch.bool)
         mask[:, : n // 8] = False
     with _CountOps() as counter, torch.set_grad_enabled(grad):
-        out, _state = causal_linformer_attention(q, k, v, e, f, key_padding_mask=mask, return_state=True)
+        out, _state = causal_linformer_attention(
+            q, k, v, e, f, key_padding_mask=mask, return_state=True, prefill_block=prefill_block
+        )
         if grad:
             out.sum().backward()
     return counter.count
@@ -160,10 +163,80 @@ def test_training_op_count_does_not_depend_on_n(masked):
     assert _op_count(2048, masked) == _op_count(16384, masked)
 
 
-def test_no_grad_prefill_walks_blocks_in_python_by_design(monkeypatch):
-    # The contrast: without gradients a long prompt is walked in _PREFILL_ROWS-position blocks (memory bounded
-    # by one block's per-chunk states and logits), so its op count grows with n / _PREFILL_ROWS. One block of
-    # any n gives back a constant count. If the prefill ever becomes one batched pass, replace this test.
+def test_no_grad_prefill_walks_blocks_in_python_by_design():
+    # The contrast: without gradients a long prompt is walked in prefill_block-position blocks (1024 by default;
+    # memory bounded by one block's per-chunk states and logits), so its op count grows with n / prefill_block.
+    # One block of any n gives back a constant count. If the prefill ever becomes one batched pass, replace this.
     assert _op_count(4096, False, grad=False) > _op_count(1024, False, grad=False)
-    monkeypatch.setattr(module, "_PREFILL_ROWS", 1 << 20)
-    assert _op_count(4096, False, grad=False) == _op_count(1024, False, grad=False)
+    one_block = 1 << 20
+    assert _op_count(4096, False, grad=False, prefill_block=one_block) == _op_count(
+        1024, False, grad=False, prefill_block=one_block
+    )
+    assert _op_count(1024, False, grad=False, prefill_block=256) > _op_count(1024, False, grad=False)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_reference_and_chunked_backends_agree_with_gradients(masked, per_head):
+    inputs = _inputs(dtype=torch.float64, per_head=per_head, late=9)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 21, dtype=torch.bool)
+        mask[0, :4] = False  # left padding in the first row, right padding in the second
+        mask[1, 17:] = False
+    ref = causal_linformer_attention(*inputs, key_padding_mask=mask, backend="reference")
+    chunked = causal_linformer_attention(*inputs, key_padding_mask=mask, backend="chunked", chunk_size=4)
+    default = causal_linformer_attention(*inputs, key_padding_mask=mask, chunk_size=4)
+    assert ref.dtype == chunked.dtype == torch.float64
+    # the reference backend is the reference function itself (float64 in, float64 out)
+    torch.testing.assert_close(ref, causal_linformer_reference(*inputs, key_padding_mask=mask), rtol=0, atol=0)
+    assert torch.equal(chunked, default)  # None chooses the chunked form
+    tol = dict(rtol=1e-4, atol=1e-5)  # the chunked form computes in float32
+    torch.testing.assert_close(chunked, ref, **tol)
+    for name, a, b in zip("q k v E F".split(), _grads(chunked, inputs), _grads(ref, inputs)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_small_prefill_block_equals_the_default_without_gradients(masked):
+    q, k, v, e, f = (t.detach() for t in _inputs(n=29, late=13))
+    mask = None
+    if masked:
+        mask = torch.ones(2, 29, dtype=torch.bool)
+        mask[1, :6] = False
+    with torch.no_grad():
+        whole, whole_state = causal_linformer_attention(
+            q, k, v, e, f, key_padding_mask=mask, chunk_size=4, return_state=True
+        )
+        blocks, block_state = causal_linformer_attention(
+            q, k, v, e, f, key_padding_mask=mask, chunk_size=4, return_state=True, prefill_block=8
+        )  # 4 blocks: 8, 8, 8, 5 (the last one short, and not a whole number of chunks)
+        # a continued prefill walks its blocks from `start`
+        head, state = causal_linformer_attention(*(t[:, :, :11] for t in (q, k, v)), e, f, return_state=True)
+        tail = causal_linformer_attention(
+            *(t[:, :, 11:] for t in (q, k, v)), e, f, chunk_size=3, initial_state=state, start=11, prefill_block=5
+        )
+    torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
+    for a, b in zip(block_state, whole_state):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if not masked:
+        torch.testing.assert_close(torch.cat([head, tail], 2), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_backend_and_sizes_raise_value_errors():
+    q, k, v, e, f = _inputs(n=12)
+    with pytest.raises(ValueError, match=r"unknown causal Linformer backend 'native'.*'reference', 'chunked'"):
+        causal_linformer_attention(q, k, v, e, f, backend="native")
+    assert CAUSAL_BACKENDS == ("reference", "chunked")
+    for bad in (0, -4, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            causal_linformer_attention(q, k, v, e, f, chunk_size=bad)
+        with pytest.raises(ValueError, match="prefill_block must be a positive int"):
+            causal_linformer_attention(q, k, v, e, f, prefill_block=bad)
+    state = tuple(torch.zeros(2, 3, 6, 8) for _ in range(2))
+    with pytest.raises(ValueError, match="no initial_state"):
+        causal_linformer_attention(q, k, v, e, f, backend="reference", initial_state=state, start=4)
+    with pytest.raises(ValueError, match="no start"):
+        causal_linformer_attention(q, k, v, e, f, backend="reference", start=4)
+    with pytest.raises(ValueError, match="no return_state"):
+        causal_linformer_attention(q, k, v, e, f, backend="reference", return_state=True)

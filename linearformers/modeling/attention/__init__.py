@@ -1,7 +1,9 @@
 """Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch."""
 
-from .favor import BACKENDS as FAVOR_BACKENDS
-from .favor import KERNELS, draw_random_features, favor_attention, favor_features, favor_step
+from .backends import BACKENDS, native_walk_enabled, set_native_walk
+from .favor import draw_random_features, favor_attention, favor_features, favor_step
+from .feature_maps import KERNELS, FavorPositive, FeatureMap, ReluFeatures, favor_positive, relu_features
+from .linear import linear_attention, linear_step
 from .linformer import (
     METHODS,
     causal_linformer_attention,
@@ -13,21 +15,33 @@ from .linformer import (
 from .local import local_attention, local_attention_step, num_relative_positions
 from .softmax import softmax_attention
 
+FAVOR_BACKENDS = BACKENDS  # the name earlier releases exported
+
 __all__ = [
+    "BACKENDS",
     "FAVOR_BACKENDS",
     "KERNELS",
     "METHODS",
+    "FavorPositive",
+    "FeatureMap",
+    "ReluFeatures",
     "causal_linformer_attention",
     "causal_linformer_step",
     "compact",
     "draw_random_features",
     "favor_attention",
     "favor_features",
+    "favor_positive",
     "favor_step",
+    "linear_attention",
+    "linear_step",
     "linformer_attention",
     "local_attention",
     "local_attention_step",
+    "native_walk_enabled",
     "num_relative_positions",
+    "relu_features",
+    "set_native_walk",
     "softmax_attention",
     "uncompact",
 ]

@@ -1,53 +1,37 @@
-"""FAVOR+ forward and backward by hand: feature maps are recomputed in backward instead of stored.
+"""FAVOR+ forward and backward by hand, for the two kernels that fuse the FAVOR+ feature map into their products:
+the blockwise bidirectional kernel (here) and the compiled causal CPU walk (_native, wrapped here).
 
 Autograd through the plain formulation keeps several (n x m) tensors per head alive (projections, exp
-outputs, masks), four to eight times the size of q. Here forward saves only q, k, v, the output and its
-denominator, and for causal attention the state at each block start and the intra-chunk scores (C per
-position); backward recomputes phi(q) and phi(k) block by block. The denominator rides along as an extra
-column of v ([v, 1]), so numerator and denominator come out of the same matmul. Blocks are worked in buffers
-allocated once per call: a fresh allocation per block costs page faults that show up as ~10% of the time.
+outputs, masks), four to eight times the size of q. Here forward saves only q, k, v, the output, its
+denominator and a few states (the bidirectional sums, or the native walk's state at each block start); backward
+recomputes phi(q) and phi(k) block by block. The denominator rides along as an extra column of v ([v, 1]), so
+numerator and denominator come out of the same matmul. Blocks are worked in buffers allocated once per call: a
+fresh allocation per block costs page faults that show up as ~10% of the time.
 
 Gradients, with out = N / D, N = phi(Q) (phi(K)ᵀ V), D = phi(Q) (phi(K)ᵀ 1), g = dL/dout:
     g_aug = [g / D, -(g · out) / D]                         (n x (d + 1))
     bidirectional: dphi(Q) = g_aug KVᵀ,  dKV = phi(Q)ᵀ g_aug,  dphi(K) = V_aug dKVᵀ,  dV = phi(K) dKV[:, :d]
-    causal: the same, with prefix sums running forward for dphi(Q) and suffix sums running backward for
-    dphi(K) and dV, each split into whole chunks and a triangular intra-chunk part.
+    causal (the native walk): the same, with prefix sums running forward for dphi(Q) and suffix sums running
+    backward for dphi(K) and dV, each split into whole chunks and a triangular intra-chunk part.
 Through the softmax features phi = exp(u + const), du = dphi * phi, and dx = s (du W - x' Σ_m du) for keys
-(the -|x'|²/2 term); for queries the per-row terms cancel in out = N / D, so dx = s du W.
+(the -|x'|²/2 term); for queries the per-row terms cancel in out = N / D, so dx = s du W. The feature formula is
+:mod:`feature_maps`'s, rewritten as one GEMM and one exp2 (see _FeatureMap).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ._native import backward as native_backward
 from ._native import forward as native_forward
-from ._native import supports as native_supports
 from ._precision import outside_autocast
 
 _TINY = 1e-30
-NATIVE = True  # causal FAVOR+ on x86-64 CPUs through the compiled walk in _native when it builds (tests compare both)
 _LOG2E = 1.0 / math.log(2.0)
-_TRIM_BYTES = 16 * 2**20  # causal backward: hand freed CPU memory back to the OS every this many bytes
-
-
-def _find_malloc_trim():
-    """glibc's malloc_trim, or None elsewhere. glibc keeps freed blocks of a few MB in its heap, so memory that
-    backward frees block by block would otherwise stay in the process next to the gradients filling in."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        return None
-
-
-_MALLOC_TRIM = _find_malloc_trim()
+BIDIRECTIONAL_BLOCK = 256  # default positions per block of the bidirectional kernel: feature maps exist per block
 
 
 class _FeatureMap:
@@ -103,14 +87,8 @@ class _FeatureMap:
         return out
 
 
-_ROWS = 256  # bidirectional: feature maps are built this many positions at a time, never for the whole sequence
-
-
-_CAUSAL_ROWS = 256  # causal: positions per block (a whole number of chunks); one saved state per block
-
-
-def _row_slices(n):
-    return [slice(i, min(i + _ROWS, n)) for i in range(0, n, _ROWS)]
+def _row_slices(n, rows):
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
 def _inverse(den):
@@ -120,7 +98,7 @@ def _inverse(den):
 
 
 class _BlockWork:
-    """_Work for the bidirectional walk: blocks of _ROWS positions (one "chunk" each), plus one for a shorter
+    """_Work for the bidirectional walk: blocks of block_size positions (one "chunk" each), plus one for a shorter
     last block."""
 
     def __init__(self, b, h, d, m, device, backward=False):
@@ -143,16 +121,6 @@ def _row_max(u, keep):
 
 def _finite_or_zero(seen):
     return torch.where(torch.isfinite(seen), seen, torch.zeros_like(seen))
-
-
-def _lost_positions(den, keep):
-    """How many query positions (over batch and heads) see at least one real key yet got a denominator of 0: the
-    causal walk takes key features at offset 0 (an offset from later keys would read the future), and keys of
-    large norm (|k| scale^½ beyond ~15) underflow in float32. A 0-dim tensor, so no host sync here."""
-    lost = den <= _TINY
-    if keep is not None:
-        lost = lost & (keep.expand(den.shape[0], -1, -1, -1).cumsum(2) > 0)
-    return lost.sum()
 
 
 def _rescale(before, after):
@@ -187,18 +155,19 @@ class _RunningMax:
 
 
 class FavorBidirectional(torch.autograd.Function):
-    """Bidirectional FAVOR+. Feature maps exist for at most _ROWS positions at a time, in forward and backward:
-    extra memory O(_ROWS m) per head instead of O(n m), in buffers reused block after block."""
+    """Bidirectional FAVOR+. Feature maps exist for at most ``rows`` positions at a time, in forward and backward:
+    extra memory O(rows m) per head instead of O(n m), in buffers reused block after block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps):
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, rows):
         phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
         work = _BlockWork(b, h, d, m, v.device)
         shift = _RunningMax(b * h, kv) if kernel != "relu" else None
-        for rows in _row_slices(k.shape[2]):
+        block = rows
+        for rows in _row_slices(k.shape[2], block):
             wr = work(rows)
             if shift is not None:
                 wr.set_offset(shift.offset)
@@ -207,14 +176,14 @@ class FavorBidirectional(torch.autograd.Function):
         offset = None if shift is None else shift.offset
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         den = torch.empty(*q.shape[:3], 1, dtype=torch.float32, device=q.device)
-        for rows in _row_slices(n):
+        for rows in _row_slices(n, block):
             wr = work(rows)
             num = torch.matmul(wr.queries(phi, q, rows, 1), kv, out=wr.num[:1])
             den_r = num[..., -1:].clamp_min(_TINY)
             _from_chunks(den_r, den[:, :, rows])
             _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
         ctx.save_for_backward(q, k, v, w, keep, kv, out, den, offset)
-        ctx.settings = (kernel, scale, eps)
+        ctx.settings = (kernel, scale, eps, block)
         return out.to(v.dtype)
 
     @staticmethod
@@ -222,14 +191,14 @@ class FavorBidirectional(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, k, v, w, keep, kv, out, den, offset = ctx.saved_tensors
-        kernel, scale, eps = ctx.settings
+        kernel, scale, eps, block = ctx.settings
         phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
         work = _BlockWork(b, h, d, w.shape[0], v.device, backward=True)
         inv = _inverse(den)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros_like(kv)
-        for rows in _row_slices(n):
+        for rows in _row_slices(n, block):
             wr = work(rows)
             gc = wr.out_grad(g, out, inv, rows, 1)
             pq = wr.queries(phi, q, rows, 1)
@@ -238,7 +207,7 @@ class FavorBidirectional(torch.autograd.Function):
             _from_chunks(phi.grad_into(dphi, pq, None, wr.scratch[:1], True), dq[:, :, rows])
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for rows in _row_slices(k.shape[2]):
+        for rows in _row_slices(k.shape[2], block):
             wr = work(rows)
             if offset is not None:
                 wr.set_offset(offset)
@@ -248,7 +217,7 @@ class FavorBidirectional(torch.autograd.Function):
             dphi = torch.matmul(va, dkv.transpose(-1, -2), out=wr.dphi[:1])
             dk_r = phi.grad_into(dphi, pk, wr.xk[:1], wr.dx[:1], False)[..., :d]
             _from_chunks(dk_r, dk[:, :, rows])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _to_chunks(x, nc, c):
@@ -262,18 +231,6 @@ def _from_chunks(y, target):
     b, h, _, f = target.shape
     nc, _, c, _ = y.shape
     target.unflatten(2, (nc, c)).copy_(y.view(nc, b, h, c, f).permute(1, 2, 0, 3, 4))
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """True under saved-tensor hooks (non-reentrant activation checkpointing, save_on_cpu): then everything
-    backward needs goes through save_for_backward, so the hooks see it."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return True
-    try:
-        return top(False) is not None
-    except Exception:  # pragma: no cover - a torch without the private query: take the safe path
-        return True
 
 
 class _Work:
@@ -291,20 +248,9 @@ class _Work:
         self.pq, self.pk = new(m), new(m)
         if backward:
             self.gc, self.scratch, self.dx, self.dphi = new(d + 1), new(d), new(d + 1), new(m)
-            self.gv = new(c)
         else:
             self.num = new(d + 1)
         self._each = {}
-
-    def each(self, name, nc, transposed=False):
-        """The first nc chunks of a work buffer as a list of (b h, C, .) views (transposed: (b h, ., C)), built
-        once per call: the buffers are reused block after block, and slicing them anew for every chunk of every
-        block costs ~1% of the walk."""
-        key = (name, transposed)
-        if key not in self._each:
-            buf = getattr(self, name)
-            self._each[key] = (buf.transpose(-1, -2) if transposed else buf).unbind(0)
-        return self._each[key][:nc]
 
     def load(self, buf, x, rows, nc):
         """Copy rows of x (b, h, L, f) into the first nc chunks of buf, chunk-major, as float32."""
@@ -361,173 +307,41 @@ class _Work:
         return gc
 
 
-def _causal_walk(qf, kf, vf, keep, phi, c, out=None, den=None, for_backward=True):
-    """The forward walk of chunked causal FAVOR+ over (padded) q, k, v. Returns the state at each block start,
-    each block's intra-chunk scores tril(phi(Q) phi(K)ᵀ) (chunk-major, (nc, b h, C, C); both lists empty unless
-    ``for_backward``) and the final state; writes the output and its denominator into ``out`` / ``den`` when
-    given."""
-    b, h, length, d = vf.shape
-    m = phi.ws.shape[0]
-    blocks = _blocks(length, c)
-    work = _Work(b, h, d, m, c, (blocks[0].stop - blocks[0].start) // c, vf.device)
-    state = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=vf.device)
-    starts, scores = [], []
-    for rows in blocks:
-        if for_backward:
-            starts.append(state.clone())
-        nc = (rows.stop - rows.start) // c
-        pk, va, _ = work.keys(phi, kf, vf, keep, rows, nc)
-        pq = work.queries(phi, qf, rows, nc)
-        score = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (nc, b h, c, c)
-        if for_backward:
-            scores.append(score)
-        num = torch.matmul(score, va, out=work.num[:nc])  # (nc, b h, c, e)
-        each = (work.each(name, nc, name == "pk") for name in ("num", "pq", "pk", "va"))
-        for num_j, pq_j, pk_t, va_j in zip(*each):  # chunk by chunk
-            num_j.baddbmm_(pq_j, state)
-            state.baddbmm_(pk_t, va_j)
-        if out is not None:
-            den_r = num[..., -1:].clamp_min(_TINY)
-            _from_chunks(den_r, den[:, :, rows])
-            _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
-    return starts, scores, state
-
-
-class FavorCausal(torch.autograd.Function):
-    """Chunked causal FAVOR+ (chunks of C positions). On x86-64 CPUs the walk below runs compiled (_native, see
-    _use_native) with the same math; this PyTorch walk is the reference and runs everywhere else. It goes in
-    blocks of about _CAUSAL_ROWS positions so that feature maps never exist for the whole sequence. Inside a
-    block, tensors are chunk-major (nc, b h, C, .): the intra-chunk (triangular) parts of all chunks are batched,
-    and the running state S = Σ phi(k) [v, 1]ᵀ is carried chunk by chunk with in-place batched GEMMs (baddbmm_) on
-    dense slices, so no per-chunk prefix tensor is ever built. Backward walks the blocks in reverse, rebuilding the state forward inside each block for
-    dphi(Q) and carrying the gradient of the state backward for dphi(K) and dV.
-
-    Forward keeps, per block, the state at its start (m x (d + 1) per head) and the intra-chunk scores
-    (C per position), so backward need not recompute them. Backward drops each block's pair as soon as it is
-    used (on CPU with glibc, handing it back to the OS every 16 MB: glibc would keep it in its heap), so this
-    memory is gone by the time the gradients dq, dk, dv have filled in; that keeps the peak of backward at
-    about the gradients plus one block of work space. Under saved-tensor hooks (non-reentrant
-    activation checkpointing, offloading) the pairs go through save_for_backward instead, so the hooks manage
-    them. A second backward through a retained graph recomputes them. Also returns the final state (S, z) at
-    offset 0, not differentiable, and the count of lost positions (see _lost_positions)."""
+class FavorCausalNative(torch.autograd.Function):
+    """Causal FAVOR+ on the compiled CPU walk (_native/favor_causal.cpp): chunks of C positions, one running state
+    S = Σ phi(k) [v, 1]ᵀ carried chunk by chunk, the feature map fused into the walk's GEMM tiles. Forward keeps the
+    state at the start of each block of ``block_chunks`` chunks; backward walks the blocks in reverse, rebuilding the
+    state forward inside each block for dphi(Q) and carrying the gradient of the state backward for dphi(K) and dV.
+    Returns (out in v's dtype, the final S (b, h, m, d) and z (b, h, m) at offset 0, the count of lost positions:
+    queries whose every visible key underflowed at offset 0), the last three not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, for_backward=True, native=None):
-        b, h, n, d = v.shape
-        # native: favor.favor_attention's choice (_choose_backend); None decides here, as before that existed
-        ctx.native = _use_native(v, w.shape[0], chunk) if native is None else native
-        if ctx.native:
-            return _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk)
-        c = min(chunk, n)
-        pad = (-n) % c
-        phi = _FeatureMap(w, scale, kernel, eps)
-        if keep is not None:
-            keep = torch.nn.functional.pad(keep, (0, 0, 0, pad))
-        elif pad:
-            keep = torch.ones(1, 1, n + pad, 1, device=v.device)
-            keep[:, :, n:] = 0
-        qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        out = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
-        den = torch.empty(b, h, n + pad, 1, dtype=torch.float32, device=v.device)
-        starts, scores, state = _causal_walk(qf, kf, vf, keep, phi, c, out, den, for_backward)
-        lost = _lost_positions(den[:, :, :n], keep if keep is None else keep[:, :, :n])
-        ctx.settings = (kernel, scale, eps, c, pad)
-        if _saved_tensor_hooks_active():
-            ctx.save_for_backward(q, k, v, w, keep, out, den, *starts, *scores)
-            ctx.blocks = None
-        else:
-            ctx.save_for_backward(q, k, v, w, keep, out, den)
-            ctx.blocks = (starts, scores)  # popped by backward, block by block
-        state = state.view(b, h, *state.shape[1:])
-        state_s, state_z = state[..., :-1], state[..., -1]
-        ctx.mark_non_differentiable(state_s, state_z, lost)
-        return out[:, :, :n].to(v.dtype), state_s, state_z, lost
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, block_chunks=None):
+        n = v.shape[2]
+        pad = (-n) % chunk
+        qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+        out, den, starts, zstarts, s_final, z_final, lost, per_block = native_forward(
+            qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, n, block_chunks
+        )
+        ctx.settings = (kernel, scale, eps, chunk, pad, per_block)
+        ctx.save_for_backward(q, k, v, w, keep, out, den, starts, zstarts)
+        ctx.mark_non_differentiable(s_final, z_final, lost)
+        return out[:, :, :n].to(v.dtype), s_final, z_final, lost
 
     @staticmethod
-    @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
+    @once_differentiable  # backward is hand-written: a second derivative is refused, not wrong
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
-        if ctx.native:
-            return _native_backward(ctx, g)
-        q, k, v, w, keep, out, den, *saved = ctx.saved_tensors
-        kernel, scale, eps, c, pad = ctx.settings
-        phi = _FeatureMap(w, scale, kernel, eps)
-        b, h, n, d = v.shape
-        qf, kf, vf = (_pad_rows(t, pad) for t in (q, k, v))
-        blocks = _blocks(n + pad, c)
-        if saved:
-            starts, scores = list(saved[: len(blocks)]), list(saved[len(blocks) :])
-        elif ctx.blocks is not None:
-            (starts, scores), ctx.blocks = ctx.blocks, None
-        else:  # a second backward through a retained graph
-            starts, scores, _ = _causal_walk(qf, kf, vf, keep, phi, c)
-        gf = _pad_rows(g, pad)
-        dq = torch.empty(b, h, n + pad, d, dtype=torch.float32, device=v.device)
-        dk = torch.empty_like(dq)
-        dv = torch.empty_like(dq)
-        carry = torch.zeros_like(starts[0])  # d(loss)/d(state) from all later positions, (b h, m, e)
-        carry_v, carry_t = carry[..., :-1], carry.transpose(1, 2)  # views: the part that reaches v, and Cᵀ
-        work = _Work(b, h, d, w.shape[0], c, (blocks[0].stop - blocks[0].start) // c, v.device, backward=True)
-        inv = _inverse(den)
-        freed = 0
-        for index in range(len(blocks) - 1, -1, -1):
-            rows = blocks[index]
-            state, score = starts.pop(), scores.pop()
-            if saved:  # the saved tensor itself: the walk below advances a copy
-                state = state.clone()
-            freed += state.nbytes + score.nbytes
-            if freed >= _TRIM_BYTES and _MALLOC_TRIM is not None and v.device.type == "cpu":
-                _MALLOC_TRIM(0)
-                freed = 0
-            nc = (rows.stop - rows.start) // c
-            pk, va, keep_r = work.keys(phi, kf, vf, keep, rows, nc)
-            pq = work.queries(phi, qf, rows, nc)
-            gc = work.out_grad(gf, out, inv, rows, nc)
-            gv = torch.matmul(gc, va.transpose(-1, -2), out=work.gv[:nc]).tril_()  # d(scores), (nc, b h, c, c)
-            dphi = torch.matmul(gv, pk, out=work.dphi[:nc])  # dphi(Q)
-            state_t = state.transpose(1, 2)
-            each = (work.each(name, nc, name == "pk") for name in ("dphi", "gc", "pk", "va"))
-            for dphi_j, gc_j, pk_t, va_j in zip(*each):  # the state before each chunk
-                dphi_j.baddbmm_(gc_j, state_t)
-                state.baddbmm_(pk_t, va_j)
-            del state, state_t
-            _from_chunks(phi.grad_into(dphi, pq, None, work.scratch[:nc], True), dq[:, :, rows])
-            dv_r = torch.matmul(score.transpose(-1, -2), gc[..., :-1], out=work.scratch[:nc])
-            del score
-            dphi = torch.matmul(gv.transpose(-1, -2), pq, out=work.dphi[:nc])  # dphi(K)
-            names = ("scratch", "dphi", "pk", "va", "pq", "gc")
-            chunks = zip(*(work.each(name, nc, name == "pq") for name in names))
-            for dv_j, dphi_j, pk_j, va_j, pq_t, gc_j in reversed(list(chunks)):  # the gradient of later chunks
-                dv_j.baddbmm_(pk_j, carry_v)
-                dphi_j.baddbmm_(va_j, carry_t)
-                carry.baddbmm_(pq_t, gc_j)
-            _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
-            dk_r = phi.grad_into(dphi, pk, work.xk[:nc], work.dx[:nc], False)[..., :d]
-            _from_chunks(dk_r, dk[:, :, rows])
-        return (
-            dq[:, :, :n].to(q.dtype),
-            dk[:, :, :n].to(k.dtype),
-            dv[:, :, :n].to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+        q, k, v, w, keep, out, den, starts, zstarts = ctx.saved_tensors
+        kernel, scale, eps, chunk, pad, per_block = ctx.settings
+        n = v.shape[2]
+        qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+        gf = _pad_rows(g.float(), pad).contiguous()
+        dq, dk, dv = native_backward(
+            qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
         )
-
-
-def native_enabled() -> bool:
-    """Whether the compiled walk is switched on (NATIVE, read at call time: tests switch it)."""
-    return NATIVE
-
-
-def _use_native(v, m, chunk) -> bool:
-    """The compiled walk (_native/favor_causal.cpp) for CPU work it supports, outside torch.compile's tracing (it
-    cannot trace a ctypes call) and unless switched off (NATIVE = False, or LINEARFORMERS_NATIVE=0)."""
-    return NATIVE and not torch.compiler.is_compiling() and native_supports(v, m, chunk)
+        grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _native_inputs(q, k, v, keep, pad):
@@ -539,37 +353,5 @@ def _native_inputs(q, k, v, keep, pad):
     return qf, kf, vf, keep2
 
 
-def _native_forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk):
-    n = v.shape[2]
-    pad = (-n) % chunk
-    qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
-    out, den, starts, zstarts, s_final, z_final, lost, per_block = native_forward(
-        qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, n
-    )
-    ctx.settings = (kernel, scale, eps, chunk, pad, per_block)
-    ctx.save_for_backward(q, k, v, w, keep, out, den, starts, zstarts)
-    ctx.mark_non_differentiable(s_final, z_final, lost)
-    return out[:, :, :n].to(v.dtype), s_final, z_final, lost
-
-
-def _native_backward(ctx, g):
-    q, k, v, w, keep, out, den, starts, zstarts = ctx.saved_tensors
-    kernel, scale, eps, chunk, pad, per_block = ctx.settings
-    n = v.shape[2]
-    qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
-    gf = _pad_rows(g.float(), pad).contiguous()
-    dq, dk, dv = native_backward(
-        qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
-    )
-    grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
-    return (*grads, None, None, None, None, None, None, None, None)
-
-
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-
-
-def _blocks(length: int, c: int) -> list[slice]:
-    """Consecutive blocks of a multiple of c positions, about _ROWS each, covering [0, length)."""
-    step = c * max(1, _CAUSAL_ROWS // c)
-    return [slice(i, min(i + step, length)) for i in range(0, length, step)]

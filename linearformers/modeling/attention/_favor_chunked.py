@@ -43,8 +43,23 @@ Precision. Features, chunk sums, the prefix, the intra-chunk products, the divis
 whatever the inputs' dtype (bf16 / fp16 inputs are cast on entry; float64 inputs alone work in float64, so that
 gradcheck means something); the output and the gradients come back in the inputs' dtypes. The public op (favor_attention) runs outside autocast, and so does backward here.
 
+Precomputed features (``kernel="features"``): q and k are already phi_q, phi_k (b, h, n, m), nonnegative, and w is
+None (scale and eps are ignored). Forward is the same from the features on (padded keys: phi_k times keep); backward
+returns d(phi_q), d(phi_k), dv and dS_0, with no feature-map chain rule.
+
 Keys of large norm: at offset 0 their features underflow (as in the walk), so forward counts the positions whose
-every visible key underflowed (``lost``) and favor_attention redoes such calls with per-position offsets.
+every visible key underflowed (``lost``) and favor_attention redoes such calls with :func:`favor_causal_offsets`:
+the same chunked form with each position's keys taken relative to the prefix maximum of the key exponents,
+
+    M_t = max_{s <= t} max_i u_s,i        (u the keys' exponents; at least the initial state's level, see below)
+    intra        A_c[t, s] = phi_q(t)·phi_k(s) exp(M_s - M_t),   s <= t                one batched product
+    chunk sums   U_c = Σ_{s in c} exp(M_s - E_c) phi_k(s) [v_s, 1]ᵀ,  E_c = M at chunk c's end
+    states       S_c = Σ_{j <= c} exp(E_{j-1} - E_{c-1}) U_{j-1}   (U_{-1} = S_0 at E_{-1}, its level)
+                 = L @ [S_0, U_0, .., U_{nc-1}] with L (nc + 1) x (nc + 1) lower triangular, entries <= 1: one GEMM
+    output       [N, D]_t = A_c V_c + exp(E_{c-1} - M_t) phi_q(t) S_c
+
+so every factor is at most 1 (M is non-decreasing) and nothing reads past t. The offsets cancel in N / D; row nc of
+L @ [...] is the final state, relative to E_{nc-1}, the last M. Plain autograd (the rare path).
 """
 
 from __future__ import annotations
@@ -55,28 +70,18 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._precision import outside_autocast
+from .feature_maps import favor_exponents, random_features
 
 DEFAULT_CHUNK = 64  # see the module docstring: per-chunk states n m (d + 1) / C ≈ n m at C = 64, d = 64
 _TINY = 1e-30
 
 
 def _features(x, w, scale, kernel, eps, *, is_query, keep=None):
-    """phi(x) (b, h, n, m) in w's dtype, the same formula as favor.favor_features / favor._exponents; padded keys
-    (keep == 0) get exponent -inf before the exp (softmax) or features 0 (relu)."""
-    xs = x.to(w.dtype) * math.sqrt(scale)
-    u = torch.matmul(xs, w.T)
-    if kernel == "relu":
-        phi = torch.relu(u).add_(eps)
-        return phi if keep is None or is_query else phi.mul_(keep)
-    u = u.sub_(0.5 * xs.pow(2).sum(-1, keepdim=True))
-    half_w_sq = 0.5 * w.pow(2).sum(-1)
-    if is_query:
-        u = u.add_(half_w_sq)
-        return u.sub_(u.amax(dim=-1, keepdim=True)).exp_()
-    u = u.sub_(half_w_sq)
-    if keep is not None:  # before exp: a padded key may sit far above the real ones (inf x 0 = NaN after)
-        u = u.masked_fill_(keep == 0, -math.inf)
-    return u.exp_()
+    """phi(x) (b, h, n, m) in w's dtype: the maps of :mod:`feature_maps`; padded keys (keep == 0) get exponent -inf
+    before the exp (softmax) or features 0 (relu)."""
+    mask = None if keep is None or is_query else keep[:, 0, :, 0] > 0
+    phi = random_features(x, w, is_query=is_query, kernel=kernel, scale=scale, eps=eps, key_padding_mask=mask)
+    return phi.to(w.dtype)
 
 
 def _pad(x, pad):
@@ -88,11 +93,16 @@ def _chunked(x, c):
     return x.unflatten(2, (-1, c))
 
 
-def _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad):
-    """Chunked phi(q), phi(k) (padded keys zeroed) and V = [v, 1] (padded rows 0), float32, (b, h, nc, c, .)."""
-    pq = _features(q, w, scale, kernel, eps, is_query=True)
-    pk = _features(k, w, scale, kernel, eps, is_query=False, keep=keep)
-    vf = v.to(w.dtype)
+def _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work):
+    """Chunked phi(q), phi(k) (padded keys zeroed) and V = [v, 1] (padded rows 0) in ``work`` (float32, or float64),
+    (b, h, nc, c, .). ``kernel="features"``: q and k are the features already."""
+    if kernel == "features":
+        pq = q.to(work)
+        pk = k.to(work) if keep is None else k.to(work) * keep  # a new tensor: the caller's features stay as given
+    else:
+        pq = _features(q, w, scale, kernel, eps, is_query=True)
+        pk = _features(k, w, scale, kernel, eps, is_query=False, keep=keep)
+    vf = v.to(work)
     va = torch.cat([vf, torch.ones_like(vf[..., :1])], -1)
     if keep is not None:
         va = va.mul_(keep)
@@ -118,20 +128,25 @@ def _lost_positions(den, keep):
 
 class FavorCausalChunked(torch.autograd.Function):
     """Causal FAVOR+ over all chunks at once (see the module docstring). Inputs: q, k, v (b, h, n, d) any float
-    dtype; w (m, d) float32; keep (b, 1, n, 1) float or None; the kernel, scale, eps, chunk C; s0 (b, h, m, d + 1)
-    float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype, S (b, h, m, d), z (b, h, m),
-    lost): the final state at offset 0 and the lost count are not differentiable."""
+    dtype; w (m, d) float32; keep (b, 1, n, 1) float or None; the kernel ("softmax", "relu", or "features": q and k
+    are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored), scale, eps, chunk C;
+    s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
+    S (b, h, m, d), z (b, h, m), lost): the final state at offset 0 and the lost count are not differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0):
         n, d = v.shape[2:]
         work = torch.promote_types(v.dtype, torch.float32)  # float32, float64 for float64 inputs (gradcheck)
-        w, keep = w.to(work), None if keep is None else keep.to(work)
+        if kernel == "features":  # the features' dtype counts too (float64 features with float32 v: float64)
+            work = torch.promote_types(work, torch.promote_types(q.dtype, k.dtype))
+        else:
+            w = w.to(work)
+        keep = None if keep is None else keep.to(work)
         ctx.s0_dtype = None if s0 is None else s0.dtype
         s0 = None if s0 is None else s0.to(work)
         c = min(chunk, n)
         pad = (-n) % c
-        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad)
+        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0)
         scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
         num = torch.matmul(scores, va)  # (b, h, nc, c, d + 1)
@@ -158,10 +173,11 @@ class FavorCausalChunked(torch.autograd.Function):
         q, k, v, w, keep, out, den, s0 = ctx.saved_tensors
         kernel, scale, eps, c, pad = ctx.settings
         d = v.shape[-1]
-        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad)
+        work = out.dtype
+        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
-        gf = g.to(w.dtype) * inv
+        gf = g.to(work) * inv
         ga = _chunked(_pad(torch.cat([gf, -(gf * out).sum(-1, keepdim=True)], -1), pad), c)  # dL/d[N, D]
         nc = ga.shape[2]
         d_scores = torch.matmul(ga, va.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
@@ -187,6 +203,9 @@ class FavorCausalChunked(torch.autograd.Function):
         d_pq, d_pk, pq, pk = (x.flatten(2, 3)[:, :, :n] for x in (d_pq, d_pk, pq, pk))
         d_va = d_va.flatten(2, 3)[:, :, :n]
         dv = d_va[..., :d] if keep is None else d_va[..., :d] * keep
+        if kernel == "features":  # the features were the inputs: no chain rule (padded keys entered as phi_k keep)
+            d_pk = d_pk if keep is None else d_pk.mul_(keep)
+            return d_pq.to(q.dtype), d_pk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, d_s0
         root = math.sqrt(scale)
         if kernel == "relu":  # phi = ReLU(u) + eps: du = dphi where u > 0 (padded keys have phi = 0 here)
             du_q, du_k = d_pq.mul_(pq > eps), d_pk.mul_(pk > eps)
@@ -198,3 +217,111 @@ class FavorCausalChunked(torch.autograd.Function):
         if kernel != "relu":  # the key exponent's -|x'|²/2: d/dx = -s x per unit of Σ_m du
             dk = dk.sub_(k.to(w.dtype) * du_k.sum(-1, keepdim=True), alpha=scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, d_s0
+
+
+_NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet (as favor._NOTHING)
+_MAX_CHUNKS = 128  # favor_causal_offsets keeps nc <= 128 chunks: see offsets_chunk
+
+
+def offsets_chunk(n: int, chunk: int | None = None) -> int:
+    """The chunk favor_causal_offsets takes at length n: ``chunk`` (DEFAULT_CHUNK when None), raised to
+    ceil(n / 128) rounded up to a multiple of 16 where that is larger, so that there are at most 128 chunks.
+
+    Why. Next to the work every chunk size shares (the feature maps, 2 n m d multiply-adds, the chunk sums and the
+    inter-chunk output, n m (d + 1) each), the offsets pay the intra-chunk products, n C (m + d), and the states: one
+    (nc + 1) x (nc + 1) by (nc + 1) x m (d + 1) product, ~(n / C)² m d. Their sum is least at C³ ≈ 2 n m d / (m + d),
+    C ≈ 75 at n = 4096 and 119 at n = 16384 (m = 256, d = 64), so C = 64 up to n = 8192, ceil(n / 128) beyond. With
+    nc <= 128 the states cost at most 128² m d: 2 n m d at n = 8192, one feature map's GEMM (n m d) at n = 16384 and
+    less beyond, while the intra-chunk part n C (m + d) stays ~2.5 n m d at n = 16384 (C = 128). Multiples of 16 keep
+    the GEMM tiles whole. Any chunk gives the same result up to rounding; the op count depends on none of this."""
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    floor = -(-n // _MAX_CHUNKS)
+    return -(-floor // 16) * 16 if floor > chunk else chunk
+
+
+def _key_exponents(x, w, scale, *, is_query=False):
+    """The softmax features' exponents (b, h, n, m) in w's dtype: :func:`feature_maps.favor_exponents`."""
+    return favor_exponents(x, w, is_query=is_query, scale=scale).to(w.dtype)
+
+
+def _decay(levels):
+    """exp(levels[j] - levels[i]) for j <= i, 0 above the diagonal, (..., L, L) from non-decreasing levels (..., L):
+    entries in [0, 1]; the upper triangle is set to -inf before the exp, so nothing overflows."""
+    size = levels.shape[-1]
+    upper = torch.ones(size, size, dtype=torch.bool, device=levels.device).triu_(1)
+    return (levels[..., None, :] - levels[..., :, None]).masked_fill_(upper, -math.inf).exp_()
+
+
+def favor_causal_offsets(q, k, v, w, keep, scale, chunk=None, initial_state=None):
+    """Causal FAVOR+ (softmax kernel) with each position's keys taken relative to the prefix maximum M_t of the key
+    exponents, for keys of large norm whose features underflow at offset 0 and for continued prefills: the math of
+    favor._causal_stabilized, batched over all chunks (see the module docstring), so the number of dispatched ops
+    does not depend on n. Every factor exp(.) taken is at most 1, and M_t reads nothing past t.
+
+    Args: q, k, v (b, h, n, d) of one float dtype; w (m, d) the projection; keep (b, 1, n, 1) float (1 real, 0
+    padded) or None; scale; chunk C (None: DEFAULT_CHUNK), raised by :func:`offsets_chunk` so there are at most 128
+    chunks; initial_state (S (b, h, m, d), z (b, h, m), M (b, h)) or None: the true sums are exp(M) S and exp(M) z;
+    it enters at its level log max z + M (an empty state, z = 0, counts as none), which every M_t is then at least.
+
+    Computes in float32 (float64 for float64 v), plain autograd: gradients reach q, k, v and S, z (and M) of the
+    initial state. A position that sees no real key (and no state) outputs 0 and passes no gradient. Returns
+    (out in v's dtype, (S, z, M)): the final state relative to its offset M (b, h) = the last M_t (0 when nothing was
+    seen), in the working dtype, still attached to the graph (detach it to keep it as a decoding state)."""
+    b, h, n, d = v.shape
+    work = torch.promote_types(v.dtype, torch.float32)
+    w = w.to(device=v.device, dtype=work)
+    m = w.shape[0]
+    c = min(offsets_chunk(n, chunk), n)
+    pad = (-n) % c
+    nc = (n + pad) // c
+
+    u = _key_exponents(k, w, scale)  # (b, h, n, m), <= 0
+    va = torch.cat([v.to(work), torch.ones_like(v[..., :1], dtype=work)], -1)  # [v, 1]: N and D from one product
+    if keep is not None:
+        keep = keep.to(work)
+        u = u.masked_fill(keep == 0, -math.inf)  # before the exp: a padded key may sit far above the real ones
+        va = va * keep
+    top = torch.cummax(u.detach().amax(-1), dim=-1).values  # M_t (b, h, n), -inf before the first real key
+    if initial_state is None:
+        start = top.new_full((b, h), _NOTHING)
+        s_init = va.new_zeros(b, h, m, d + 1)
+    else:
+        s0, z0, m0 = (t.to(device=v.device, dtype=work) for t in initial_state)
+        level = m0.detach() + torch.log(z0.detach().amax(-1))  # log of the state's largest entry; -inf: empty
+        known = torch.isfinite(level)
+        top = torch.maximum(top, level[..., None])
+        start = torch.where(known, level, torch.full_like(level, _NOTHING))
+        factor = torch.where(known, torch.exp(m0 - start), torch.zeros_like(level))  # <= 1 (max z e^{M - level} = 1)
+        s_init = torch.cat([s0, z0[..., None]], -1) * factor[..., None, None]  # relative to E_{-1} = start
+    top = top.clamp_min(_NOTHING)  # -inf -> _NOTHING: differences stay finite (and 0 between two such)
+    phi_k = torch.exp(u - top[..., None])  # <= 1; 0 for padded keys
+    uq = _key_exponents(q, w, scale, is_query=True)
+    phi_q = torch.exp(uq - uq.amax(-1, keepdim=True).detach())  # per-row maximum off: cancels in N / D
+
+    if pad:  # the last chunk's padded rows: keys and V 0, their M the last M (so E of the last chunk is M_{n-1})
+        top = torch.cat([top, top[..., -1:].expand(b, h, pad)], -1)
+    tc = top.unflatten(-1, (nc, c))  # (b, h, nc, c)
+    pq, pk, vc = (_chunked(_pad(x, pad), c) for x in (phi_q, phi_k, va))
+    ends = tc[..., -1]  # E_c (b, h, nc)
+
+    # intra-chunk: phi_q(t)·phi_k(s) exp(M_s - M_t), s <= t
+    scores = torch.matmul(pq, pk.transpose(-1, -2)) * _decay(tc)
+    num = torch.matmul(scores, vc)  # (b, h, nc, c, d + 1)
+    # chunk sums relative to E_c, then every state S_c relative to E_{c-1} (row nc: the final state) in one GEMM
+    sums = torch.matmul((pk * torch.exp(tc - ends[..., None])[..., None]).transpose(-1, -2), vc)  # (b, h, nc, m, d+1)
+    levels = torch.cat([start[..., None], ends], -1)  # E_{-1}, E_0, .., E_{nc-1}
+    stacked = torch.cat([s_init[:, :, None], sums], 2).flatten(-2)  # (b, h, nc + 1, m (d + 1))
+    states = torch.matmul(_decay(levels), stacked).unflatten(-1, (m, d + 1))
+    # inter-chunk: exp(E_{c-1} - M_t) phi_q(t) S_c
+    before = torch.exp(levels[..., :-1, None] - tc)[..., None]  # (b, h, nc, c, 1), <= 1
+    num = num + before * torch.matmul(pq, states[:, :, :-1])
+    num = num.flatten(2, 3)[:, :, :n]
+    den = num[..., d:]
+    seen = den > _TINY
+    out = torch.where(seen, num[..., :d] / torch.where(seen, den, torch.ones_like(den)), torch.zeros_like(den))
+    final = states[:, :, -1]
+    offset = ends[..., -1]
+    offset = torch.where(offset > _NOTHING, offset, torch.zeros_like(offset))  # 0: nothing seen yet
+    return out.to(v.dtype), (final[..., :d], final[..., d], offset)

@@ -4,9 +4,9 @@ Autograd through ``softmax(Q Kpᵀ) Vp`` keeps the (n x k) probabilities per hea
 blocks with checkpointing costs a zero-filled gradient of the whole of q per block (slice backward) plus the
 concatenation of the blocks. Here:
 
-* :class:`SlotAttention` walks the queries in blocks of ``_ROWS``. Forward saves q, Kp, Vp, the output and
-  the per-row log-sum-exp; backward recomputes each block's probabilities from the log-sum-exp and writes dq
-  into place. Extra memory is O(_ROWS k) per head whatever n is.
+* :class:`SlotAttention` walks the queries in blocks of ``rows`` (an argument, ``_ROWS`` by default). Forward
+  saves q, Kp, Vp, the output and the per-row log-sum-exp; backward recomputes each block's probabilities from
+  the log-sum-exp and writes dq into place. Extra memory is O(rows k) per head whatever n is.
 * :class:`SequenceProjection` computes E x for every (batch, head) with one (k x n) @ (n x d) product each,
   reading x in place: no permuted copy of x, no broadcast copy of E, and dx written into place in backward.
 
@@ -22,11 +22,11 @@ from torch.autograd.function import once_differentiable
 
 from ._precision import outside_autocast
 
-_ROWS = 256
+_ROWS = 256  # default query rows per block of SlotAttention (linformer_attention's block_size=None)
 
 
-def _row_slices(n: int) -> list[slice]:
-    return [slice(i, min(i + _ROWS, n)) for i in range(0, n, _ROWS)]
+def _row_slices(n: int, rows: int = _ROWS) -> list[slice]:
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
 def _block_logits(q_rows, kp, bias, scale):
@@ -49,25 +49,27 @@ class SlotAttention(torch.autograd.Function):
     (0 for usable slots, -inf for slots no real token wrote). A row with no usable slot gets zeros.
 
     Dropout on the probabilities draws each block's mask from a generator seeded by (a seed taken from torch's
-    global generator, the block index), so backward regenerates the same mask instead of storing it."""
+    global generator, the block index), so backward regenerates the same mask instead of storing it. ``rows``:
+    queries per block (a positive int; the result does not depend on it, up to rounding, except through the
+    dropout masks, which are drawn per block)."""
 
     @staticmethod
-    def forward(ctx, q, kp, vp, bias, scale, dropout_p=0.0):
+    def forward(ctx, q, kp, vp, bias, scale, dropout_p=0.0, rows=_ROWS):
         b, h, n, _ = q.shape
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
         out = torch.empty(b, h, n, vp.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, n, 1, dtype=torch.float32, device=q.device)
-        for index, rows in enumerate(_row_slices(n)):
-            logits = _block_logits(q[:, :, rows].float(), kp, bias, scale)
+        for index, block in enumerate(_row_slices(n, rows)):
+            logits = _block_logits(q[:, :, block].float(), kp, bias, scale)
             top = logits.amax(-1, keepdim=True).clamp_min(-1e30)  # finite even for a row with no usable slot
             probs = logits.sub_(top).exp_()
             total = probs.sum(-1, keepdim=True).clamp_min_(1e-30)
             if dropout_p > 0:
                 probs.mul_(_dropout_keep(probs.shape, dropout_p, seed, index, q.device))
-            out[:, :, rows] = torch.matmul(probs, vp).div_(total)
-            lse[:, :, rows] = total.log_().add_(top)
+            out[:, :, block] = torch.matmul(probs, vp).div_(total)
+            lse[:, :, block] = total.log_().add_(top)
         ctx.save_for_backward(q, kp, vp, bias, out, lse)
-        ctx.settings = (scale, dropout_p, seed)
+        ctx.settings = (scale, dropout_p, seed, rows)
         return out
 
     @staticmethod
@@ -75,14 +77,14 @@ class SlotAttention(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, kp, vp, bias, out, lse = ctx.saved_tensors
-        scale, dropout_p, seed = ctx.settings
+        scale, dropout_p, seed, rows = ctx.settings
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dkp = torch.zeros(kp.shape, dtype=torch.float32, device=q.device)
         dvp = torch.zeros(vp.shape, dtype=torch.float32, device=q.device)
         g = g.float()
-        for index, rows in enumerate(_row_slices(q.shape[2])):
-            q_rows, g_rows = q[:, :, rows].float(), g[:, :, rows]
-            probs = _block_logits(q_rows, kp, bias, scale).sub_(lse[:, :, rows]).exp_()
+        for index, block in enumerate(_row_slices(q.shape[2], rows)):
+            q_rows, g_rows = q[:, :, block].float(), g[:, :, block]
+            probs = _block_logits(q_rows, kp, bias, scale).sub_(lse[:, :, block]).exp_()
             dprobs = torch.matmul(g_rows, vp.transpose(-1, -2))
             if dropout_p > 0:
                 keep = _dropout_keep(probs.shape, dropout_p, seed, index, q.device)
@@ -91,11 +93,11 @@ class SlotAttention(torch.autograd.Function):
             else:
                 dvp.add_(torch.matmul(probs.transpose(-1, -2), g_rows))
             # rowsum(P ⊙ dP) = rowsum(g ⊙ out), dropout included
-            delta = (g_rows * out[:, :, rows]).sum(-1, keepdim=True)
+            delta = (g_rows * out[:, :, block]).sum(-1, keepdim=True)
             ds = dprobs.sub_(delta).mul_(probs).mul_(scale)
-            dq[:, :, rows] = torch.matmul(ds, kp)
+            dq[:, :, block] = torch.matmul(ds, kp)
             dkp.add_(torch.matmul(ds.transpose(-1, -2), q_rows))
-        return dq.to(q.dtype), dkp.to(kp.dtype), dvp.to(vp.dtype), None, None, None
+        return dq.to(q.dtype), dkp.to(kp.dtype), dvp.to(vp.dtype), None, None, None, None
 
 
 class SequenceProjection(torch.autograd.Function):

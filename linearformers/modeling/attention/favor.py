@@ -27,17 +27,14 @@ import math
 import torch
 
 from ._checks import check_mask, check_qkv
-from ._favor_autograd import FavorBidirectional, FavorCausal, native_enabled
-from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked
-from ._native import available as native_available
+from ._favor_autograd import BIDIRECTIONAL_BLOCK, FavorBidirectional, FavorCausalNative
+from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked, favor_causal_offsets
 from ._precision import outside_autocast
+from .backends import NATIVE_CHUNK, choose_backend
+from .feature_maps import KERNELS, favor_exponents, random_features
 from .reference import favor_reference
 
-KERNELS = ("softmax", "relu")
-BACKENDS = ("reference", "chunked", "walk", "native")
-WALK_CHUNK = 32  # the causal walk's (and the compiled walk's) default chunk: it carries one state, not one per chunk
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
-_NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet
 
 
 def draw_random_features(
@@ -94,34 +91,17 @@ def favor_features(
 ) -> torch.Tensor:
     """Feature map phi: (batch, heads, length, head_dim) -> (batch, heads, length, num_features), float32.
 
-    ``kernel="softmax"``: the stabilized positive random features of Lemma 1 (see the module docstring);
+    ``kernel="softmax"``: the stabilized positive random features of Lemma 1 (:func:`feature_maps.favor_positive`);
     phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
-    ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2), the same map for
-    queries and keys; x' = x * scale**0.5.
+    ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
+    :func:`feature_maps.relu_features`), the same map for queries and keys; x' = x * scale**0.5.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
-    if projection.dim() != 2 or projection.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"projection must be shaped (num_features, head_dim={x.shape[-1]}), got {tuple(projection.shape)}"
-        )
-    head_dim = x.shape[-1]
-    scale = head_dim**-0.5 if scale is None else scale
-    w = projection.to(device=x.device, dtype=torch.float32)
-    if kernel == "relu":
-        return torch.relu(torch.matmul(x.float() * math.sqrt(scale), w.T)) + kernel_eps
-    if is_query:
-        logits = _exponents(x, w, scale, is_query=True)
-        return torch.exp(logits - logits.amax(dim=-1, keepdim=True).detach())
-    return torch.exp(_exponents(x, w, scale, is_query=False))
+    return random_features(x, projection, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps).float()
 
 
 def _exponents(x, w, scale, *, is_query):
-    """The softmax features' exponents, float32 (b, h, n, m): w·x' - |x'|²/2 -/+ |w|²/2 (keys / queries)."""
-    x = x.float() * math.sqrt(scale)
-    w_sq = 0.5 * w.pow(2).sum(-1)
-    u = torch.matmul(x, w.T) - 0.5 * x.pow(2).sum(-1, keepdim=True)
-    return u + w_sq if is_query else u - w_sq
+    """The softmax features' exponents in float32 (b, h, n, m): :func:`feature_maps.favor_exponents`."""
+    return favor_exponents(x, w, is_query=is_query, scale=scale).float()
 
 
 def _masked_inputs(
@@ -160,6 +140,7 @@ def favor_attention(
     kernel: str = "softmax",
     scale: float | None = None,
     chunk_size: int | None = None,
+    block_size: int | None = None,
     kernel_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
@@ -172,22 +153,21 @@ def favor_attention(
         projection: (num_features, head_dim) random features from :func:`draw_random_features`.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk C; None: 32 for the walks, 64 for the chunked backend (see _favor_chunked).
-            Time O(n m d + n C (m + d)). Memory of the walks: the running state S = Σ phi(k) vᵀ
-            (m x d per head) is carried chunk by chunk in place. Training keeps the state at the start of
-            each block of 256 positions (512 in the compiled CPU walk) and the intra-chunk scores, O(n d + m d n / 256 + n C) in all, which
-            backward frees block by block as it goes, plus O(256 (m + C)) of work space; never the O(n m d)
-            per-position prefix tensor, nor an (n x m) feature map. The chunked backend holds the feature maps
-            and one state per chunk while it runs, O(n (m + m d / C + C)), and keeps only q, k, v, out for backward.
+        chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked), 32 for the native walk.
+        block_size: positions per block: the bidirectional kernel builds its feature maps this many positions at a
+            time (default 256), and the native walk keeps its state for backward every block (rounded to whole
+            chunks; default 16 chunks). Memory against per-block overhead; results do not depend on it.
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
             S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
         return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
-        backend: None (the default for the device, see :func:`_choose_backend`), "chunked" (all chunks batched:
-            a number of dispatched ops independent of n, the default off the CPU), "walk" (the PyTorch chunk
-            walk), "native" (the compiled CPU walk; ValueError where it cannot run), or "reference" (the plain
-            quadratic formula of ``reference.favor_reference``, for tests; no state in or out). "walk" and
-            "chunked" bypass the compiled walk, as ``LINEARFORMERS_NATIVE=0`` does for every call. Keys of large
-            norm and softmax continued prefills run the per-position offsets whatever the backend.
+        backend: None, "chunked", "native" or "reference"; see :mod:`backends` (None: the compiled CPU walk where
+            it runs, the chunked backend elsewhere). Causal softmax calls whose keys are of large norm (every
+            visible key's features underflowed at offset 0), and softmax continued prefills, run the chunked form
+            with per-position offsets (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
+
+    Memory, per head. The native walk keeps the state at each block start and O(n d) of inputs and outputs; the
+    chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs; the
+    bidirectional kernel holds O(block_size m) of feature maps at a time.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
@@ -195,8 +175,9 @@ def favor_attention(
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=causal)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    for name, value in (("chunk_size", chunk_size), ("block_size", block_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"favor_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}")
     if projection.requires_grad and torch.is_grad_enabled():
@@ -204,119 +185,59 @@ def favor_attention(
             "projection is a fixed draw of random features, not a parameter: favor_attention does not "
             "differentiate through it; pass projection.detach() (models keep it as a buffer)"
         )
-    chosen = _choose_backend(
-        backend,
-        v,
-        projection.shape[0],
-        chunk_size,
-        causal=causal,
-        state_in=initial_state is not None,
-        state_out=return_state,
+    state_in = initial_state is not None
+    chosen = choose_backend(
+        backend, v, projection.shape[0], chunk_size, causal=causal, state_in=state_in, state_out=return_state
     )
     if chosen == "reference":
         return favor_reference(
             q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps
         )
-    if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK if chosen == "chunked" else WALK_CHUNK
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.to(device=q.device, dtype=torch.float32)
     keep = None if mask is None else mask[:, None, :, None].float()
-    if initial_state is None:
-        # hand-written backward that recomputes the feature maps (see _favor_autograd, _favor_chunked)
-        if not causal:
-            return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
-        if chosen == "chunked":
-            out, s_final, z_final, lost = FavorCausalChunked.apply(
-                q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, None
+    if not causal:  # one blockwise kernel with a hand-written backward (_favor_autograd)
+        return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
+    if state_in:
+        initial_state = _unpack_state(initial_state, q, v, w)
+        if kernel == "softmax":  # offsets per position, continuing from the state's own
+            out, state = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size, initial_state)
+        else:  # ReLU features need no offset: the chunked backend takes the state as true sums (offset 0)
+            s0, z0 = _at_offset_zero(initial_state)
+            out, s, z, _ = FavorCausalChunked.apply(
+                q,
+                k,
+                v,
+                w,
+                keep,
+                kernel,
+                scale,
+                kernel_eps,
+                chunk_size or DEFAULT_CHUNK,
+                torch.cat([s0, z0[..., None]], -1),
             )
-        else:
-            # with no graph to record (generate()'s prefill), the walk keeps nothing for backward
-            track = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            out, s_final, z_final, lost = FavorCausal.apply(
-                q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, track, chosen == "native"
-            )
-        state = (s_final, z_final, s_final.new_zeros(s_final.shape[:2]))  # both run at offset M = 0
-        if kernel == "softmax" and not torch.compiler.is_compiling() and bool(lost):
-            # keys of large norm underflowed at offset 0: redo this call with per-position offsets
-            out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size)
+            state = (s, z, torch.zeros_like(initial_state[2]))
         return (out, state) if return_state else out
-    initial_state = _unpack_state(initial_state, q, v, w)
-    if kernel == "softmax":  # offsets per position, continuing from the state's own
-        out, state = _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state, detach_state=False)
-    else:  # ReLU features need no offset: the chunked backend takes the state as true sums (offset 0)
-        s0, z0 = _at_offset_zero(initial_state)
-        out, s, z, _ = FavorCausalChunked.apply(
-            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size, torch.cat([s0, z0[..., None]], -1)
+    if chosen == "native":
+        chunk = chunk_size or NATIVE_CHUNK
+        block_chunks = None if block_size is None else max(1, block_size // chunk)
+        out, s, z, lost = FavorCausalNative.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk, block_chunks)
+    else:
+        out, s, z, lost = FavorCausalChunked.apply(
+            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None
         )
-        state = (s, z, torch.zeros_like(initial_state[2]))
+    state = (s, z, s.new_zeros(s.shape[:2]))  # both run at offset M = 0
+    if kernel == "softmax" and _any_lost(lost):
+        # keys of large norm underflowed at offset 0: redo this call with per-position offsets
+        out, state = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size)
+        state = tuple(t.detach() for t in state)
     return (out, state) if return_state else out
 
 
-def _native_refusal(v: torch.Tensor, num_features: int, chunk_size: int) -> str | None:
-    """Why the compiled causal walk cannot run this call, or None when it can."""
-    if v.device.type != "cpu":
-        return f"it runs on CPU tensors only, these are on {v.device.type}"
-    for name, value in (("head_dim", v.shape[-1]), ("num_features", num_features), ("chunk_size", chunk_size)):
-        if value % 16:
-            return f"{name} must be a multiple of 16 (its tile width), got {value}"
-    if torch.compiler.is_compiling():
-        return "torch.compile cannot trace its ctypes call"
-    if not native_enabled():
-        return "it is switched off (_favor_autograd.NATIVE = False)"
-    if not native_available():
-        return (
-            "it is not built here: LINEARFORMERS_NATIVE=0, a CPU without x86-64 AVX2/FMA, no C++ compiler or a "
-            "failed build (see the log), or Hub remote code without its source"
-        )
-    return None
-
-
-def _choose_backend(
-    backend: str | None,
-    v: torch.Tensor,
-    num_features: int,
-    chunk_size: int | None,
-    *,
-    causal: bool,
-    state_in: bool = False,
-    state_out: bool = False,
-) -> str:
-    """The one place where favor_attention picks how to compute; returns a name from BACKENDS.
-
-    ``backend=None`` picks by device. Causal: "native" on CPUs where the compiled walk runs the shapes (x86-64 with
-    AVX2, built, not switched off by ``LINEARFORMERS_NATIVE=0``, head_dim / m / chunk multiples of 16, outside
-    torch.compile); "chunked" on every other device (CUDA: its op count does not grow with n, where the walk
-    launches a few kernels per chunk); "walk" on other CPUs (on a 2-core x86 CPU the chunked form ran 2.7x slower
-    than the walk, README). Bidirectional attention has one kernel (blockwise, FavorBidirectional) that every name but
-    "reference" and "native" runs. With an ``initial_state`` (continued prefill) softmax runs the per-position
-    offsets and relu the chunked backend, whatever is asked. A named backend is taken as asked; "native" where the
-    compiled walk cannot run or with an initial state, and "reference" with a state in or out, raise
-    ValueError. Softmax calls read one flag back from the device (positions whose keys all underflowed), one host
-    sync per causal layer whatever the backend.
-    """
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown FAVOR+ backend {backend!r}; choose None or one of {BACKENDS}")
-    if backend == "reference":
-        if state_in or state_out:
-            raise ValueError("backend='reference' takes no initial_state and returns no state")
-        return "reference"
-    if backend == "native":
-        if not causal:
-            raise ValueError("backend='native' is the compiled causal walk; bidirectional FAVOR+ has no native kernel")
-        reason = _native_refusal(v, num_features, WALK_CHUNK if chunk_size is None else chunk_size)
-        if reason is None and state_in:
-            reason = "it takes no initial_state (continued prefills run per-position offsets or the chunked form)"
-        if reason is not None:
-            raise ValueError(f"backend='native' cannot run this call: {reason}")
-        return "native"
-    if backend is not None:
-        return backend
-    if v.device.type != "cpu":
-        return "chunked"
-    if causal and _native_refusal(v, num_features, WALK_CHUNK if chunk_size is None else chunk_size) is None:
-        return "native"
-    return "walk"
+def _any_lost(lost: torch.Tensor) -> bool:
+    """Whether a causal call lost positions (every visible key underflowed at offset 0): one host sync per call.
+    Under torch.compile this is a data-dependent branch, so the compiled graph breaks here (README, torch.compile)."""
+    return bool(lost)
 
 
 _OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it sits this far (in e-folds) below
@@ -364,58 +285,6 @@ def _moved_offset(offset, top, level):
     target = torch.maximum(top, level)
     move = ((top > offset) | (target < offset - _OFFSET_SLACK)) & torch.isfinite(target)
     return torch.where(move, target, offset)
-
-
-def _causal_stabilized(q, k, v, w, mask, scale, chunk_size, initial_state=None, detach_state=True):
-    """Causal FAVOR+ with each position's keys taken relative to the prefix maximum M_t of the key exponents (real
-    keys up to t), for keys of large norm whose features underflow at offset 0. Every factor is <= 1:
-
-        intra-chunk scores   phi_q(t)·phi_k(s) exp(M_s - M_t),   s <= t
-        earlier chunks       exp(M_end - M_t) phi_q(t) S,        S kept relative to M_end, the last M of the chunk before
-        state update         S <- exp(M_end - M_end') S + Σ_s exp(M_s - M_end') phi_k(s) [v_s, 1]ᵀ
-
-    and nothing reads past t (M_t is a prefix maximum), so it stays causal; the offsets cancel in N / D. An
-    ``initial_state`` (S, z, M) enters as the state before the first chunk, at the level of its largest entry,
-    log max z + M, which every later M_t is at least. Plain autograd (it stores per-chunk tensors): the fallback of
-    the rare calls where the fast walk lost positions, and continued prefills. Returns (out in v's dtype,
-    (S, z, M)): the final state kept relative to its offset M (b, h), the last M_t, so it does not underflow."""
-    n = q.shape[2]
-    u = _exponents(k, w, scale, is_query=False)
-    vf = torch.cat([v.float(), torch.ones_like(v[..., :1], dtype=torch.float32)], -1)  # [v, 1]: N and D at once
-    if mask is not None:
-        u = u.masked_fill(~mask[:, None, :, None], -math.inf)
-        vf = vf * mask[:, None, :, None]
-    prefix = torch.cummax(u.detach().amax(-1), dim=-1).values  # (b, h, n), -inf before the first real key
-    state, end_prev = None, None
-    if initial_state is not None:
-        s0, z0, m0 = initial_state
-        level = _state_level(z0, m0)  # -inf for an empty state
-        prefix = torch.maximum(prefix, level[..., None])
-        end_prev = torch.where(torch.isfinite(level), level, torch.full_like(level, _NOTHING))
-        factor = torch.where(torch.isfinite(level), torch.exp(m0 - end_prev), torch.zeros_like(level))
-        state = torch.cat([s0, z0[..., None]], -1) * factor[..., None, None]  # relative to end_prev
-    prefix = torch.where(torch.isfinite(prefix), prefix, torch.full_like(prefix, _NOTHING))
-    phi_k = torch.exp(u - prefix[..., None])
-    phi_q = favor_features(q, w, is_query=True, scale=scale)
-    nums = []
-    for start in range(0, n, chunk_size):
-        rows = slice(start, min(start + chunk_size, n))
-        pq, pk, va, top = phi_q[:, :, rows], phi_k[:, :, rows], vf[:, :, rows], prefix[:, :, rows]
-        scale_ts = torch.exp(top[..., None, :] - top[..., :, None]).tril()  # [t, s] = exp(M_s - M_t), s <= t
-        num = ((pq @ pk.transpose(-1, -2)) * scale_ts) @ va
-        end = top[..., -1]
-        if state is not None:
-            num = num + torch.exp(end_prev[..., None] - top)[..., None] * (pq @ state)
-        update = (pk * torch.exp(top - end[..., None])[..., None]).transpose(-1, -2) @ va
-        state = update if state is None else state * torch.exp(end_prev - end)[..., None, None] + update
-        nums.append(num)
-        end_prev = end
-    num = torch.cat(nums, 2)
-    out = (num[..., :-1] / num[..., -1:].clamp_min(_TINY)).to(v.dtype)
-    offset = torch.where(end_prev > _NOTHING, end_prev, torch.zeros_like(end_prev)).detach()  # 0: nothing seen yet
-    if detach_state:
-        state = state.detach()
-    return out, (state[..., :-1], state[..., -1], offset)
 
 
 @outside_autocast

@@ -15,6 +15,13 @@ Projection methods (Section 4, "additional efficiency techniques"):
   * ``"conv"``: a strided convolution along the sequence, kernel = stride = n_max / k, weight (d, d, kernel).
 Sharing (per head, shared key-value, shared across layers) decides which tensors are passed as E and F; the
 math is the same.
+
+Backends, named at the call (``backend=``; None picks, in one place each):
+  * bidirectional (:data:`BACKENDS`): "blockwise", the hand-written flash-style :class:`SlotAttention` over the
+    k slots (the default), or "reference", the plain formula of :func:`reference.linformer_reference`;
+  * causal (:data:`CAUSAL_BACKENDS`): "chunked", the chunked prefix sums (:func:`_choose_causal_backend`), or
+    "reference", :func:`reference.causal_linformer_reference`.
+The references are for tests and checks: O(n k d) memory and plain autograd, no state in or out, no dropout.
 """
 
 from __future__ import annotations
@@ -23,10 +30,30 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv
-from ._linformer_autograd import SequenceProjection, SlotAttention
+from ._linformer_autograd import _ROWS, SequenceProjection, SlotAttention
 from ._precision import outside_autocast
+from .reference import causal_linformer_reference, linformer_reference
 
 METHODS = ("learned", "pool", "conv")
+BACKENDS = ("reference", "blockwise")  # bidirectional linformer_attention
+CAUSAL_BACKENDS = ("reference", "chunked")  # causal_linformer_attention
+
+
+def _check_backend(backend: str | None, choices: tuple[str, ...], op: str) -> None:
+    if backend is not None and backend not in choices:
+        raise ValueError(f"unknown {op} backend {backend!r}; choose None or one of {choices}")
+
+
+def _check_size(name: str, value: int) -> int:
+    """A block or chunk size: a positive int (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference backend computes in: float32 at least, as the kernels (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -133,6 +160,8 @@ def linformer_attention(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    backend: str | None = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """Bidirectional Linformer attention, O(n k d) time and O(n k) memory.
 
@@ -141,9 +170,20 @@ def linformer_attention(
         e_proj, f_proj: key and value projections (see the module docstring); ``f_proj=None`` shares E.
         method: "learned", "pool" or "conv". window: kernel = stride for pool / conv.
         key_padding_mask: (batch, n), True / 1 for real tokens.
+        scale: logit scale, head_dim ** -0.5 when None.
+        dropout_p: dropout on the attention probabilities, in [0, 1).
+        backend: None or "blockwise" (the default: :class:`SlotAttention`, flash-style over the k slots in
+            blocks of ``block_size`` queries, O(block_size k) extra memory per head, hand-written backward), or
+            "reference" (:func:`reference.linformer_reference`, the plain formula with autograd, computed in
+            float32 or wider; for tests, no dropout). See :data:`BACKENDS`.
+        block_size: queries per block of the blockwise backend, a positive int; None: ``_linformer_autograd._ROWS``
+            (256). A memory / speed trade-off: the result is the same up to rounding, except that dropout masks are
+            drawn per block.
     Returns: (batch, heads, n, head_dim) in q's dtype.
     """
     check_qkv(q, k, v)
+    _check_backend(backend, BACKENDS, "Linformer")
+    rows = _ROWS if block_size is None else _check_size("block_size", block_size)
     if method not in METHODS:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
     if not 0.0 <= dropout_p < 1.0:
@@ -156,6 +196,23 @@ def linformer_attention(
             raise ValueError("the learned projection needs e_proj")
         _check_learned(e_proj, "e_proj", h, n)
         _check_learned(f_proj, "f_proj", h, n)
+    if backend == "reference":
+        if dropout_p > 0:
+            raise ValueError(f"backend='reference' has no dropout; got dropout_p={dropout_p} (use the default backend)")
+        if method != "learned":  # the checks project_sequence makes on the kernel's path
+            if window is None or window <= 0:
+                raise ValueError(f"the {method!r} projection needs a positive window (kernel = stride), got {window}")
+            for proj in (e_proj, f_proj) if method == "conv" else ():
+                if proj is None or proj.dim() != 3 or proj.shape != (d, d, window):
+                    raise ValueError(
+                        f"the conv projection weight must be shaped (head_dim, head_dim, window) = "
+                        f"({d}, {d}, {window}), got {None if proj is None else tuple(proj.shape)}"
+                    )
+        dtype = _reference_dtype(q.dtype)
+        q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
+        e_, f_ = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
+        out = linformer_reference(q_, k_, v_, e_, f_, method=method, window=window, key_padding_mask=mask, scale=scale)
+        return out.to(q.dtype)
     lengths = None
     if mask is not None:
         k, v = compact(k, mask), compact(v, mask)
@@ -177,8 +234,8 @@ def linformer_attention(
     if slot_mask is not None:
         bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
         bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
-    # flash-style over the k slots (see _linformer_autograd): O(block k) extra memory per head, dropout included
-    return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p).to(q.dtype)
+    # flash-style over the k slots (see _linformer_autograd): O(rows k) extra memory per head, dropout included
+    return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
 
 
 def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:
@@ -203,6 +260,8 @@ def causal_linformer_attention(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     start: int = 0,
     return_state: bool = False,
+    backend: str | None = None,
+    prefill_block: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal Linformer with cumulative memory slots (after ABC, Peng et al. 2022), which never leaks.
 
@@ -221,11 +280,24 @@ def causal_linformer_attention(
     The decoding state is (K̃, Ṽ), fixed size k x d per head, plus the position.
 
     Args:
+        q, k, v: (batch, heads, n, head_dim), v's head_dim equal to q's.
         e_proj, f_proj: learned projections (k, n_max) or (heads, k, n_max); ``f_proj=None`` shares E.
         key_padding_mask: (batch, n). Sequences are compacted (real tokens first) and outputs put back;
             outputs at padded positions are zero.
+        scale: logit scale, head_dim ** -0.5 when None.
+        chunk_size: positions per chunk C of the chunked backend, a positive int: a speed / memory trade-off
+            that does not change the result beyond rounding.
         initial_state, start: continue from a state returned for positions [0, start).
         return_state: also return the state (K̃, Ṽ) after the last position.
+        backend: None (choose, see :func:`_choose_causal_backend`: today always "chunked"), "chunked" (the
+            chunked prefix sums above; without gradients a prompt longer than ``prefill_block`` is walked in
+            blocks of that many positions, carrying the state), or "reference"
+            (:func:`reference.causal_linformer_reference`, the plain formula with autograd, computed in float32 or
+            wider; for tests: it takes no ``initial_state`` or ``start`` and cannot ``return_state``).
+            See :data:`CAUSAL_BACKENDS`.
+        prefill_block: positions per block of the chunked backend's no-grad walk, a positive int; None:
+            ``_PREFILL_ROWS`` (1024). Bounds a long prefill's memory to one block's per-chunk states and logits;
+            the result is the same up to rounding.
     """
     check_qkv(q, k, v, same_length=True)
     if v.shape[-1] != q.shape[-1]:
@@ -238,22 +310,35 @@ def causal_linformer_attention(
     f_proj = e_proj if f_proj is None else f_proj
     _check_learned(e_proj, "e_proj", h, start + n)
     _check_learned(f_proj, "f_proj", h, start + n)
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    _check_size("chunk_size", chunk_size)
+    prefill_block = _PREFILL_ROWS if prefill_block is None else _check_size("prefill_block", prefill_block)
     mask = check_mask(key_padding_mask, b, n)
-    if mask is not None:
-        if initial_state is not None or start:
-            raise ValueError("key_padding_mask applies to a prefill from position 0, not to a continued state")
-        q, k, v = compact(q, mask), compact(k, mask), compact(v, mask)
+    if mask is not None and (initial_state is not None or start):
+        raise ValueError("key_padding_mask applies to a prefill from position 0, not to a continued state")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, e_proj, f_proj))
-    if needs_grad or q.shape[2] <= _PREFILL_ROWS:
+    chosen, block = _choose_causal_backend(
+        backend,
+        n,
+        needs_grad=needs_grad,
+        prefill_block=prefill_block,
+        initial_state=initial_state,
+        start=start,
+        return_state=return_state,
+    )
+    if chosen == "reference":
+        dtype = _reference_dtype(q.dtype)
+        q_, k_, v_, e_, f_ = (t.to(dtype) for t in (q, k, v, e_proj, f_proj))
+        return causal_linformer_reference(q_, k_, v_, e_, f_, key_padding_mask=mask, scale=scale).to(q.dtype)
+    if mask is not None:
+        q, k, v = compact(q, mask), compact(k, mask), compact(v, mask)
+    if block >= n:
         out, state = _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start)
     else:
-        # inference on a long prompt (a generate() prefill): walk blocks of _PREFILL_ROWS positions, carrying the
-        # slot state, so the per-chunk states and logits exist for one block at a time instead of the whole prompt
+        # inference on a long prompt (a generate() prefill): walk blocks of `block` positions, carrying the slot
+        # state, so the per-chunk states and logits exist for one block at a time instead of the whole prompt
         outs, state = [], initial_state
-        for i in range(0, q.shape[2], _PREFILL_ROWS):
-            rows = slice(i, i + _PREFILL_ROWS)
+        for i in range(0, n, block):
+            rows = slice(i, i + block)
             part, state = _causal_linformer_chunked(
                 q[:, :, rows], k[:, :, rows], v[:, :, rows], e_proj, f_proj, scale, chunk_size, state, start + i
             )
@@ -265,7 +350,41 @@ def causal_linformer_attention(
     return (out, state) if return_state else out
 
 
-_PREFILL_ROWS = 1024  # positions per block of a causal Linformer prefill without gradients
+_PREFILL_ROWS = 1024  # positions per block of a causal Linformer prefill without gradients (prefill_block=None)
+
+
+def _choose_causal_backend(
+    backend: str | None,
+    n: int,
+    *,
+    needs_grad: bool,
+    prefill_block: int,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None,
+    start: int,
+    return_state: bool,
+) -> tuple[str, int]:
+    """The one place where causal_linformer_attention picks how to compute: (a name from CAUSAL_BACKENDS, the
+    positions per pass of the chunked form).
+
+    ``backend=None`` picks "chunked": every chunk at once by batched products, so with gradients the op count
+    (kernel launches) does not grow with n, and its memory is linear in n; the reference holds an (n, k, d)
+    tensor per head and is for tests. The chunked form runs the n positions in one pass when gradients are needed
+    (autograd keeps every block's intermediates anyway, and one pass keeps the op count flat) or when n fits in
+    ``prefill_block``; a no-grad prompt longer than that (a generate() prefill) is walked in blocks of
+    ``prefill_block`` positions, carrying the state, so its memory is bounded by one block. A named backend is
+    taken as asked; "reference" with an ``initial_state``, a ``start`` or ``return_state`` raises ValueError.
+    """
+    _check_backend(backend, CAUSAL_BACKENDS, "causal Linformer")
+    if backend == "reference":
+        given = {"initial_state": initial_state is not None, "start": bool(start), "return_state": return_state}
+        for name, is_given in given.items():
+            if is_given:
+                raise ValueError(
+                    f"backend='reference' computes a whole sequence from position 0 and returns no state: it takes "
+                    f"no {name} (use backend='chunked' or None)"
+                )
+        return "reference", n
+    return "chunked", (n if needs_grad or n <= prefill_block else prefill_block)
 
 
 def _as_heads(proj: torch.Tensor) -> torch.Tensor:

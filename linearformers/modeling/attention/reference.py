@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .feature_maps import relu_features
+
 
 def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """softmax over the allowed entries of each row of ``scores`` (..., n_q, n_k); ``allowed`` broadcasts to it.
@@ -80,8 +82,8 @@ def favor_reference(
           log A_ts = logsumexp_i (w_i·q'_t + w_i·k'_s - |k'_s|²/2)
 
       and the row normalization is a softmax of log A over the allowed keys: exact for keys of any norm.
-    * ``kernel="relu"``: phi(x) = ReLU(W x') + kernel_eps for queries and keys alike (Section 2.2), as in
-      :func:`favor.favor_features`.
+    * ``kernel="relu"``: phi(x) = ReLU(W x') + kernel_eps for queries and keys alike (Section 2.2),
+      :func:`feature_maps.relu_features`.
 
     Returns (batch, heads, n_q, head_dim) in v's dtype.
     """
@@ -93,8 +95,8 @@ def favor_reference(
         u_k = ks @ w.T - 0.5 * ks.pow(2).sum(-1, keepdim=True)  # (b, h, n_k, m)
         log_a = torch.logsumexp(u_q[:, :, :, None, :] + u_k[:, :, None, :, :], dim=-1)  # (b, h, n_q, n_k)
     elif kernel == "relu":
-        phi_q = torch.relu(qs @ w.T) + kernel_eps
-        phi_k = torch.relu(ks @ w.T) + kernel_eps
+        phi_q = relu_features(q, w, scale=scale, eps=kernel_eps).to(q.dtype)
+        phi_k = relu_features(k, w, scale=scale, eps=kernel_eps).to(q.dtype)
         log_a = torch.log(phi_q @ phi_k.transpose(-1, -2))
     else:
         raise ValueError(f"unknown FAVOR+ kernel {kernel!r}")
@@ -103,6 +105,28 @@ def favor_reference(
     if causal:
         allowed = allowed & torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
     return _attend(log_a, allowed, v.to(log_a.dtype)).to(v.dtype)
+
+
+def linear_reference(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Linear attention of given nonnegative features as the (n x n) matrix A = phi_q phi_kᵀ, row-normalized:
+    out = D⁻¹ A V, D = diag(A 1), with A lower-triangular when causal and padded keys' columns zeroed. A row whose
+    sum is 0 (no visible key) outputs 0. Computed in the features' dtype; returns v's dtype."""
+    dtype = torch.promote_types(phi_q.dtype, v.dtype)
+    a = phi_q.to(dtype) @ phi_k.to(dtype).transpose(-1, -2)
+    allowed = _key_mask(key_padding_mask, phi_k.shape[0], phi_k.shape[2], phi_q.device)
+    if causal:
+        allowed = allowed & torch.ones(a.shape[-2], a.shape[-1], dtype=torch.bool, device=a.device).tril()
+    a = a * allowed
+    den = a.sum(-1, keepdim=True)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, (a @ v.to(dtype)) / safe, torch.zeros_like(den)).to(v.dtype)
 
 
 def _compaction(key_padding_mask, batch, n, device, dtype):

@@ -2,7 +2,8 @@
 and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
 num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
-PyTorch walk in ``_favor_autograd``, which stays the reference.
+PyTorch walk in ``_favor_autograd``, which stays the reference. Kernel "features" takes precomputed nonnegative
+feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see ``_linear_native``).
 
 ``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
@@ -40,6 +41,32 @@ _STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool":
 # ends (this walk cannot hand it back block by block as the PyTorch walk does), so they are twice as far apart
 # there: at n = 16384 the peak is ~232 MB instead of ~252 MB (SDPA causal: 252 MB), at the same speed
 _BLOCK_CHUNKS = 16
+# the kernel codes of favor_causal.cpp: the feature map fused into its tiles, or "features" given precomputed
+KERNELS = {"softmax": 0, "relu": 1, "features": 2}
+
+
+def _kernel_code(kernel: str) -> int:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown native kernel {kernel!r}; choose one of {sorted(KERNELS)}")
+    return KERNELS[kernel]
+
+
+def _check_features(q, k, v) -> None:
+    """Kernel "features": phi(q), phi(k) (b, h, n, m) alike and v (b, h, n, d); the library trusts these shapes."""
+    if k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"features mode takes phi_q, phi_k (b, h, n, m) and v (b, h, n, d), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+
+
+def _block_chunks(block_chunks) -> int:
+    """Chunks per saved state: ``_BLOCK_CHUNKS`` (read at call time) when None, else a positive int."""
+    if block_chunks is None:
+        return _BLOCK_CHUNKS
+    if isinstance(block_chunks, bool) or not isinstance(block_chunks, int) or block_chunks <= 0:
+        raise ValueError(f"block_chunks must be a positive int, got {block_chunks!r}")
+    return block_chunks
 
 
 def _cpu_supported() -> bool:
@@ -216,21 +243,28 @@ def _launch(entry: str, tensors, rows: int, settings, counts: torch.Tensor | Non
     _run(lambda b0, b1: fn(*pointers, b0, b1, *settings), rows)
 
 
-def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int):
+def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None):
     """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; keep: float32 (b, n) or None.
+    kernel "features": q, k are phi(q), phi(k) (b, h, n, m), m = q.shape[-1], and w is None (scale, eps unused).
+    block_chunks: chunks per saved state, None for ``_BLOCK_CHUNKS``.
     Returns out (b, h, n, d), den (b, h, n, 1), starts (b h, blocks, m, d), zstarts (b h, blocks, m),
     S (b, h, m, d), z (b, h, m), the lost count (0-dim) and the spacing of the saved states in chunks, for
     backward."""
-    b, h, n, d = q.shape
-    m = w.shape[0]
-    per_block = _BLOCK_CHUNKS
+    code = _kernel_code(kernel)
+    per_block = _block_chunks(block_chunks)
+    b, h, n = q.shape[:3]
+    d = v.shape[-1]
+    if kernel == "features":
+        _check_features(q, k, v)
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    w = None if kernel == "features" else w.contiguous()
     blocks = -(-(n // chunk) // per_block)
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
     out, den = new(b, h, n, d), new(b, h, n, 1)
     starts, zstarts, s_final, z_final = new(b * h, blocks, m, d), new(b * h, blocks, m), new(b, h, m, d), new(b, h, m)
     lost = torch.zeros(b * h, dtype=torch.int64)
-    tensors = (q, k, v, keep, w.contiguous(), out, den, starts, zstarts, s_final, z_final)
-    settings = (h, n, n_valid, d, m, chunk, per_block, int(kernel == "relu"), scale, eps)
+    tensors = (q, k, v, keep, w, out, den, starts, zstarts, s_final, z_final)
+    settings = (h, n, n_valid, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_forward", tensors, b * h, settings, counts=lost)
     return out, den, starts, zstarts, s_final, z_final, lost.sum(), per_block
 
@@ -238,11 +272,19 @@ def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int,
 def backward(
     q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, g, out, den, starts, zstarts, per_block: int
 ):
-    """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out."""
-    b, h, n, d = q.shape
-    m = w.shape[0]
-    dq, dk, dv = (torch.empty(b, h, n, d, dtype=torch.float32) for _ in range(3))
-    tensors = (q, k, v, keep, w.contiguous(), g, out, den, starts, zstarts, dq, dk, dv)
-    settings = (h, n, d, m, chunk, per_block, int(kernel == "relu"), scale, eps)
+    """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out.
+    kernel "features": dq, dk are d phi(q), d phi(k) (b, h, n, m) (0 for padded keys), w is None."""
+    code = _kernel_code(kernel)
+    per_block = _block_chunks(per_block)
+    b, h, n = q.shape[:3]
+    d = v.shape[-1]
+    if kernel == "features":
+        _check_features(q, k, v)
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    w = None if kernel == "features" else w.contiguous()
+    dq, dk = (torch.empty(q.shape, dtype=torch.float32) for _ in range(2))
+    dv = torch.empty(b, h, n, d, dtype=torch.float32)
+    tensors = (q, k, v, keep, w, g, out, den, starts, zstarts, dq, dk, dv)
+    settings = (h, n, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_backward", tensors, b * h, settings)
     return dq, dk, dv

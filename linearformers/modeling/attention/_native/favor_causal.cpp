@@ -4,7 +4,9 @@
 // through ctypes with raw float32 pointers, each call on a range of (batch, head) rows, so that Python threads
 // (ctypes releases the GIL) split the heads without a second threading runtime next to torch's. The Python walk
 // remains the reference, the fallback and the path on every other device. Same math, same saved state (the
-// state at each block start), same outputs.
+// state at each block start), same outputs. Kernel 2 ("features") takes precomputed nonnegative features phi(q),
+// phi(k) (bh, n, m) in place of q and k (no projection, no exp, no eps; w unused and may be null) and returns
+// d phi(q), d phi(k) (bh, n, m) in place of dq, dk: any feature map runs on this walk.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -161,7 +163,7 @@ inline __m256 exp2_ps(__m256 x) {
 }
 
 struct Shape {
-  int d, m, c, kernel;  // kernel: 0 softmax, 1 relu; d, m, c multiples of 16
+  int d, m, c, kernel;  // kernel: 0 softmax, 1 relu, 2 features given; d, m, c multiples of 16
   float scale, eps;
 };
 
@@ -190,10 +192,24 @@ Features prepare_features(const float* w, int m, int d, float scale, float* shar
   return Features{bws, bw, hw};
 }
 
-// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); padded keys give zero rows
+// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); padded keys give zero rows. Kernel 2: k holds
+// phi(k) itself (c x m), copied
 void key_features(const Shape& s, const Features& f, const float* k, const float* v, const float* keep, float* pk,
                   float* va) {
   const int c = s.c, m = s.m, d = s.d;
+  if (s.kernel == 2) {
+    for (int r = 0; r < c; r++) {
+      const float kp = keep ? keep[r] : 1.0f;
+      if (kp == 0.0f) {
+        memset(pk + (long)r * m, 0, m * sizeof(float));
+        memset(va + (long)r * d, 0, d * sizeof(float));
+        continue;
+      }
+      memcpy(pk + (long)r * m, k + (long)r * m, m * sizeof(float));
+      for (int j = 0; j < d; j++) va[(long)r * d + j] = v[(long)r * d + j] * kp;
+    }
+    return;
+  }
   gemm_pb(c, m, d, k, d, 1, f.bws, pk, m, false);
   for (int r = 0; r < c; r++) {
     float* row = pk + (long)r * m;
@@ -219,6 +235,10 @@ void key_features(const Shape& s, const Features& f, const float* k, const float
 
 void query_features(const Shape& s, const Features& f, const float* q, float* pq) {
   const int c = s.c, m = s.m, d = s.d;
+  if (s.kernel == 2) {  // q holds phi(q) itself (c x m)
+    memcpy(pq, q, sizeof(float) * (long)c * m);
+    return;
+  }
   gemm_pb(c, m, d, q, d, 1, f.bws, pq, m, false);
   for (int r = 0; r < c; r++) {
     float* row = pq + (long)r * m;
@@ -261,24 +281,39 @@ float* take(float*& cursor, long count) {
   return p;
 }
 
+// floats of the B-packing buffer: the largest K x N of any product, K and N among c, d, m (the c x d of the products
+// on v when m is the smallest)
+long pack_floats(int d, int m, int c) {
+  const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
+  return big > (long)c * d ? big : (long)c * d;
+}
+
+// W prepared for kernels 0 and 1; kernel 2 takes no W (null pointers)
+Features features_for(const Shape& s, const float* w, float* shared) {
+  if (s.kernel == 2) return Features{nullptr, nullptr, nullptr};
+  return prepare_features(w, s.m, s.d, s.scale, shared);
+}
+
 }  // namespace
 
 extern "C" {
 
 // Forward. q, k, v, out: (bh, n, d); keep: (bh / heads, n) or null; den: (bh, n); starts: (bh, nblocks, m, d);
-// zstarts: (bh, nblocks, m); s_final: (bh, m, d); z_final: (bh, m); lost: (bh) counts. w: (m, d).
+// zstarts: (bh, nblocks, m); s_final: (bh, m, d); z_final: (bh, m); lost: (bh) counts. w: (m, d). Kernel 2: q and k
+// are phi(q), phi(k) (bh, n, m) and w is unused (may be null).
 int lf_favor_causal_forward(const float* q, const float* k, const float* v, const float* keep, const float* w,
                             float* out, float* den, float* starts, float* zstarts, float* s_final, float* z_final,
                             int64_t* lost, int b0, int b1, int heads, int n, int n_valid, int d, int m, int c,
                             int cpb, int kernel, float scale, float eps) {
   const Shape s{d, m, c, kernel, scale, eps};
-  if (d % NR || m % NR || c % NR || n % c) return 1;
+  if (d % NR || m % NR || c % NR || n % c || kernel < 0 || kernel > 2 || (kernel != 2 && !w)) return 1;
+  const long qs = kernel == 2 ? m : d;  // row stride of q and k
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
-  const Features f = prepare_features(w, m, d, scale, shared);
+  const Features f = features_for(s, w, shared);
   const int nblocks = (n / c + cpb - 1) / cpb;
   {
-    const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
+    const long big = pack_floats(d, m, c);
     float* scratch = alloc_floats(4 * (long)c * m + 3 * (long)c * d + (long)c * c + (long)m * d + m +
                                   big + 256);
     if (!scratch) {
@@ -290,7 +325,7 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
     float *va = take(cur, (long)c * d), *num = take(cur, (long)c * d), *st = take(cur, (long)m * d);
     float *z = take(cur, m), *bbuf = take(cur, big);
     for (int b = b0; b < b1; b++) {
-      const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
+      const float *qb = q + (long)b * n * qs, *kb = k + (long)b * n * qs, *vb = v + (long)b * n * d;
       const float* kpb = keep ? keep + (long)(b / heads) * n : nullptr;
       float *ob = out + (long)b * n * d, *db = den + (long)b * n;
       memset(st, 0, sizeof(float) * m * d);
@@ -303,8 +338,8 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
           memcpy(starts + ((long)b * nblocks + j / cpb) * m * d, st, sizeof(float) * m * d);
           memcpy(zstarts + ((long)b * nblocks + j / cpb) * m, z, sizeof(float) * m);
         }
-        key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
-        query_features(s, f, qb + t0 * d, pq);
+        key_features(s, f, kb + t0 * qs, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
+        query_features(s, f, qb + t0 * qs, pq);
         gemm(c, c, m, pq, m, 1, pk, 1, m, sc, c, false, bbuf);  // pq pk^T
         tril(sc, c);
         gemm(c, d, c, sc, c, 1, va, d, 1, num, d, false, bbuf);
@@ -331,19 +366,20 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
 }
 
 // Backward. g, out: (bh, n, d); den: (bh, n) (clamped at TINY); starts / zstarts as forward wrote them.
-// dq, dk, dv: (bh, n, d).
+// dq, dk, dv: (bh, n, d). Kernel 2: q, k, dq, dk are phi(q), phi(k), d phi(q), d phi(k) (bh, n, m).
 int lf_favor_causal_backward(const float* q, const float* k, const float* v, const float* keep, const float* w,
                              const float* g, const float* out, const float* den, const float* starts,
                              const float* zstarts, float* dq, float* dk, float* dv, int b0, int b1, int heads, int n,
                              int d, int m, int c, int cpb, int kernel, float scale, float eps) {
   const Shape s{d, m, c, kernel, scale, eps};
-  if (d % NR || m % NR || c % NR || n % c) return 1;
+  if (d % NR || m % NR || c % NR || n % c || kernel < 0 || kernel > 2 || (kernel != 2 && !w)) return 1;
+  const long qs = kernel == 2 ? m : d;  // row stride of q and k
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
-  const Features f = prepare_features(w, m, d, scale, shared);
+  const Features f = features_for(s, w, shared);
   const int nchunks = n / c, nblocks = (nchunks + cpb - 1) / cpb;
   {
-    const long big = (long)m * (d > c ? (d > m ? d : m) : (c > m ? c : m));
+    const long big = pack_floats(d, m, c);
     const long per = 2 * (long)cpb * c * m + (long)cpb * m * d + (long)cpb * m + 3 * (long)c * m + 6 * (long)c * d +
                      3 * (long)c * c + (long)m * d + 2 * m + 2 * c + big + 512;
     float* scratch = alloc_floats(per);
@@ -359,10 +395,10 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
     float *tmp = take(cur, (long)c * d), *dS = take(cur, (long)m * d), *dz = take(cur, m);
     float *gd = take(cur, c), *rs = take(cur, c), *bbuf = take(cur, big);
     for (int b = b0; b < b1; b++) {
-      const float *qb = q + (long)b * n * d, *kb = k + (long)b * n * d, *vb = v + (long)b * n * d;
+      const float *qb = q + (long)b * n * qs, *kb = k + (long)b * n * qs, *vb = v + (long)b * n * d;
       const float *gb = g + (long)b * n * d, *ob = out + (long)b * n * d, *db = den + (long)b * n;
       const float* kpb = keep ? keep + (long)(b / heads) * n : nullptr;
-      float *dqb = dq + (long)b * n * d, *dkb = dk + (long)b * n * d, *dvb = dv + (long)b * n * d;
+      float *dqb = dq + (long)b * n * qs, *dkb = dk + (long)b * n * qs, *dvb = dv + (long)b * n * d;
       memset(dS, 0, sizeof(float) * m * d);
       memset(dz, 0, sizeof(float) * m);
       for (int blk = nblocks - 1; blk >= 0; blk--) {
@@ -372,8 +408,8 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
         for (int jj = 0; jj < nj; jj++) {  // features, and the state before each chunk of the block
           const long t0 = (long)(j0 + jj) * c;
           float *pk = PK + (long)jj * c * m, *pq = PQ + (long)jj * c * m;
-          key_features(s, f, kb + t0 * d, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
-          query_features(s, f, qb + t0 * d, pq);
+          key_features(s, f, kb + t0 * qs, vb + t0 * d, kpb ? kpb + t0 : nullptr, pk, va);
+          query_features(s, f, qb + t0 * qs, pq);
           if (jj + 1 < nj) {
             float *sn = SS + (long)(jj + 1) * m * d, *zn = ZZ + (long)(jj + 1) * m;
             memcpy(sn, SS + (long)jj * m * d, sizeof(float) * m * d);
@@ -401,17 +437,25 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
           // dphi(Q) = gv pk + ga S^T + gd z^T
           gemm(c, m, c, gv, c, 1, pk, m, 1, dphi, m, false, bbuf);
           gemm(c, m, d, ga, d, 1, st, 1, d, dphi, m, true, bbuf);
-          for (int t = 0; t < c; t++) {
-            float* row = dphi + (long)t * m;
-            const float* p = pq + (long)t * m;
-            float* dut = du + (long)t * m;
-            if (s.kernel == 1) {
-              for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + gd[t] * z[e] : 0.0f;
-            } else {
-              for (int e = 0; e < m; e++) dut[e] = (row[e] + gd[t] * z[e]) * p[e];
+          if (s.kernel == 2) {  // features given: d phi(Q) is the output
+            for (int t = 0; t < c; t++) {
+              const float* row = dphi + (long)t * m;
+              float* dut = dqb + (t0 + t) * m;
+              for (int e = 0; e < m; e++) dut[e] = row[e] + gd[t] * z[e];
             }
+          } else {
+            for (int t = 0; t < c; t++) {
+              float* row = dphi + (long)t * m;
+              const float* p = pq + (long)t * m;
+              float* dut = du + (long)t * m;
+              if (s.kernel == 1) {
+                for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + gd[t] * z[e] : 0.0f;
+              } else {
+                for (int e = 0; e < m; e++) dut[e] = (row[e] + gd[t] * z[e]) * p[e];
+              }
+            }
+            gemm_pb(c, d, m, du, m, 1, f.bw, dqb + t0 * d, d, false);
           }
-          gemm_pb(c, d, m, du, m, 1, f.bw, dqb + t0 * d, d, false);
           // dv = (sc^T ga + pk dS) * keep
           gemm(c, d, c, sc, 1, c, ga, d, 1, tmp, d, false, bbuf);
           gemm(c, d, m, pk, m, 1, dS, d, 1, tmp, d, true, bbuf);
@@ -422,22 +466,35 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
           // dphi(K) = gv^T pq + va dS^T + keep dz^T
           gemm(c, m, c, gv, 1, c, pq, m, 1, dphi, m, false, bbuf);
           gemm(c, m, d, va, d, 1, dS, 1, d, dphi, m, true, bbuf);
-          for (int t = 0; t < c; t++) {
-            const float kt = kp ? kp[t] : 1.0f;
-            float* row = dphi + (long)t * m;
-            const float* p = pk + (long)t * m;
-            float* dut = du + (long)t * m;
-            if (s.kernel == 1) {
-              for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + kt * dz[e] : 0.0f;
-            } else {
-              for (int e = 0; e < m; e++) dut[e] = (row[e] + kt * dz[e]) * p[e];
-              rs[t] = sum(dut, m);
+          if (s.kernel == 2) {  // features given: d phi(K) is the output, 0 for padded keys
+            for (int t = 0; t < c; t++) {
+              const float kt = kp ? kp[t] : 1.0f;
+              const float* row = dphi + (long)t * m;
+              float* dut = dkb + (t0 + t) * m;
+              if (kt == 0.0f) {
+                memset(dut, 0, m * sizeof(float));
+                continue;
+              }
+              for (int e = 0; e < m; e++) dut[e] = row[e] + kt * dz[e];
             }
+          } else {
+            for (int t = 0; t < c; t++) {
+              const float kt = kp ? kp[t] : 1.0f;
+              float* row = dphi + (long)t * m;
+              const float* p = pk + (long)t * m;
+              float* dut = du + (long)t * m;
+              if (s.kernel == 1) {
+                for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + kt * dz[e] : 0.0f;
+              } else {
+                for (int e = 0; e < m; e++) dut[e] = (row[e] + kt * dz[e]) * p[e];
+                rs[t] = sum(dut, m);
+              }
+            }
+            gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false);
+            if (s.kernel == 0)
+              for (int t = 0; t < c; t++)
+                for (int e = 0; e < d; e++) dkb[(t0 + t) * d + e] -= s.scale * kb[(t0 + t) * d + e] * rs[t];
           }
-          gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false);
-          if (s.kernel == 0)
-            for (int t = 0; t < c; t++)
-              for (int e = 0; e < d; e++) dkb[(t0 + t) * d + e] -= s.scale * kb[(t0 + t) * d + e] * rs[t];
           // the carry: dS += pq^T ga, dz += pq^T gd
           gemm(m, d, c, pq, 1, m, ga, d, 1, dS, d, true, bbuf);
           for (int t = 0; t < c; t++)

@@ -1,0 +1,100 @@
+"""Which code computes causal linear attention: the one place where a backend is chosen.
+
+Backends of causal FAVOR+ (:func:`favor.favor_attention`) and of linear attention on precomputed features
+(:func:`linear.linear_attention`):
+
+* ``"reference"``: the quadratic formula of :mod:`reference`, for tests and for reading; no state in or out.
+* ``"chunked"`` (:mod:`_favor_chunked`): every chunk at once, in batched products, so the number of dispatched ops
+  (kernel launches on a GPU) does not grow with the length. Runs on every device; the default off the CPU.
+* ``"native"`` (:mod:`_native`): the compiled CPU walk, carrying one state chunk by chunk with every product in
+  its own AVX2 GEMM, which keeps its operands in cache; the default on x86-64 CPUs where it is built and the shapes
+  allow (head_dim, m and the chunk multiples of 16).
+
+``backend=None`` picks: "native" where it can run, "chunked" everywhere else. :func:`set_native_walk` is the public
+switch that turns the native walk off for automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being
+built at all); a named backend is always taken as asked, or refused with a ValueError saying why it cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._native import available as native_available
+
+BACKENDS = ("reference", "chunked", "native")
+NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
+_SETTINGS = {"native": True}
+
+
+def set_native_walk(enabled: bool) -> bool:
+    """Switch the compiled CPU walk on or off for ``backend=None`` calls; returns the previous setting.
+
+    Off, causal attention on the CPU runs the chunked backend (the one GPUs run). A call that names
+    ``backend="native"`` is refused while it is off."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_native_walk takes a bool, got {type(enabled).__name__}")
+    previous, _SETTINGS["native"] = _SETTINGS["native"], enabled
+    return previous
+
+
+def native_walk_enabled() -> bool:
+    """Whether :func:`set_native_walk` leaves the compiled walk on (it may still be unavailable: see
+    :func:`native_refusal`)."""
+    return _SETTINGS["native"]
+
+
+def native_refusal(v: torch.Tensor, num_features: int, chunk_size: int, *, state_in: bool = False) -> str | None:
+    """Why the compiled causal walk cannot run this call, or None when it can."""
+    if v.device.type != "cpu":
+        return f"it runs on CPU tensors only, these are on {v.device.type}"
+    for name, value in (("head_dim", v.shape[-1]), ("num_features", num_features), ("chunk_size", chunk_size)):
+        if value % 16:
+            return f"{name} must be a multiple of 16 (its tile width), got {value}"
+    if state_in:
+        return "it takes no initial_state (continued prefills run the chunked backend)"
+    if torch.compiler.is_compiling():
+        return "torch.compile cannot trace its ctypes call"
+    if not native_walk_enabled():
+        return "it is switched off (set_native_walk(False))"
+    if not native_available():
+        return (
+            "it is not built here: LINEARFORMERS_NATIVE=0, a CPU without x86-64 AVX2/FMA, no C++ compiler or a "
+            "failed build (see the log), or Hub remote code without its source"
+        )
+    return None
+
+
+def choose_backend(
+    backend: str | None,
+    v: torch.Tensor,
+    num_features: int,
+    chunk_size: int | None,
+    *,
+    causal: bool,
+    state_in: bool = False,
+    state_out: bool = False,
+) -> str:
+    """The backend a call runs, from BACKENDS; ``chunk_size`` None means each backend's default.
+
+    Bidirectional attention has one fast kernel, which every name but "reference" runs ("native" is refused: the
+    compiled walk is causal). Causal, ``None``: "native" where :func:`native_refusal` finds nothing against it,
+    "chunked" otherwise. "reference" with a state in or out is refused."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose None or one of {BACKENDS}")
+    if backend == "reference":
+        if state_in or state_out:
+            raise ValueError("backend='reference' takes no initial_state and returns no state")
+        return "reference"
+    if backend == "native":
+        if not causal:
+            raise ValueError(
+                "backend='native' is the compiled causal walk; bidirectional attention has no native kernel"
+            )
+        reason = native_refusal(v, num_features, NATIVE_CHUNK if chunk_size is None else chunk_size, state_in=state_in)
+        if reason is not None:
+            raise ValueError(f"backend='native' cannot run this call: {reason}")
+        return "native"
+    if backend == "chunked" or not causal:
+        return "chunked"
+    chunk = NATIVE_CHUNK if chunk_size is None else chunk_size
+    return "native" if native_refusal(v, num_features, chunk, state_in=state_in) is None else "chunked"

@@ -1,0 +1,166 @@
+"""Feature maps: the one part every linear-attention path is built from.
+
+A feature map phi turns queries and keys (batch, heads, length, head_dim) into nonnegative features
+(batch, heads, length, m), and linear attention is then
+
+    out_t = Σ_s (phi(q_t) · phi(k_s)) v_s / Σ_s phi(q_t) · phi(k_s)          (s <= t when causal)
+
+so any map can run on any backend of :mod:`linear` (reference, chunked, native) and in the decoding step, given its
+features. This module writes the known maps once:
+
+* :func:`favor_positive`: the positive random features of FAVOR+ (Choromanski et al. 2021, Lemma 1),
+  phi(x)_i ∝ exp(w_i·x' - |x'|²/2), x' = x · scale^½, with the causal-safe key offset of :mod:`favor`:
+  keys exp(-|w_i - k'|²/2) (each feature depends on its own key alone, and is at most 1), queries with their own
+  row maximum taken off (a per-query factor, which cancels in the normalization).
+* :func:`relu_features`: the generalized kernel ReLU(W x') + eps (Section 2.2), the same map for queries and keys.
+* :class:`FeatureMap`: the interface a learned map implements (a ``torch.nn.Module`` whose parameters belong to the
+  module that owns it, e.g. the attention layer): ``phi(x, is_query=...) -> (b, h, n, m)``, nonnegative. The two
+  fixed maps are also available in that form, :class:`FavorPositive` and :class:`ReluFeatures`.
+
+A backend may fuse a known map into its own products (the blockwise bidirectional kernel of ``_favor_autograd`` and
+the compiled CPU walk build the FAVOR+ exponents inside their GEMMs, which is much of their speed); it computes the
+same formula as here, and the tests hold each against :mod:`reference`, which uses these functions.
+
+Precision: features are computed in float32 (float64 for float64 inputs, so that gradcheck means something),
+whatever the inputs' dtype: the exponents of the FAVOR+ map need float32's range (bf16 keeps 8 bits of mantissa,
+so exp of an exponent near -20 would carry a relative error of ~8%), and so do the sums built from them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import torch
+
+KERNELS = ("softmax", "relu")
+
+
+@runtime_checkable
+class FeatureMap(Protocol):
+    """What a feature map implements: ``phi(x, is_query=...)`` maps (b, h, n, d) to nonnegative (b, h, n, m).
+
+    ``num_features`` is m. Queries and keys may take different maps (FAVOR+ takes different stabilizers); a map that
+    is the same for both ignores ``is_query``. Features must not depend on other positions of the sequence (that
+    would read the future in causal attention), and must be finite and nonnegative."""
+
+    num_features: int
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor: ...
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for every input dtype but float64 (kept for gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _check_projection(x: torch.Tensor, projection: torch.Tensor) -> None:
+    if not isinstance(projection, torch.Tensor):
+        raise TypeError(f"projection must be a torch.Tensor, got {type(projection).__name__}")
+    if projection.dim() != 2 or projection.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"projection must be shaped (num_features, head_dim={x.shape[-1]}), got {tuple(projection.shape)}"
+        )
+
+
+def favor_exponents(
+    x: torch.Tensor, projection: torch.Tensor, *, is_query: bool, scale: float | None = None
+) -> torch.Tensor:
+    """The exponents of the FAVOR+ positive features, (b, h, n, m) in float32 (float64 for float64 x):
+
+        keys     w·x' - |x'|²/2 - |w|²/2  = -|w - x'|²/2     (<= 0: features at most 1, the causal-safe offset)
+        queries  w·x' - |x'|²/2 + |w|²/2                      (the |w|²/2 terms cancel in phi(q)·phi(k))
+
+    with x' = x · scale^½ (scale defaults to head_dim^-½). Paths that keep their own offsets (the large-key
+    fallback, the decoding step) start from these."""
+    _check_projection(x, projection)
+    scale = x.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(x)
+    w = projection.to(device=x.device, dtype=dtype)
+    xs = x.to(dtype) * math.sqrt(scale)
+    u = torch.matmul(xs, w.T) - 0.5 * xs.pow(2).sum(-1, keepdim=True)
+    half_w_sq = 0.5 * w.pow(2).sum(-1)
+    return u + half_w_sq if is_query else u - half_w_sq
+
+
+def favor_positive(
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    is_query: bool,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The FAVOR+ positive random features (Lemma 1) with the stabilizers of the module docstring, float32.
+
+    phi(q)·phi(k) is proportional, per query, to the unbiased estimate of exp(scale q·k). Keys: exp of
+    :func:`favor_exponents`, in (0, 1]; ``key_padding_mask`` (b, n), True for real keys, sets padded keys'
+    exponents to -inf before the exp (a padded key of large norm would otherwise give inf x 0 = NaN later), so
+    their features are 0. Queries: the row maximum is taken off (detached: it cancels in the normalization)."""
+    u = favor_exponents(x, projection, is_query=is_query, scale=scale)
+    if is_query:
+        return torch.exp(u - u.amax(dim=-1, keepdim=True).detach())
+    if key_padding_mask is not None:
+        u = u.masked_fill(~key_padding_mask.bool()[:, None, :, None], -math.inf)
+    return torch.exp(u)
+
+
+def relu_features(
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    scale: float | None = None,
+    eps: float = 1e-3,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ReLU(W x') + eps (Section 2.2), float32; the same map for queries and keys. ``key_padding_mask`` (b, n)
+    zeroes padded keys' features."""
+    _check_projection(x, projection)
+    scale = x.shape[-1] ** -0.5 if scale is None else scale
+    dtype = compute_dtype(x)
+    phi = torch.relu(torch.matmul(x.to(dtype) * math.sqrt(scale), projection.to(device=x.device, dtype=dtype).T))
+    phi = phi + eps
+    if key_padding_mask is not None:
+        phi = phi * key_padding_mask[:, None, :, None].to(phi.dtype)
+    return phi
+
+
+def random_features(
+    x: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    is_query: bool,
+    kernel: str = "softmax",
+    scale: float | None = None,
+    eps: float = 1e-3,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The FAVOR+ map named by ``kernel`` ("softmax": :func:`favor_positive`, "relu": :func:`relu_features`)."""
+    if kernel == "softmax":
+        return favor_positive(x, projection, is_query=is_query, scale=scale, key_padding_mask=key_padding_mask)
+    if kernel == "relu":
+        mask = None if is_query else key_padding_mask
+        return relu_features(x, projection, scale=scale, eps=eps, key_padding_mask=mask)
+    raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+
+
+class FavorPositive:
+    """:func:`favor_positive` as a :class:`FeatureMap` over a fixed draw ``projection`` (m, head_dim)."""
+
+    def __init__(self, projection: torch.Tensor, scale: float | None = None):
+        self.projection, self.scale = projection, scale
+        self.num_features = projection.shape[0]
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return favor_positive(x, self.projection, is_query=is_query, scale=self.scale)
+
+
+class ReluFeatures:
+    """:func:`relu_features` as a :class:`FeatureMap` over a fixed draw ``projection`` (m, head_dim)."""
+
+    def __init__(self, projection: torch.Tensor, scale: float | None = None, eps: float = 1e-3):
+        self.projection, self.scale, self.eps = projection, scale, eps
+        self.num_features = projection.shape[0]
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return relu_features(x, self.projection, scale=self.scale, eps=self.eps)
