@@ -2,8 +2,8 @@
 
 Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
   SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal; causal
-  also through the PyTorch walk, `performer_causal_walk`, which the native walk replaces on x86-64 CPUs),
-  performer-pytorch FastAttention (bidirectional, causal).
+  also through the chunked backend, `performer_causal_chunked` (`backend="chunked"`), the portable form GPUs run,
+  which the native walk replaces on x86-64 CPUs), performer-pytorch FastAttention (bidirectional, causal).
 Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, and lucidrains'
   `linformer` LinformerSelfAttention.
 Every measurement runs in its own subprocess, so peak memory (ru_maxrss above the process's baseline) belongs to
@@ -38,7 +38,7 @@ KERNELS = [
     "linformer",
     "performer",
     "performer_causal",
-    "performer_causal_walk",
+    "performer_causal_chunked",
     "peer_performer",
     "peer_performer_causal",
 ]
@@ -62,13 +62,11 @@ def _kernel(name: str, n: int):
         f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         return lambda q, k, v: linformer_attention(q, k, v, e, f)
     if name.startswith("performer"):
-        if name.endswith("_walk"):  # the PyTorch walk that the native one replaces on x86-64 CPUs
-            from linearformers.modeling.attention import _favor_autograd
-
-            _favor_autograd.NATIVE = False
+        # the chunked backend (the portable form GPUs run) that the native walk replaces on x86-64 CPUs
+        extra = {"backend": "chunked"} if name.endswith("_chunked") else {}
         w = draw_random_features(M_FEATURES, DIM, seed=0)
         causal = "causal" in name
-        return lambda q, k, v: favor_attention(q, k, v, w, causal=causal, chunk_size=CHUNK)
+        return lambda q, k, v: favor_attention(q, k, v, w, causal=causal, chunk_size=CHUNK, **extra)
     from performer_pytorch import FastAttention
 
     attn = FastAttention(DIM, nb_features=M_FEATURES, causal="causal" in name)
@@ -189,14 +187,14 @@ def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threa
                 if a and b:
                     ratios.append(a["seconds"] / b["seconds"])
                     print(
-                        f"n={n:6d} {name:18s} {b['seconds']:.3f} s vs {ref} {a['seconds']:.3f} s: {ratios[-1]:.2f}x",
+                        f"n={n:6d} {name:24s} {b['seconds']:.3f} s vs {ref} {a['seconds']:.3f} s: {ratios[-1]:.2f}x",
                         flush=True,
                     )
             if ratios:
                 ratios.sort()
                 out[f"{name}@{n}"] = ratios
                 print(
-                    f"n={n:6d} {name:18s} median {ratios[len(ratios) // 2]:.2f}x, "
+                    f"n={n:6d} {name:24s} median {ratios[len(ratios) // 2]:.2f}x, "
                     f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} pairs",
                     flush=True,
                 )
@@ -241,7 +239,7 @@ def main() -> None:
     for n in lengths:
         for name in KERNELS + LAYERS:
             rows[name][n] = run(name, n, args.repeats, args.threads, args.timeout)
-            print(f"n={n:6d} {name:22s} {_fmt(rows[name][n], None)}", flush=True)
+            print(f"n={n:6d} {name:24s} {_fmt(rows[name][n], None)}", flush=True)
 
     def table(names, ref_of):
         print("\n| n | " + " | ".join(names) + " |")
@@ -256,12 +254,12 @@ def main() -> None:
     table(LAYERS, lambda name: "layer_sdpa")
     print("\nFAVOR+ matmul efficiency (fraction of the measured matmul rate)")
     for n in lengths:
-        for name in ("performer", "performer_causal", "performer_causal_walk"):
+        for name in ("performer", "performer_causal", "performer_causal_chunked"):
             row = rows[name][n]
             if row:
                 frac = favor_flops(n, "causal" in name) / row["seconds"] / rate
                 rows[name][n]["matmul_fraction"] = frac
-                print(f"  n={n:6d} {name:18s} {frac:.0%}")
+                print(f"  n={n:6d} {name:24s} {frac:.0%}")
     checks = []
     for n, bi, causal in ((4096, 5, 3), (16384, 15, 10)):
         for name, target, ref in (

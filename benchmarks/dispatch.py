@@ -4,9 +4,12 @@
     python benchmarks/dispatch.py --ops           # op counts only
     python benchmarks/dispatch.py --breaks -v     # graph breaks, with each break's reason
 
-Op counts: forward + backward of causal ``favor_attention`` per backend and of ``causal_linformer_attention``
-(b = h = 1, head_dim 16, m = k = 32 slots / features, ``LINEARFORMERS_NATIVE`` untouched: "walk" and "chunked" are
-named explicitly), counted with a ``TorchDispatchMode``; on a GPU every op is a kernel launch. Graph breaks:
+Op counts: forward + backward of causal ``favor_attention`` with ``backend="chunked"`` (the portable form GPUs run)
+and ``backend="native"`` (the compiled CPU walk: its ops are those around one opaque call per direction; "not run"
+where it is not built or switched off), of ``causal_linformer_attention`` (its default, chunked, backend), and of
+causal ``linear_attention(backend="chunked")`` on precomputed FAVOR+ features (made outside the count, so only the
+prefix-sum kernel is counted); b = h = 1, head_dim 16, m = k = 32 slots / features, counted with a
+``TorchDispatchMode``; on a GPU every op is a kernel launch. Graph breaks:
 ``torch._dynamo.explain`` on 2-layer models (hidden 32, 2 heads; the tests' tiny config), in training mode, on
 (2, 16) inputs without and with a left-padded mask.
 """
@@ -23,7 +26,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's tiny config
 
-from linearformers.modeling.attention import causal_linformer_attention, draw_random_features, favor_attention
+from linearformers.modeling.attention import (
+    causal_linformer_attention,
+    draw_random_features,
+    favor_attention,
+    favor_features,
+    linear_attention,
+)
+
+KERNELS = ("chunked", "native", "linformer", "linear_chunked")
 
 
 class CountOps(TorchDispatchMode):
@@ -37,14 +48,21 @@ class CountOps(TorchDispatchMode):
 
 
 def op_count(n: int, kernel: str) -> int:
+    """aten ops of one forward + backward; raises ValueError where the backend refuses to run."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, n, 16, generator=g).requires_grad_() for _ in range(3))
     e = torch.randn(32, n, generator=g).requires_grad_()
     w = draw_random_features(32, 16, seed=0)
     upstream = torch.randn(1, 1, n, 16, generator=g)  # made outside the count, as a layer receives it
+    if kernel == "linear_chunked":  # features precomputed, as a feature map's caller (or fla's) would pass them
+        with torch.no_grad():
+            phi_q = favor_features(q, w, is_query=True).requires_grad_()
+            phi_k = favor_features(k, w, is_query=False).requires_grad_()
     with CountOps() as counter:
         if kernel == "linformer":
             out = causal_linformer_attention(q, k, v, e, e)
+        elif kernel == "linear_chunked":
+            out = linear_attention(phi_q, phi_k, v, causal=True, backend="chunked")
         else:
             out = favor_attention(q, k, v, w, causal=True, backend=kernel)
         out.backward(upstream)
@@ -90,9 +108,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     if not args.breaks:
-        for kernel in ("walk", "chunked", "linformer"):
-            counts = ", ".join(f"{op_count(n, kernel)} at n = {n}" for n in (1024, 2048, 4096, 16384))
-            print(f"ops dispatched, forward + backward, {kernel}: {counts}")
+        for kernel in KERNELS:
+            try:
+                counts = ", ".join(f"{op_count(n, kernel)} at n = {n}" for n in (1024, 2048, 4096, 16384))
+            except ValueError as err:  # backend="native" where the compiled walk cannot run
+                counts = f"not run ({err})"
+            print(f"ops dispatched, forward + backward, {kernel}: {counts}", flush=True)
     if not args.ops:
         graph_breaks(args.verbose)
 

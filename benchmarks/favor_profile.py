@@ -1,14 +1,16 @@
 """Where causal FAVOR+ spends its time: the figures behind the README's "Causal FAVOR+ on the CPU" paragraph.
 
 One forward + backward of `favor_attention(causal=True)` at the attention benchmark's shape (12 heads x 64, m = 256,
-chunk 32, float32, 2 threads), through the PyTorch walk (the fallback off x86-64, and the reference), then through
-the native walk (modeling/attention/_native, one opaque call per direction) for comparison:
-  1. torch.profiler on the PyTorch walk, ops grouped by input shape, with the GFLOP/s of each matmul group;
+chunk 32, float32, 2 threads), through the chunked backend (`backend="chunked"`: every chunk at once in batched
+products, the portable form GPUs run and the fallback off x86-64), then through the native walk
+(`backend="native"`, modeling/attention/_native, one opaque call per direction) for comparison:
+  1. torch.profiler on the chunked backend, ops grouped by input shape, with the GFLOP/s of each matmul group;
   2. the Python and dispatch overhead: the same call on tiny tensors (1 head x 4, m = 8), whose ops cost ~nothing;
   3. exp against exp2 on one block of features (8 chunks x 12 heads x 32 x 256), the choice in `_FeatureMap`.
 
     python benchmarks/favor_profile.py            # n = 4096
     python benchmarks/favor_profile.py --n 16384
+    python benchmarks/favor_profile.py --n 256 --chunk 64
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ import time
 import torch
 from torch.profiler import profile
 
-from linearformers.modeling.attention import _favor_autograd, _native, draw_random_features, favor_attention
+from linearformers.modeling.attention import draw_random_features, favor_attention
 
 _MATMULS = ("aten::baddbmm_", "aten::bmm", "aten::mm")
 
 
-def _step(n: int, heads: int, dim: int, m: int):
+def _step(n: int, heads: int, dim: int, m: int, backend: str, chunk: int):
     q, k, v = (torch.randn(1, heads, n, dim, requires_grad=True) for _ in range(3))
     g = torch.randn(1, heads, n, dim)
     w = draw_random_features(m, dim, seed=0)
 
     def step():
-        favor_attention(q, k, v, w, causal=True, chunk_size=32).backward(g)
+        favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend=backend).backward(g)
         for t in (q, k, v):
             t.grad = None
 
@@ -57,15 +59,15 @@ def _flops(op: str, shapes) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=32, help="chunk_size of both backends (default 32)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    step = _step(args.n, 12, 64, 256)
-    _favor_autograd.NATIVE = False
+    step = _step(args.n, 12, 64, 256, "chunked", args.chunk)
     total = _best(step, 3)
-    print(f"causal FAVOR+ n={args.n}, PyTorch walk: {total:.3f} s forward + backward (best of 3)")
+    print(f"causal FAVOR+ n={args.n}, chunked backend: {total:.3f} s forward + backward (best of 3)")
     with profile(record_shapes=True) as prof:
         step()
     events = prof.key_averages(group_by_input_shape=True)
@@ -79,16 +81,19 @@ def main() -> None:
         share = seconds / profiled
         print(f"  {e.key:16s} x{e.count:4d}  {seconds * 1e3:7.1f} ms  {share:4.0%}{rate}  {e.input_shapes[:3]}")
 
-    overhead = _best(_step(args.n, 1, 4, 8), 5)
+    overhead = _best(_step(args.n, 1, 4, 8, "chunked", args.chunk), 5)
     print(
-        f"\nPython and dispatch (same walk on tiny tensors): {overhead * 1e3:.1f} ms, {overhead / total:.0%} of the call"
+        f"\nPython and dispatch (same backend on tiny tensors): {overhead * 1e3:.1f} ms, "
+        f"{overhead / total:.0%} of the call"
     )
 
-    if _native.available():
-        _favor_autograd.NATIVE = True
-        native = _best(step, 3)
-        _favor_autograd.NATIVE = False
-        print(f"native walk: {native:.3f} s forward + backward (best of 3), {total / native:.2f}x the PyTorch walk")
+    native_step = _step(args.n, 12, 64, 256, "native", args.chunk)
+    try:
+        native = _best(native_step, 3)
+    except ValueError as err:  # not built here, switched off, or a chunk that is not a multiple of 16
+        print(f"native walk: not run ({err})")
+    else:
+        print(f"native walk: {native:.3f} s forward + backward (best of 3), {total / native:.2f}x the chunked backend")
 
     x = torch.randn(8, 12, 32, 256) * 3
     y = torch.empty_like(x)

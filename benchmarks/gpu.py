@@ -7,11 +7,14 @@ fixed upstream gradient:
   * ``favor/<backend>`` / ``favor_causal/<backend>``: FAVOR+ (m = 256), once per ``backend=`` value that
     ``favor_attention`` accepts (``auto`` = no ``backend=`` argument, the library's own choice); a backend that
     refuses the device / dtype is recorded as ``unavailable``;
-  * ``linformer`` (k = 256, learned E, F) and ``linformer_causal/<backend>`` (``causal_linformer_attention``);
+  * ``linformer`` (k = 256, learned E, F) and ``linformer_causal/<backend>`` (``causal_linformer_attention``, once
+    per name of ``linformer.CAUSAL_BACKENDS``);
+  * ``linear_causal/<backend>``: ``linear_attention(phi_q, phi_k, v, causal=True)`` on FAVOR+ features computed
+    beforehand by ``favor_features`` and *not timed* (gradients stop at the features), once per ``backend=`` value:
+    the prefix-sum kernel alone, the same inputs as the fla row, where ``favor_causal`` rows include the feature maps;
   * ``fla_causal``: flash-linear-attention's ``chunk_linear_attn(phi_q, phi_k, v, scale=1.0, normalize=True)``
-    (inputs [B, T, H, m]) on the same FAVOR+ features, computed beforehand by ``favor_features`` and *not timed*:
-    the fla row is the prefix-sum kernel alone, ours include the feature maps. ``not installed`` when
-    ``fla.ops.linear_attn`` does not import, ``needs CUDA`` on CPU.
+    (inputs [B, T, H, m]) on those same precomputed features; compare it with ``linear_causal``. ``not installed``
+    when ``fla.ops.linear_attn`` does not import, ``needs CUDA`` on CPU.
 Training (batch 1, forward + backward + AdamW step, fp32 weights under bf16 autocast on CUDA): a GPT-2-small-shaped
 causal LM (hidden 768, 12 layers, 12 heads, vocab 50257) as ``PerformerForCausalLM`` (m = 256),
 ``LinformerForCausalLM`` (k = 256) and transformers' ``GPT2LMHeadModel`` (``attn_implementation="sdpa"``); a
@@ -64,7 +67,6 @@ RESULTS = Path(__file__).parent / "results"
 HEADS, DIM = 12, 64
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK_LENGTHS = [64, 128]
-LINFORMER_BACKENDS = ("chunked", "walk")  # tried when causal_linformer_attention takes backend=
 GPT2_SHAPE = dict(hidden=768, layers=12, heads=12, intermediate=3072, vocab=50257, m=256, k=256)
 BERT_SHAPE = dict(hidden=768, layers=12, heads=12, intermediate=3072, vocab=30522, m=256, k=256)
 QUICK_SHAPE = dict(hidden=64, layers=2, heads=4, intermediate=256, vocab=1000, m=32, k=32)
@@ -82,16 +84,24 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.modeling.attention import BACKENDS, causal_linformer_attention, favor_attention
+    from linearformers.modeling.attention import (
+        BIDIRECTIONAL_BACKENDS,
+        CAUSAL_BACKENDS,
+        LINFORMER_CAUSAL_BACKENDS,
+        causal_linformer_attention,
+        favor_attention,
+        linear_attention,
+    )
 
-    favor = _backends(favor_attention, BACKENDS)  # "auto" is backend=None
+    # "auto" is backend=None
     return [
         "sdpa",
         "sdpa_causal",
-        *(f"favor/{b}" for b in favor),
-        *(f"favor_causal/{b}" for b in favor),
+        *(f"favor/{b}" for b in _backends(favor_attention, BIDIRECTIONAL_BACKENDS)),
+        *(f"favor_causal/{b}" for b in _backends(favor_attention, CAUSAL_BACKENDS)),
         "linformer",
-        *(f"linformer_causal/{b}" for b in _backends(causal_linformer_attention, LINFORMER_BACKENDS)),
+        *(f"linformer_causal/{b}" for b in _backends(causal_linformer_attention, LINFORMER_CAUSAL_BACKENDS)),
+        *(f"linear_causal/{b}" for b in _backends(linear_attention, CAUSAL_BACKENDS)),
         "fla_causal",
     ]
 
@@ -115,13 +125,23 @@ def _fla_call():
     return lambda pq, pk, v: chunk_linear_attn(pq, pk, v, **kwargs)[0]
 
 
+def _favor_feature_inputs(q, k, m: int, device: str, dtype: torch.dtype):
+    """FAVOR+ features of q and k, (B, H, T, m) in ``dtype``, computed without gradients (not part of the timing):
+    the shared input of the ``linear_causal`` and ``fla_causal`` rows."""
+    from linearformers.modeling.attention import draw_random_features, favor_features
+
+    w = draw_random_features(m, DIM, seed=0, device=device)
+    with torch.no_grad():
+        return favor_features(q, w, is_query=True).to(dtype), favor_features(k, w, is_query=False).to(dtype)
+
+
 def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, k_proj: int):
     """(fn, inputs, upstream gradient) for one kernel at length n; fn(*inputs) is one forward."""
     from linearformers.modeling.attention import (
         causal_linformer_attention,
         draw_random_features,
         favor_attention,
-        favor_features,
+        linear_attention,
         linformer_attention,
     )
 
@@ -167,14 +187,20 @@ def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, 
             def fn(q, k, v):
                 return causal_linformer_attention(q, k, v, e, f, **extra)
 
+    elif family == "linear_causal":
+        pq, pk = _favor_feature_inputs(q, k, m, device, dtype)  # precomputed and not timed, as for fla
+        q, k = pq.requires_grad_(), pk.requires_grad_()
+
+        def fn(pq, pk, v):
+            return linear_attention(pq, pk, v, causal=True, **extra)
+
     elif family == "fla_causal":
         call = _fla_call()
         if device != "cuda":
             raise Unavailable("needs CUDA (Triton kernels)")
-        w = draw_random_features(m, DIM, seed=0, device=device)
-        with torch.no_grad():  # FAVOR+ features, precomputed and not timed; fla's layout is [B, T, H, m]
-            pq = favor_features(q, w, is_query=True).transpose(1, 2).contiguous().to(dtype)
-            pk = favor_features(k, w, is_query=False).transpose(1, 2).contiguous().to(dtype)
+        pq, pk = _favor_feature_inputs(q, k, m, device, dtype)  # precomputed and not timed
+        # fla's layout is [B, T, H, m]
+        pq, pk = (t.transpose(1, 2).contiguous() for t in (pq, pk))
         q, k, v = pq.requires_grad_(), pk.requires_grad_(), v.detach().transpose(1, 2).contiguous().requires_grad_()
         fn = call
     else:
@@ -668,7 +694,8 @@ def main(argv=None) -> None:
                 sys.exit(f"--kernels: unknown {unknown}; this checkout has {found}")
             names = s.kernels or found
             meta = {"dtype": str(s.dtype).replace("torch.", ""), "heads": HEADS, "head_dim": DIM, "batch": 1,
-                    "m": s.m, "k": s.k, "fla_call": "chunk_linear_attn(phi_q, phi_k, v, scale=1.0, normalize=True)"}  # fmt: skip
+                    "m": s.m, "k": s.k, "fla_call": "chunk_linear_attn(phi_q, phi_k, v, scale=1.0, normalize=True)",
+                    "linear_call": "linear_attention(phi_q, phi_k, v, causal=True, backend=...)"}  # fmt: skip
         else:
             names = s.models or list(MODELS)
             precision = "fp32 weights, bf16 autocast" if s.device == "cuda" else "float32, no autocast"
@@ -682,7 +709,7 @@ def main(argv=None) -> None:
                 f"{n}: {r['seconds'] * 1e3:.2f} ms" if r.get("status") == "ok" else f"{n}: {r['status']}"
                 for n, r in sec["rows"][name].items()
             )
-            print(f"{section:9s} {name:24s} {shown}  [{time.perf_counter() - t0:.1f} s]", flush=True)
+            print(f"{section:9s} {name:28s} {shown}  [{time.perf_counter() - t0:.1f} s]", flush=True)
             sec["ratios"] = (attention_ratios if section == "attention" else training_ratios)(sec["rows"])
             result["targets"] = targets(result)
             path.write_text(json.dumps(result, indent=2))  # after every row: a killed run keeps what it measured

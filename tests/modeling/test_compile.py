@@ -77,3 +77,46 @@ def test_redraw_counter_does_not_recompile_the_graph(monkeypatch):
         compiled(input_ids=ids, attention_mask=mask)
     assert counts["frames"] == first
     assert int(model.feature_redraws) == 5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_whole_models_compile_without_graph_breaks_kernels_included(family, decoder):
+    """Under torch.compile the attention takes the chunked backend (no data-dependent branch: the large-key
+    fallback of causal FAVOR+ is a torch.cond), so a whole model, kernels included, is one graph."""
+    model = _model(family, decoder, num_local_heads=1, local_window=4)
+    ids, mask = _inputs()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask)
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("key_scale", [1.0, 40.0], ids=["moderate-keys", "large-keys"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_favor_attention_equals_eager_with_gradients(causal, key_scale):
+    """fullgraph=True: one graph; keys of large norm take the offsets fallback inside it (torch.cond)."""
+    from linearformers.modeling.attention import draw_random_features, favor_attention
+
+    w = draw_random_features(32, 16, seed=0)
+
+    def attend(q, k, v, mask):
+        return favor_attention(q, k, v, w, causal=causal, key_padding_mask=mask)
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    k = k * key_scale
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :5] = False
+    torch._dynamo.reset()
+    results = []
+    for fn in (compiled, attend):
+        inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(*inputs, mask)
+        results.append((out, *torch.autograd.grad(out.square().sum(), inputs)))
+    # large keys: near one-hot attention, dq and dk ~0 up to float32's cancellation in dk = s (du W - k' Σ du),
+    # ~1e-5 of the largest gradient in any backend (bidirectional: compiled takes "chunked", eager "blockwise")
+    scale = max(float(t.abs().max()) for t in results[1]) * (10 if key_scale > 1 else 1)
+    for got, want in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)

@@ -200,7 +200,11 @@ def test_backend_choice():
     assert choose(None, v[..., :12], 32, None, causal=True) == "chunked"  # not a multiple of 16: no native
     assert choose(None, v, 32, None, causal=True, state_in=True) == "chunked"  # the native walk takes no state
     assert choose("chunked", v, 32, None, causal=True) == "chunked"
-    assert choose(None, v, 32, None, causal=False) == "chunked"  # the one bidirectional kernel
+    assert choose(None, v, 32, None, causal=False) == "blockwise"  # bidirectional on the CPU
+    assert choose(None, v.to("meta"), 32, None, causal=False) == "chunked"  # and elsewhere
+    assert choose(None, v, 32, None, causal=False, fused=False) == "chunked"  # given features
+    with pytest.raises(ValueError, match="blockwise"):
+        choose("blockwise", v, 32, None, causal=True)
     previous = set_native_walk(False)
     try:
         assert not native_walk_enabled()
@@ -233,3 +237,54 @@ def test_reference_backend_is_the_quadratic_formula():
         torch.testing.assert_close(
             out, favor_attention(q, k, v, w, causal=causal, backend="chunked"), rtol=1e-4, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["moderate-keys", "large-keys"])
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_bidirectional_chunked_and_blockwise_match_the_quadratic_formula(padding, kernel, large):
+    """Bidirectional FAVOR+ in whole-sequence products (the GPU and torch.compile path) and block by block (the CPU
+    path) against the float64 formula; large keys (|k'| ~ 40) are taken relative to the largest real key exponent."""
+    q, k, v = _qkv()
+    k = k * (40.0 if large else 1.0)
+    w = draw_random_features(32, 16, seed=1)
+    mask = _mask(2, 37, padding)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+
+    def run(backend, dtype):
+        x = tuple(t.to(dtype).detach().requires_grad_() for t in (q, k, v))
+        out = favor_attention(*x, w.to(dtype), key_padding_mask=mask, kernel=kernel, backend=backend, block_size=8)
+        return (out, *torch.autograd.grad(out, x, g.to(dtype)))
+
+    exact = run("reference", torch.float64)
+    scale = max(float(t.abs().max()) for t in exact)
+    for backend in ("chunked", "blockwise"):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), run(backend, torch.float32), exact):
+            assert torch.isfinite(a).all(), (backend, name)
+            # large keys: near one-hot attention, dk ~0 up to float32's cancellation (see test_favor)
+            atol = (1e-3 if large else 1e-5) * scale
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=atol, msg=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_bidirectional_chunked_gradcheck_in_float64(kernel):
+    q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=11, d=4, dtype=torch.float64))
+    w = draw_random_features(8, 4, seed=2, dtype=torch.float64)
+    mask = torch.ones(1, 11, dtype=torch.bool)
+    mask[0, 1] = False
+
+    def op(q, k, v):
+        return favor_attention(q, k, v, w, kernel=kernel, key_padding_mask=mask, backend="chunked")
+
+    assert torch.autograd.gradcheck(op, (q, k, v), atol=1e-6, rtol=1e-4)
+
+
+def test_bidirectional_chunked_op_count_does_not_depend_on_n():
+    def ops(n):
+        q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
+        w = draw_random_features(32, 16, seed=0)
+        with _CountOps() as counter:
+            favor_attention(q, k, v, w, backend="chunked").sum().backward()
+        return counter.count
+
+    assert ops(512) == ops(4096)

@@ -186,7 +186,9 @@ def test_gradients_of_the_initial_state(large):
     )
     for name, a, b in zip(("out", "dq", "dk", "dv", "dS", "dz"), chunked, wide):
         assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5 * float(b.detach().abs().max()), msg=name)
+        torch.testing.assert_close(
+            a.double(), b.double(), rtol=1e-4, atol=1e-5 * float(b.detach().abs().max()), msg=name
+        )
 
 
 def test_gradcheck_in_float64():

@@ -1,9 +1,11 @@
 """Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch."""
 
-from .backends import BACKENDS, native_walk_enabled, set_native_walk
+from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_walk_enabled, set_native_walk
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
 from .feature_maps import KERNELS, FavorPositive, FeatureMap, ReluFeatures, favor_positive, relu_features
 from .linear import linear_attention, linear_step
+from .linformer import BACKENDS as LINFORMER_BACKENDS
+from .linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
 from .linformer import (
     METHODS,
     causal_linformer_attention,
@@ -19,8 +21,12 @@ FAVOR_BACKENDS = BACKENDS  # the name earlier releases exported
 
 __all__ = [
     "BACKENDS",
+    "BIDIRECTIONAL_BACKENDS",
+    "CAUSAL_BACKENDS",
     "FAVOR_BACKENDS",
     "KERNELS",
+    "LINFORMER_BACKENDS",
+    "LINFORMER_CAUSAL_BACKENDS",
     "METHODS",
     "FavorPositive",
     "FeatureMap",

@@ -136,11 +136,8 @@ class FavorCausalChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0):
         n, d = v.shape[2:]
-        work = torch.promote_types(v.dtype, torch.float32)  # float32, float64 for float64 inputs (gradcheck)
-        if kernel == "features":  # the features' dtype counts too (float64 features with float32 v: float64)
-            work = torch.promote_types(work, torch.promote_types(q.dtype, k.dtype))
-        else:
-            w = w.to(work)
+        work = _work_dtype(q, k, v, kernel)
+        w = w if w is None else w.to(work)
         keep = None if keep is None else keep.to(work)
         ctx.s0_dtype = None if s0 is None else s0.dtype
         s0 = None if s0 is None else s0.to(work)
@@ -203,20 +200,102 @@ class FavorCausalChunked(torch.autograd.Function):
         d_pq, d_pk, pq, pk = (x.flatten(2, 3)[:, :, :n] for x in (d_pq, d_pk, pq, pk))
         d_va = d_va.flatten(2, 3)[:, :, :n]
         dv = d_va[..., :d] if keep is None else d_va[..., :d] * keep
-        if kernel == "features":  # the features were the inputs: no chain rule (padded keys entered as phi_k keep)
-            d_pk = d_pk if keep is None else d_pk.mul_(keep)
-            return d_pq.to(q.dtype), d_pk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, d_s0
-        root = math.sqrt(scale)
-        if kernel == "relu":  # phi = ReLU(u) + eps: du = dphi where u > 0 (padded keys have phi = 0 here)
-            du_q, du_k = d_pq.mul_(pq > eps), d_pk.mul_(pk > eps)
-        else:  # phi = exp(u): du = dphi * phi
-            du_q, du_k = d_pq.mul_(pq), d_pk.mul_(pk)
-        ws = w * root
-        dq = torch.matmul(du_q, ws)
-        dk = torch.matmul(du_k, ws)
-        if kernel != "relu":  # the key exponent's -|x'|²/2: d/dx = -s x per unit of Σ_m du
-            dk = dk.sub_(k.to(w.dtype) * du_k.sum(-1, keepdim=True), alpha=scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, d_s0
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps)
+        return dq, dk, dv.to(v.dtype), None, None, None, None, None, None, d_s0
+
+
+def _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps):
+    """dL/dq, dL/dk from the gradients of the features (overwritten), in q's and k's dtypes. "features": the
+    features were the inputs (padded keys entered as phi_k keep). Through the softmax map phi = exp(u + const),
+    du = dphi phi and dx = s^½ du W, less s x Σ_m du for keys (their -|x'|²/2); relu: du = dphi where u > 0."""
+    if kernel == "features":
+        d_pk = d_pk if keep is None else d_pk.mul_(keep)
+        return d_pq.to(q.dtype), d_pk.to(k.dtype)
+    if kernel == "relu":  # padded keys have phi = 0 here: no gradient
+        du_q, du_k = d_pq.mul_(pq > eps), d_pk.mul_(pk > eps)
+    else:
+        du_q, du_k = d_pq.mul_(pq), d_pk.mul_(pk)
+    ws = w * math.sqrt(scale)
+    dq = torch.matmul(du_q, ws)
+    dk = torch.matmul(du_k, ws)
+    if kernel != "relu":
+        dk = dk.sub_(k.to(w.dtype) * du_k.sum(-1, keepdim=True), alpha=scale)
+    return dq.to(q.dtype), dk.to(k.dtype)
+
+
+def _work_dtype(q, k, v, kernel):
+    """float32, float64 for float64 inputs (gradcheck); for given features their dtype counts too."""
+    work = torch.promote_types(v.dtype, torch.float32)
+    return torch.promote_types(work, torch.promote_types(q.dtype, k.dtype)) if kernel == "features" else work
+
+
+def _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, work, top=None):
+    """phi(q), phi(k) (padded keys 0) and [v, 1] (padded rows 0) over the whole sequence, and the key offset: for
+    the softmax map, keys are taken relative to the largest real key exponent of their (batch, head), a constant
+    that cancels in N / D (keys of large norm would underflow at offset 0; no causality to keep here)."""
+    if kernel == "features":  # queries and keys may differ in length here: no chunking of either
+        pq = q.to(work)
+        pk = k.to(work) if keep is None else k.to(work) * keep
+    elif kernel == "relu":
+        pq = _features(q, w, scale, kernel, eps, is_query=True)
+        pk = _features(k, w, scale, kernel, eps, is_query=False, keep=keep)
+    else:
+        pq = _features(q, w, scale, kernel, eps, is_query=True)
+        u = _key_exponents(k, w, scale)
+        if keep is not None:
+            u = u.masked_fill_(keep == 0, -math.inf)
+        if top is None:
+            top = u.amax(dim=(-1, -2), keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real key: offset 0
+        pk = u.sub_(top).exp_()
+    vf = v.to(work)
+    va = torch.cat([vf, torch.ones_like(vf[..., :1])], -1)
+    if keep is not None:
+        va = va.mul_(keep)
+    return pq, pk, va, top
+
+
+class FavorBidirectionalChunked(torch.autograd.Function):
+    """Bidirectional FAVOR+ (or linear attention of given features, kernel "features") in whole-sequence batched
+    products: KV = phi(K)ᵀ [V, 1], [N, D] = phi(Q) KV, a fixed number of ops at any length and no data-dependent
+    branch (torch.compile traces it whole). Forward keeps q, k, v, the output, its denominator and the key offset;
+    backward recomputes the features: dKV = phi(Q)ᵀ g_aug, dphi(Q) = g_aug KVᵀ, dphi(K) = [V, 1] dKVᵀ,
+    dV = phi(K) dKV. Holds the feature maps (n m per head) while it runs, where the blockwise kernel of
+    _favor_autograd holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps):
+        d = v.shape[-1]
+        work = _work_dtype(q, k, v, kernel)
+        w = w if w is None else w.to(work)
+        keep = None if keep is None else keep.to(work)
+        pq, pk, va, top = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, work)
+        num = torch.matmul(pq, torch.matmul(pk.transpose(-1, -2), va))
+        den = num[..., d:].clamp_min(_TINY)
+        out = num[..., :d] / den
+        ctx.settings = (kernel, scale, eps)
+        ctx.save_for_backward(q, k, v, w, keep, out, den, top)
+        return out.to(v.dtype)
+
+    @staticmethod
+    @once_differentiable
+    @outside_autocast  # loss.backward() may be called inside autocast
+    def backward(ctx, g):
+        q, k, v, w, keep, out, den, top = ctx.saved_tensors
+        kernel, scale, eps = ctx.settings
+        d = v.shape[-1]
+        pq, pk, va, _ = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, out.dtype, top)
+        kv = torch.matmul(pk.transpose(-1, -2), va)
+        inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
+        gf = g.to(out.dtype) * inv
+        ga = torch.cat([gf, -(gf * out).sum(-1, keepdim=True)], -1)  # dL/d[N, D]
+        d_kv = torch.matmul(pq.transpose(-1, -2), ga)
+        d_pq = torch.matmul(ga, kv.transpose(-1, -2))
+        d_pk = torch.matmul(va, d_kv.transpose(-1, -2))
+        dv = torch.matmul(pk, d_kv[..., :d])
+        dv = dv if keep is None else dv.mul_(keep)
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps)
+        return dq, dk, dv.to(v.dtype), None, None, None, None, None
 
 
 _NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet (as favor._NOTHING)

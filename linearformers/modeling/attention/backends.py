@@ -1,18 +1,22 @@
-"""Which code computes causal linear attention: the one place where a backend is chosen.
+"""Which code computes FAVOR+ and linear attention: the one place where a backend is chosen.
 
-Backends of causal FAVOR+ (:func:`favor.favor_attention`) and of linear attention on precomputed features
-(:func:`linear.linear_attention`):
+Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention` (precomputed features):
 
 * ``"reference"``: the quadratic formula of :mod:`reference`, for tests and for reading; no state in or out.
-* ``"chunked"`` (:mod:`_favor_chunked`): every chunk at once, in batched products, so the number of dispatched ops
-  (kernel launches on a GPU) does not grow with the length. Runs on every device; the default off the CPU.
-* ``"native"`` (:mod:`_native`): the compiled CPU walk, carrying one state chunk by chunk with every product in
-  its own AVX2 GEMM, which keeps its operands in cache; the default on x86-64 CPUs where it is built and the shapes
-  allow (head_dim, m and the chunk multiples of 16).
+* ``"chunked"`` (:mod:`_favor_chunked`): batched products over every chunk at once (bidirectional: the whole
+  sequence as one), so the number of dispatched ops (kernel launches on a GPU) does not grow with the length, and
+  nothing in it depends on the data, so torch.compile traces it whole. Runs on every device; the default off the
+  CPU and under torch.compile.
+* ``"native"`` (:mod:`_native`, causal only): the compiled CPU walk, carrying one state chunk by chunk with every
+  product in its own AVX2 GEMM, which keeps its operands in cache; the causal default on x86-64 CPUs where it is
+  built and the shapes allow (head_dim, m and the chunk multiples of 16).
+* ``"blockwise"`` (:mod:`_favor_autograd`, bidirectional FAVOR+ only): feature maps built a block of positions at a
+  time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
+  default on the CPU.
 
-``backend=None`` picks: "native" where it can run, "chunked" everywhere else. :func:`set_native_walk` is the public
-switch that turns the native walk off for automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being
-built at all); a named backend is always taken as asked, or refused with a ValueError saying why it cannot run.
+``backend=None`` picks as above. :func:`set_native_walk` is the public switch that turns the native walk off for
+automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being built at all); a named backend is always
+taken as asked, or refused with a ValueError saying why it cannot run.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch
 
 from ._native import available as native_available
 
-BACKENDS = ("reference", "chunked", "native")
+BACKENDS = ("reference", "chunked", "native", "blockwise")
+CAUSAL_BACKENDS = ("reference", "chunked", "native")  # what causal calls may name
+BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise")  # what bidirectional FAVOR+ may name
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
 _SETTINGS = {"native": True}
 
@@ -73,12 +79,15 @@ def choose_backend(
     causal: bool,
     state_in: bool = False,
     state_out: bool = False,
+    fused: bool = True,
 ) -> str:
-    """The backend a call runs, from BACKENDS; ``chunk_size`` None means each backend's default.
+    """The backend a call runs, from BACKENDS; ``chunk_size`` None means each backend's default; ``fused``: the
+    call has the FAVOR+ map to fuse (False for precomputed features, which "blockwise" does not take).
 
-    Bidirectional attention has one fast kernel, which every name but "reference" runs ("native" is refused: the
-    compiled walk is causal). Causal, ``None``: "native" where :func:`native_refusal` finds nothing against it,
-    "chunked" otherwise. "reference" with a state in or out is refused."""
+    None, causal: "native" where :func:`native_refusal` finds nothing against it, "chunked" otherwise.
+    None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
+    data), "chunked" otherwise. "reference" with a state in or out is refused, as are "native" for bidirectional
+    attention and "blockwise" for causal attention or given features."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose None or one of {BACKENDS}")
     if backend == "reference":
@@ -94,7 +103,14 @@ def choose_backend(
         if reason is not None:
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "native"
-    if backend == "chunked" or not causal:
+    if backend == "blockwise":
+        if causal or not fused:
+            raise ValueError("backend='blockwise' is bidirectional FAVOR+ with its own feature map; use 'chunked'")
+        return "blockwise"
+    if backend == "chunked":
         return "chunked"
+    if not causal:
+        on_cpu = v.device.type == "cpu" and not torch.compiler.is_compiling()
+        return "blockwise" if fused and on_cpu else "chunked"
     chunk = NATIVE_CHUNK if chunk_size is None else chunk_size
     return "native" if native_refusal(v, num_features, chunk, state_in=state_in) is None else "chunked"

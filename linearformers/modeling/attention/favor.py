@@ -28,7 +28,7 @@ import torch
 
 from ._checks import check_mask, check_qkv
 from ._favor_autograd import BIDIRECTIONAL_BLOCK, FavorBidirectional, FavorCausalNative
-from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked, favor_causal_offsets
+from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, favor_causal_offsets
 from ._precision import outside_autocast
 from .backends import NATIVE_CHUNK, choose_backend
 from .feature_maps import KERNELS, favor_exponents, random_features
@@ -160,14 +160,16 @@ def favor_attention(
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
             S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
         return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
-        backend: None, "chunked", "native" or "reference"; see :mod:`backends` (None: the compiled CPU walk where
-            it runs, the chunked backend elsewhere). Causal softmax calls whose keys are of large norm (every
-            visible key's features underflowed at offset 0), and softmax continued prefills, run the chunked form
-            with per-position offsets (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
+        backend: None, "chunked", "native" (causal), "blockwise" (bidirectional) or "reference"; see
+            :mod:`backends` (None: causal, the compiled CPU walk where it runs and the chunked backend elsewhere;
+            bidirectional, the blockwise kernel on the CPU and the chunked one elsewhere and under torch.compile).
+            Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
+            0), and softmax continued prefills, run the chunked form with per-position offsets
+            (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
 
     Memory, per head. The native walk keeps the state at each block start and O(n d) of inputs and outputs; the
-    chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs; the
-    bidirectional kernel holds O(block_size m) of feature maps at a time.
+    chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs
+    (bidirectional: O(n m)); the blockwise kernel holds O(block_size m) of feature maps at a time.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
@@ -196,8 +198,10 @@ def favor_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.to(device=q.device, dtype=torch.float32)
     keep = None if mask is None else mask[:, None, :, None].float()
-    if not causal:  # one blockwise kernel with a hand-written backward (_favor_autograd)
+    if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
+    if not causal:
+        return FavorBidirectionalChunked.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
     if state_in:
         initial_state = _unpack_state(initial_state, q, v, w)
         if kernel == "softmax":  # offsets per position, continuing from the state's own
@@ -227,17 +231,46 @@ def favor_attention(
             q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None
         )
     state = (s, z, s.new_zeros(s.shape[:2]))  # both run at offset M = 0
-    if kernel == "softmax" and _any_lost(lost):
-        # keys of large norm underflowed at offset 0: redo this call with per-position offsets
-        out, state = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size)
-        state = tuple(t.detach() for t in state)
+    if kernel == "softmax":
+        out, state = _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size)
     return (out, state) if return_state else out
 
 
-def _any_lost(lost: torch.Tensor) -> bool:
-    """Whether a causal call lost positions (every visible key underflowed at offset 0): one host sync per call.
-    Under torch.compile this is a data-dependent branch, so the compiled graph breaks here (README, torch.compile)."""
-    return bool(lost)
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense (contiguous) gradient: torch.cond's backward needs its branches'
+    input gradients laid out alike, and autograd's gradient of a slice (v inside [v, 1]) is a strided view."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size):
+    """(out, state) of a causal softmax call, redone with per-position offsets (favor_causal_offsets) when it lost
+    positions: keys of large norm whose every feature underflowed at offset 0. Eagerly, one host sync per call reads
+    the count; under torch.compile the choice is a ``torch.cond`` on the device, so the graph does not break and
+    no sync is needed (both branches are traced, one runs)."""
+
+    def redo(q, k, v, w, *_):
+        q, k, v = (_DenseGrad.apply(t) for t in (q, k, v))
+        redone, (s, z, m) = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size)
+        # dense and alias-free, as torch.cond wants its branches' outputs
+        return redone.contiguous(), *(t.detach().contiguous().clone() for t in (s, z, m))
+
+    def keep_fast(q, k, v, w, fast, s, z, m):
+        return tuple(t.contiguous().clone() for t in (fast, s, z, m))
+
+    if torch.compiler.is_compiling():
+        out, *state = torch.cond(lost > 0, redo, keep_fast, (q, k, v, w, out, *state))
+        return out, tuple(state)
+    if bool(lost):
+        out, *state = redo(q, k, v, w)
+        return out, tuple(state)
+    return out, state
 
 
 _OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it sits this far (in e-folds) below

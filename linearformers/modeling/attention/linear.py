@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_mask
-from ._favor_chunked import DEFAULT_CHUNK, FavorCausalChunked
+from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked
 from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
 from .backends import NATIVE_CHUNK, choose_backend
@@ -39,6 +39,8 @@ def _check_features(phi_q, phi_k, v, *, same_length):
         raise ValueError(f"phi_q {tuple(phi_q.shape)} and v {tuple(v.shape)} must share batch and heads")
     if same_length and phi_q.shape[2] != phi_k.shape[2]:
         raise ValueError(f"causal attention needs as many queries as keys, got {phi_q.shape[2]} and {phi_k.shape[2]}")
+    if same_length and phi_q.shape[2] == 0:
+        raise ValueError("phi_q, phi_k, v have length 0: causal attention needs at least one token")
 
 
 def _state(state, b, h, m, d, device):
@@ -92,12 +94,19 @@ def linear_attention(
     mask = check_mask(key_padding_mask, phi_k.shape[0], phi_k.shape[2])
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     b, h, _, m = phi_q.shape
     d = v.shape[-1]
     chosen = choose_backend(
-        backend, v, m, chunk_size, causal=causal, state_in=initial_state is not None, state_out=return_state
+        backend,
+        v,
+        m,
+        chunk_size,
+        causal=causal,
+        state_in=initial_state is not None,
+        state_out=return_state,
+        fused=False,
     )
     if chosen == "native" and d % 16:  # the walk's tile also spans v's width
         if backend == "native":
@@ -107,13 +116,7 @@ def linear_attention(
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     keep = None if mask is None else mask[:, None, :, None].float()
     if not causal:
-        work = torch.promote_types(v.dtype, torch.float32)
-        pk = phi_k.to(work) if keep is None else phi_k.to(work) * keep.to(work)
-        va = torch.cat([v.to(work), torch.ones_like(v[..., :1], dtype=work)], -1)
-        num = torch.matmul(phi_q.to(work), torch.matmul(pk.transpose(-1, -2), va))
-        den = num[..., d:]
-        out = torch.where(den > _TINY, num[..., :d] / den.clamp_min(_TINY), torch.zeros_like(num[..., :d]))
-        return out.to(v.dtype)
+        return FavorBidirectionalChunked.apply(phi_q, phi_k, v, None, keep, "features", 1.0, 0.0)
     if chosen == "native":
         out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, keep, chunk_size or NATIVE_CHUNK, None)
         return (out, (s, z)) if return_state else out

@@ -225,7 +225,8 @@ def linformer_attention(
         first = slot_first_writes(e_proj).to(k.device)  # (k,) or (h, k)
         real = torch.full((b,), n, device=k.device) if lengths is None else lengths
         written = first.view(1, -1, first.shape[-1]) < real.view(b, 1, 1)  # (b, 1 or h, k)
-        slot_mask = None if bool(written.all()) else written
+        # eagerly, skip the bias when every slot was written (one host sync); compiled, always keep it (no branch)
+        slot_mask = written if torch.compiler.is_compiling() or not bool(written.all()) else None
     else:
         kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
         vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
