@@ -288,3 +288,37 @@ def test_bidirectional_chunked_op_count_does_not_depend_on_n():
         return counter.count
 
     assert ops(512) == ops(4096)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
+    """On CUDA with bf16 inputs the chunked backends take the large products in bf16 (tensor cores) and keep
+    exponents, sums and denominators in float32 (_precision). Forced here on the CPU: outputs and gradients stay
+    within bf16's rounding of the float32 path, and finite, with left padding."""
+    operands = torch.bfloat16
+    from linearformers.modeling.attention._favor_chunked import (
+        FavorBidirectionalChunked,
+        FavorCausalChunked,
+        half_operands,
+    )
+
+    q, k, v = _qkv(n=70)
+    w = draw_random_features(32, 16, seed=1)
+    keep = torch.ones(2, 1, 70, 1)
+    keep[1, :, :9] = 0
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+
+    def run(half):
+        x = tuple(t.to(operands).detach().requires_grad_() for t in (q, k, v))
+        if causal:
+            out = FavorCausalChunked.apply(*x, w, keep, "softmax", 0.25, 1e-3, 16, None, half)[0]
+        else:
+            out = FavorBidirectionalChunked.apply(*x, w, keep, "softmax", 0.25, 1e-3, half)
+        return (out, *torch.autograd.grad(out, x, g.to(operands)))
+
+    assert half_operands(q) is None and half_operands(q.to(operands)) is None  # CPU: float32 products
+    assert half_operands(q.half()) is None
+    full, half = run(None), run(operands)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), half, full):
+        assert a.dtype == operands and torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * float(b.float().abs().max()), msg=name)

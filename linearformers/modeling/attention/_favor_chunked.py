@@ -109,9 +109,9 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work):
     return _chunked(_pad(pq, pad), c), _chunked(_pad(pk, pad), c), _chunked(_pad(va, pad), c)
 
 
-def _prefix_states(pk, va, s0):
+def _prefix_states(pk, va, s0, mm=torch.matmul):
     """P_c = S_0 + Σ_{c' <= c} Phi_K,c'ᵀ V_c' for every chunk, (b, h, nc, m, d + 1): one GEMM and one cumsum."""
-    prefix = torch.matmul(pk.transpose(-1, -2), va).cumsum_(2)
+    prefix = mm(pk.transpose(-1, -2), va).cumsum_(2)
     if s0 is not None:
         prefix = prefix.add_(s0.unsqueeze(2))
     return prefix
@@ -134,9 +134,10 @@ class FavorCausalChunked(torch.autograd.Function):
     S (b, h, m, d), z (b, h, m), lost): the final state at offset 0 and the lost count are not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0):
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0, operands=None):
         n, d = v.shape[2:]
         work = _work_dtype(q, k, v, kernel)
+        mm = _Products(operands, work)
         w = w if w is None else w.to(work)
         keep = None if keep is None else keep.to(work)
         ctx.s0_dtype = None if s0 is None else s0.dtype
@@ -144,21 +145,21 @@ class FavorCausalChunked(torch.autograd.Function):
         c = min(chunk, n)
         pad = (-n) % c
         pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
-        prefix = _prefix_states(pk, va, s0)
-        scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
-        num = torch.matmul(scores, va)  # (b, h, nc, c, d + 1)
+        prefix = _prefix_states(pk, va, s0, mm)
+        scores = mm(pq, pk.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
+        num = mm(scores, va)  # (b, h, nc, c, d + 1)
         del scores
         if num.shape[2] > 1:  # the state before chunk c is P_{c-1}
-            num[:, :, 1:] += torch.matmul(pq[:, :, 1:], prefix[:, :, :-1])
+            num[:, :, 1:] += mm(pq[:, :, 1:], prefix[:, :, :-1])
         if s0 is not None:
-            num[:, :, 0] += torch.matmul(pq[:, :, 0], s0)
+            num[:, :, 0] += mm(pq[:, :, 0], s0)
         num = num.flatten(2, 3)[:, :, :n]
         den = num[..., d:].clamp_min(_TINY)
         out = num[..., :d] / den
         lost = _lost_positions(den, keep)
         final = prefix[:, :, -1]
         state_s, state_z = final[..., :d].contiguous(), final[..., d].contiguous()
-        ctx.settings = (kernel, scale, eps, c, pad)
+        ctx.settings = (kernel, scale, eps, c, pad, operands)
         ctx.save_for_backward(q, k, v, w, keep, out, den, s0)
         ctx.mark_non_differentiable(state_s, state_z, lost)
         return out.to(v.dtype), state_s, state_z, lost
@@ -168,43 +169,65 @@ class FavorCausalChunked(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
         q, k, v, w, keep, out, den, s0 = ctx.saved_tensors
-        kernel, scale, eps, c, pad = ctx.settings
+        kernel, scale, eps, c, pad, operands = ctx.settings
         d = v.shape[-1]
         work = out.dtype
+        mm = _Products(operands, work)
         pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
-        prefix = _prefix_states(pk, va, s0)
+        prefix = _prefix_states(pk, va, s0, mm)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(work) * inv
         ga = _chunked(_pad(torch.cat([gf, -(gf * out).sum(-1, keepdim=True)], -1), pad), c)  # dL/d[N, D]
         nc = ga.shape[2]
-        d_scores = torch.matmul(ga, va.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
-        d_pq = torch.matmul(d_scores, pk)
-        d_pk = torch.matmul(d_scores.transpose(-1, -2), pq)
+        d_scores = mm(ga, va.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
+        d_pq = mm(d_scores, pk)
+        d_pk = mm(d_scores.transpose(-1, -2), pq)
         del d_scores
-        d_prefix = torch.matmul(pq.transpose(-1, -2), ga)  # dP: gradient of the state each chunk reads
+        d_prefix = mm(pq.transpose(-1, -2), ga)  # dP: gradient of the state each chunk reads
         d_s0 = d_prefix.sum(2).to(ctx.s0_dtype) if s0 is not None and ctx.needs_input_grad[9] else None
-        scores = torch.matmul(pq, pk.transpose(-1, -2)).tril_()
-        d_va = torch.matmul(scores.transpose(-1, -2), ga)
+        scores = mm(pq, pk.transpose(-1, -2)).tril_()
+        d_va = mm(scores.transpose(-1, -2), ga)
         del scores
         if nc > 1:
-            d_pq[:, :, 1:] += torch.matmul(ga[:, :, 1:], prefix[:, :, :-1].transpose(-1, -2))
+            d_pq[:, :, 1:] += mm(ga[:, :, 1:], prefix[:, :, :-1].transpose(-1, -2))
             # R_c = Σ_{c' > c} dP_c': the sum of chunk c reaches every later chunk's state
             later = d_prefix[:, :, 1:].flip(2).cumsum_(2).flip(2)  # R_0 .. R_{nc-2}
-            d_pk[:, :, :-1] += torch.matmul(va[:, :, :-1], later.transpose(-1, -2))
-            d_va[:, :, :-1] += torch.matmul(pk[:, :, :-1], later)
+            d_pk[:, :, :-1] += mm(va[:, :, :-1], later.transpose(-1, -2))
+            d_va[:, :, :-1] += mm(pk[:, :, :-1], later)
             del later
         del d_prefix, prefix
         if s0 is not None:
-            d_pq[:, :, 0] += torch.matmul(ga[:, :, 0], s0.transpose(-1, -2))
+            d_pq[:, :, 0] += mm(ga[:, :, 0], s0.transpose(-1, -2))
         n = v.shape[2]
         d_pq, d_pk, pq, pk = (x.flatten(2, 3)[:, :, :n] for x in (d_pq, d_pk, pq, pk))
         d_va = d_va.flatten(2, 3)[:, :, :n]
         dv = d_va[..., :d] if keep is None else d_va[..., :d] * keep
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps)
-        return dq, dk, dv.to(v.dtype), None, None, None, None, None, None, d_s0
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm)
+        return dq, dk, dv.to(v.dtype), None, None, None, None, None, None, d_s0, None
 
 
-def _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps):
+class _Products:
+    """The large products of one call: operands in ``operands`` (a half dtype: bf16 / fp16 inputs on CUDA, see
+    _precision) or as they are (None), results in the working dtype, float32, where sums and divisions happen."""
+
+    def __init__(self, operands, work):
+        self.operands, self.work = operands, work
+
+    def __call__(self, a, b):
+        if self.operands is None:
+            return torch.matmul(a, b)
+        return torch.matmul(a.to(self.operands), b.to(self.operands)).to(self.work)
+
+
+def half_operands(v: torch.Tensor) -> torch.dtype | None:
+    """The operand dtype of the chunked backends' products for inputs like v: bf16 for bf16 inputs on CUDA (tensor
+    cores; exponents, sums and denominators stay float32), None (the working dtype) otherwise. Not fp16: backward's
+    g / D reaches 1e5 and more where a query's denominator is small, past fp16's largest value (65504), while bf16
+    has float32's range. Not on the CPU: without bf16 GEMM units it would only lose time and precision."""
+    return torch.bfloat16 if v.dtype == torch.bfloat16 and v.device.type == "cuda" else None
+
+
+def _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm=torch.matmul):
     """dL/dq, dL/dk from the gradients of the features (overwritten), in q's and k's dtypes. "features": the
     features were the inputs (padded keys entered as phi_k keep). Through the softmax map phi = exp(u + const),
     du = dphi phi and dx = s^½ du W, less s x Σ_m du for keys (their -|x'|²/2); relu: du = dphi where u > 0."""
@@ -216,8 +239,8 @@ def _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps):
     else:
         du_q, du_k = d_pq.mul_(pq), d_pk.mul_(pk)
     ws = w * math.sqrt(scale)
-    dq = torch.matmul(du_q, ws)
-    dk = torch.matmul(du_k, ws)
+    dq = mm(du_q, ws)
+    dk = mm(du_k, ws)
     if kernel != "relu":
         dk = dk.sub_(k.to(w.dtype) * du_k.sum(-1, keepdim=True), alpha=scale)
     return dq.to(q.dtype), dk.to(k.dtype)
@@ -264,16 +287,17 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     _favor_autograd holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps):
+    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, operands=None):
         d = v.shape[-1]
         work = _work_dtype(q, k, v, kernel)
+        mm = _Products(operands, work)
         w = w if w is None else w.to(work)
         keep = None if keep is None else keep.to(work)
         pq, pk, va, top = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, work)
-        num = torch.matmul(pq, torch.matmul(pk.transpose(-1, -2), va))
+        num = mm(pq, mm(pk.transpose(-1, -2), va))
         den = num[..., d:].clamp_min(_TINY)
         out = num[..., :d] / den
-        ctx.settings = (kernel, scale, eps)
+        ctx.settings = (kernel, scale, eps, operands)
         ctx.save_for_backward(q, k, v, w, keep, out, den, top)
         return out.to(v.dtype)
 
@@ -282,20 +306,21 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, k, v, w, keep, out, den, top = ctx.saved_tensors
-        kernel, scale, eps = ctx.settings
+        kernel, scale, eps, operands = ctx.settings
         d = v.shape[-1]
+        mm = _Products(operands, out.dtype)
         pq, pk, va, _ = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, out.dtype, top)
-        kv = torch.matmul(pk.transpose(-1, -2), va)
+        kv = mm(pk.transpose(-1, -2), va)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(out.dtype) * inv
         ga = torch.cat([gf, -(gf * out).sum(-1, keepdim=True)], -1)  # dL/d[N, D]
-        d_kv = torch.matmul(pq.transpose(-1, -2), ga)
-        d_pq = torch.matmul(ga, kv.transpose(-1, -2))
-        d_pk = torch.matmul(va, d_kv.transpose(-1, -2))
-        dv = torch.matmul(pk, d_kv[..., :d])
+        d_kv = mm(pq.transpose(-1, -2), ga)
+        d_pq = mm(ga, kv.transpose(-1, -2))
+        d_pk = mm(va, d_kv.transpose(-1, -2))
+        dv = mm(pk, d_kv[..., :d])
         dv = dv if keep is None else dv.mul_(keep)
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps)
-        return dq, dk, dv.to(v.dtype), None, None, None, None, None
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm)
+        return dq, dk, dv.to(v.dtype), None, None, None, None, None, None
 
 
 _NOTHING = -1e30  # the offset of a (batch, head) that has seen no real key yet (as favor._NOTHING)

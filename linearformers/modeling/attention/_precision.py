@@ -1,9 +1,23 @@
-"""The attention kernels under autocast.
+"""Precision of the attention kernels: what stays in float32, what may run in bf16, and autocast.
 
-Every kernel here computes in float32 whatever its inputs' dtype (feature maps, softmax, running sums and the final
-division; only the Linformer's sequence projection E x, a plain product like a Linear's, runs in the inputs' dtype),
-partly with in-place and ``out=`` products on float32 buffers, and returns the dtype of its inputs.
-Autocast would undo that behind the kernel's back: it runs each functional product in bf16 / fp16, so ``out=``
+What needs float32, in every kernel and on every device, whatever the inputs' dtype:
+* feature exponents and their exp (FAVOR+'s w·x' - |x'|²/2 reaches -20 and below for ordinary keys, where bf16's
+  8-bit mantissa would put an error of ~8% on exp; keys of large norm need float32's range for their offsets);
+* every sum over positions: the running / per-chunk states S = Σ phi(k) vᵀ and z = Σ phi(k), the prefix over
+  chunks, the Linformer's slot softmax and its running statistics, the local window's softmax;
+* the denominators and the final division (a floor of 1e-30 is 0 in fp16), and backward's g / D, which reaches
+  1e5 and more where a denominator is small (past fp16's 65504).
+What may run in bf16: the operands of the large products. The chunked backends (GPUs, torch.compile) take them in
+bf16 when their inputs are bf16 on CUDA (tensor cores: an order of magnitude above float32 by the hardware's specification; not measured here): features
+(values in [0, 1], already exponentiated in float32), v, the intra-chunk scores and backward's g_aug and feature
+gradients, cast just before each product, with results brought back to float32 before any sum or division
+(``_favor_chunked.half_operands``; fla's chunked kernels make the same split). fp16 inputs keep float32 products
+(the g / D range above), and so does the CPU, which has no bf16 GEMM units to gain from. The compiled CPU walk, the
+blockwise bidirectional kernel, the rare large-key fallback and the Linformer compute in float32 throughout; only
+the Linformer's sequence projection E x, a plain product like a Linear's, runs in the inputs' dtype. Outputs and
+gradients come back in the inputs' dtypes.
+
+Autocast would undo this behind the kernel's back: it runs each functional product in bf16 / fp16, so ``out=``
 buffers no longer match (a crash), the floor 1e-30 of a denominator becomes 0 in fp16 (0 / 0 = NaN for queries with
 no real key), -1e30 overflows fp16, and large exponents lose their precision. So each public op, and each
 hand-written backward (``loss.backward()`` may be called inside the context), runs with autocast off on its

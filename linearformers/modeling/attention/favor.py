@@ -28,7 +28,13 @@ import torch
 
 from ._checks import check_mask, check_qkv
 from ._favor_autograd import BIDIRECTIONAL_BLOCK, FavorBidirectional, FavorCausalNative
-from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, favor_causal_offsets
+from ._favor_chunked import (
+    DEFAULT_CHUNK,
+    FavorBidirectionalChunked,
+    FavorCausalChunked,
+    favor_causal_offsets,
+    half_operands,
+)
 from ._precision import outside_autocast
 from .backends import NATIVE_CHUNK, choose_backend
 from .feature_maps import KERNELS, favor_exponents, random_features
@@ -201,7 +207,7 @@ def favor_attention(
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
     if not causal:
-        return FavorBidirectionalChunked.apply(q, k, v, w, keep, kernel, scale, kernel_eps)
+        return FavorBidirectionalChunked.apply(q, k, v, w, keep, kernel, scale, kernel_eps, half_operands(v))
     if state_in:
         initial_state = _unpack_state(initial_state, q, v, w)
         if kernel == "softmax":  # offsets per position, continuing from the state's own
@@ -219,6 +225,7 @@ def favor_attention(
                 kernel_eps,
                 chunk_size or DEFAULT_CHUNK,
                 torch.cat([s0, z0[..., None]], -1),
+                half_operands(v),
             )
             state = (s, z, torch.zeros_like(initial_state[2]))
         return (out, state) if return_state else out
@@ -228,7 +235,7 @@ def favor_attention(
         out, s, z, lost = FavorCausalNative.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk, block_chunks)
     else:
         out, s, z, lost = FavorCausalChunked.apply(
-            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None
+            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)
         )
     state = (s, z, s.new_zeros(s.shape[:2]))  # both run at offset M = 0
     if kernel == "softmax":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_mask
-from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked
+from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
 from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
 from .backends import NATIVE_CHUNK, choose_backend
@@ -116,7 +116,7 @@ def linear_attention(
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     keep = None if mask is None else mask[:, None, :, None].float()
     if not causal:
-        return FavorBidirectionalChunked.apply(phi_q, phi_k, v, None, keep, "features", 1.0, 0.0)
+        return FavorBidirectionalChunked.apply(phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, half_operands(v))
     if chosen == "native":
         out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, keep, chunk_size or NATIVE_CHUNK, None)
         return (out, (s, z)) if return_state else out
@@ -125,7 +125,7 @@ def linear_attention(
         s_in, z_in = _state(initial_state, b, h, m, d, v.device)
         s0 = torch.cat([s_in, z_in[..., None]], -1)
     out, s, z, _ = FavorCausalChunked.apply(
-        phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, chunk_size or DEFAULT_CHUNK, s0
+        phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, chunk_size or DEFAULT_CHUNK, s0, half_operands(v)
     )
     return (out, (s, z)) if return_state else out
 
