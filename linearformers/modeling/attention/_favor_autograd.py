@@ -102,14 +102,14 @@ class _BlockWork:
     last block."""
 
     def __init__(self, b, h, d, m, device, backward=False):
-        self.args = (b, h, d, m, device, backward)  # key_offset: the bidirectional walk always has one
+        self.args = (b, h, d, m, device, backward)
         self.works = {}
 
     def __call__(self, rows):
         r = rows.stop - rows.start
         if r not in self.works:
             b, h, d, m, device, backward = self.args
-            self.works[r] = _Work(b, h, d, m, r, 1, device, backward, key_offset=True)
+            self.works[r] = _Work(b, h, d, m, r, 1, device, backward, key_offset=True)  # keys take a running offset
         return self.works[r]
 
 
@@ -234,7 +234,7 @@ def _from_chunks(y, target):
 
 
 class _Work:
-    """Chunk-major work space of the causal walk for one block, (nc, b h, C, .), allocated once per call and
+    """Chunk-major work space of the blockwise kernel for one block, (nc, b h, C, .), allocated once per call and
     reused block after block: fresh allocations of this size cost page faults on every block."""
 
     def __init__(self, b, h, d, m, c, nc, device, backward=False, key_offset=False):

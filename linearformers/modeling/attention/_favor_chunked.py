@@ -1,7 +1,7 @@
 """Causal FAVOR+ in the chunked form, batched over all chunks at once: a number of dispatched ops that does not
 depend on the sequence length.
 
-Why. The causal walk (_favor_autograd.FavorCausal) carries the state S = Σ phi(k) [v, 1]ᵀ chunk by chunk, one small
+Why. A causal walk (the compiled CPU walk, _native) carries the state S = Σ phi(k) [v, 1]ᵀ chunk by chunk, one small
 op group per chunk: on a GPU each op is a kernel launch, so at n = 16384 forward + backward launch ~17,000 of them.
 Here every step is one op over all chunks at once; the count is the same at n = 2,048 and n = 16,384.
 
@@ -36,18 +36,24 @@ the feature maps (2 n m; 4 n m in backward with their gradients), the per-chunk 
 intra-chunk scores n C. The chunk C sets the balance of the last two: C = 64 makes the per-chunk states
 n m (d + 1) / 64 ≈ n m at d = 64, no more than one feature map, while the intra-chunk part stays n C = n · 64 and its
 2 n C (m + d) FLOPs a quarter of the feature / state products' at m = 256; C = 32 would double the states (2 n m),
-C = 128 double the intra-chunk work. Hence ``DEFAULT_CHUNK = 64`` (the walk uses 32: it keeps one state, not one per
+C = 128 double the intra-chunk work. Hence ``DEFAULT_CHUNK = 64`` (the native walk uses 32: it keeps one state, not one per
 chunk). Total work space ≈ n (4 m + m (d + 1) / C + C) floats per head, i.e. O(n (m + d)) at C ~ d.
 
-Precision. Features, chunk sums, the prefix, the intra-chunk products, the division and every gradient are float32
-whatever the inputs' dtype (bf16 / fp16 inputs are cast on entry; float64 inputs alone work in float64, so that
-gradcheck means something); the output and the gradients come back in the inputs' dtypes. The public op (favor_attention) runs outside autocast, and so does backward here.
+Precision (see _precision). Exponents, features, chunk sums, the prefix, the division and every sum are float32
+whatever the inputs' dtype (float64 inputs alone work in float64, so that gradcheck means something). The products'
+operands are float32 too, except for bf16 inputs on CUDA, where they are cast to bf16 just before each product
+(``half_operands``) and the results come back to float32 before any sum. The output and the gradients come back in
+the inputs' dtypes. The public ops run outside autocast, and so does backward here.
+
+Bidirectional (``FavorBidirectionalChunked``): the same parts with one chunk, the whole sequence: KV = phi(K)ᵀ [V, 1],
+[N, D] = phi(Q) KV, keys taken relative to the largest real key exponent of their (batch, head) (no causality to
+keep), a fixed number of ops and no data-dependent branch.
 
 Precomputed features (``kernel="features"``): q and k are already phi_q, phi_k (b, h, n, m), nonnegative, and w is
 None (scale and eps are ignored). Forward is the same from the features on (padded keys: phi_k times keep); backward
 returns d(phi_q), d(phi_k), dv and dS_0, with no feature-map chain rule.
 
-Keys of large norm: at offset 0 their features underflow (as in the walk), so forward counts the positions whose
+Keys of large norm: at offset 0 their features underflow (as in the native walk), so forward counts the positions whose
 every visible key underflowed (``lost``) and favor_attention redoes such calls with :func:`favor_causal_offsets`:
 the same chunked form with each position's keys taken relative to the prefix maximum of the key exponents,
 

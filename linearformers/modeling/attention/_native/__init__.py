@@ -2,8 +2,9 @@
 and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
 num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
-PyTorch walk in ``_favor_autograd``, which stays the reference. Kernel "features" takes precomputed nonnegative
-feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see ``_linear_native``).
+portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Kernel "features" takes
+precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see
+``_linear_native``).
 
 ``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
@@ -37,9 +38,8 @@ _SOURCE = Path(__file__).with_name("favor_causal.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool": the worker threads
-# chunks per saved state (16 x 32 = 512 positions): forward keeps the state at each block start until backward
-# ends (this walk cannot hand it back block by block as the PyTorch walk does), so they are twice as far apart
-# there: at n = 16384 the peak is ~232 MB instead of ~252 MB (SDPA causal: 252 MB), at the same speed
+# default chunks per saved state (512 positions at chunk 32): forward keeps the state at each block start until
+# backward ends, so fewer, wider blocks keep less memory, and backward rebuilds a block's states from its start
 _BLOCK_CHUNKS = 16
 # the kernel codes of favor_causal.cpp: the feature map fused into its tiles, or "features" given precomputed
 KERNELS = {"softmax": 0, "relu": 1, "features": 2}
@@ -182,10 +182,10 @@ def available() -> bool:
                 if wanted and _cpu_supported():
                     try:
                         lib = _load()
-                    except Exception as error:  # no compiler, a failed build: the PyTorch walk runs instead
+                    except Exception as error:  # no compiler, a failed build: the chunked backend runs instead
                         detail = getattr(error, "stderr", b"") or b""
                         logger.warning(
-                            "linearformers: native causal FAVOR+ kernel unavailable (%s %s); using the PyTorch walk",
+                            "linearformers: native causal FAVOR+ kernel unavailable (%s %s); using the chunked backend",
                             error,
                             detail.decode(errors="replace")[-500:],
                         )
