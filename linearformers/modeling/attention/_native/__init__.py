@@ -243,6 +243,15 @@ def _launch(entry: str, tensors, rows: int, settings, counts: torch.Tensor | Non
     _run(lambda b0, b1: fn(*pointers, b0, b1, *settings), rows)
 
 
+def _geometry(q, k, v, w, kernel):
+    """(b, h, n, d, m, w as the kernel reads it): m from the features (kernel "features", w None) or from w."""
+    b, h, n = q.shape[:3]
+    if kernel == "features":
+        _check_features(q, k, v)
+        return b, h, n, v.shape[-1], q.shape[-1], None
+    return b, h, n, v.shape[-1], w.shape[0], w.contiguous()
+
+
 def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None):
     """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; keep: float32 (b, n) or None.
     kernel "features": q, k are phi(q), phi(k) (b, h, n, m), m = q.shape[-1], and w is None (scale, eps unused).
@@ -250,14 +259,8 @@ def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int,
     Returns out (b, h, n, d), den (b, h, n, 1), starts (b h, blocks, m, d), zstarts (b h, blocks, m),
     S (b, h, m, d), z (b, h, m), the lost count (0-dim) and the spacing of the saved states in chunks, for
     backward."""
-    code = _kernel_code(kernel)
-    per_block = _block_chunks(block_chunks)
-    b, h, n = q.shape[:3]
-    d = v.shape[-1]
-    if kernel == "features":
-        _check_features(q, k, v)
-    m = q.shape[-1] if kernel == "features" else w.shape[0]
-    w = None if kernel == "features" else w.contiguous()
+    code, per_block = _kernel_code(kernel), _block_chunks(block_chunks)
+    b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
     blocks = -(-(n // chunk) // per_block)
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
     out, den = new(b, h, n, d), new(b, h, n, 1)
@@ -274,14 +277,8 @@ def backward(
 ):
     """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out.
     kernel "features": dq, dk are d phi(q), d phi(k) (b, h, n, m) (0 for padded keys), w is None."""
-    code = _kernel_code(kernel)
-    per_block = _block_chunks(per_block)
-    b, h, n = q.shape[:3]
-    d = v.shape[-1]
-    if kernel == "features":
-        _check_features(q, k, v)
-    m = q.shape[-1] if kernel == "features" else w.shape[0]
-    w = None if kernel == "features" else w.contiguous()
+    code, per_block = _kernel_code(kernel), _block_chunks(per_block)
+    b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
     dq, dk = (torch.empty(q.shape, dtype=torch.float32) for _ in range(2))
     dv = torch.empty(b, h, n, d, dtype=torch.float32)
     tensors = (q, k, v, keep, w, g, out, den, starts, zstarts, dq, dk, dv)
