@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from isolated import emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, HEADS, DIM = 768, 12, 64
@@ -45,10 +43,6 @@ KERNELS = [
 LAYERS = ["layer_sdpa", "layer_linformer", "layer_performer", "layer_peer_linformer"]
 # the peers' causal path materializes an O(n m d) prefix tensor: ~9 GB at n=4096; longer would not fit
 LIMITS = {"peer_performer_causal": 4096}
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _kernel(name: str, n: int):
@@ -75,7 +69,8 @@ def _kernel(name: str, n: int):
 
 def _layer(name: str, n: int):
     from linearformers import LinformerConfig, PerformerConfig
-    from linearformers.modeling.layers import build_attention
+    from linearformers.modeling.linformer import LinformerAttention
+    from linearformers.modeling.performer import PerformerAttention
 
     if name == "layer_peer_linformer":
         from linformer import LinformerSelfAttention
@@ -102,14 +97,13 @@ def _layer(name: str, n: int):
         max_position_embeddings=max(n, 512),
         attention_probs_dropout_prob=0.0,
     )
-    if name == "layer_linformer":
-        config = LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n)
-    else:
-        config = PerformerConfig(**common, num_random_features=M_FEATURES, feature_redraw_interval=None)
-    module = build_attention(config, 0)
-    if name == "layer_linformer":
-        torch.nn.init.normal_(module.e_proj, std=K_PROJ**-0.5)
-        torch.nn.init.normal_(module.f_proj, std=K_PROJ**-0.5)
+    if name == "layer_performer":
+        return PerformerAttention(
+            PerformerConfig(**common, num_random_features=M_FEATURES, feature_redraw_interval=None), layer_idx=0
+        )
+    module = LinformerAttention(LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n), 0)
+    torch.nn.init.normal_(module.e_proj, std=K_PROJ**-0.5)
+    torch.nn.init.normal_(module.f_proj, std=K_PROJ**-0.5)
     return module
 
 
@@ -126,7 +120,7 @@ def worker(name: str, n: int, repeats: int, threads: int) -> dict:
         inputs = tuple(torch.randn(1, HEADS, n, DIM, requires_grad=True) for _ in range(3))
     # a fixed upstream gradient, as attention inside a model gets: the loss's own ops are not timed
     grad = torch.randn(inputs[0].shape)  # outputs are shaped like the first input
-    baseline = _rss_mb()
+    baseline = peak_rss_mb()
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -137,7 +131,7 @@ def worker(name: str, n: int, repeats: int, threads: int) -> dict:
         for t in inputs:
             t.grad = None
         del out
-    return {"seconds": min(times), "peak_mb": _rss_mb() - baseline}
+    return {"seconds": min(times), "peak_mb": peak_rss_mb() - baseline}
 
 
 def favor_flops(n: int, causal: bool) -> float:
@@ -163,15 +157,8 @@ def matmul_rate(threads: int) -> float:
 def run(name: str, n: int, repeats: int, threads: int, timeout: int) -> dict | None:
     if n > LIMITS.get(name, n):
         return None
-    cmd = [sys.executable, __file__, "--worker", name, str(n), "--repeats", str(repeats), "--threads", str(threads)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return None
-    if done.returncode != 0:
-        print(f"  {name} n={n} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ["--worker", name, n, "--repeats", repeats, "--threads", threads]
+    return run_isolated(__file__, arguments, timeout=timeout, label=f"{name} n={n}")
 
 
 def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threads: int, timeout: int) -> dict:
@@ -220,7 +207,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5, help="with --paired: alternating runs per length")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads)))
+        emit(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads))
         return
     lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     if args.paired:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from isolated import emit, peak_rss_mb, run_isolated
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from linearformers import (
@@ -101,19 +99,20 @@ def measure(model, name: str, context: int, steps: int) -> dict:
     }
 
 
-def worker(name: str, context: int, steps: int, max_len: int) -> None:
-    """One (model, context) in this process; prints its row as JSON with the process's peak RSS."""
+def worker(name: str, context: int, steps: int, max_len: int) -> dict:
+    """One (model, context) in this process: its row, with the process's peak RSS."""
     torch.manual_seed(0)
     row = measure(build(name, max_len), name, context, steps)
-    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps(row), flush=True)
+    row["peak_rss_mb"] = peak_rss_mb()
+    return row
 
 
-def run_isolated(name: str, context: int, steps: int, max_len: int, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, str(context), "--steps", str(steps)]
-    cmd += ["--max-len", str(max_len), "--threads", str(threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def run(name: str, context: int, steps: int, max_len: int, threads: int) -> dict:
+    arguments = ["--worker", name, context, "--steps", steps, "--max-len", max_len, "--threads", threads]
+    row = run_isolated(__file__, arguments, label=f"{name} context {context}")
+    if row is None:  # the table, ratios and plot need every row
+        raise SystemExit(f"generation benchmark: {name} at context {context} failed (see above)")
+    return row
 
 
 def main() -> None:
@@ -128,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.steps, args.max_len)
+        emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.max_len))
         return
     stem = "generation"
     if args.quick:
@@ -139,7 +138,7 @@ def main() -> None:
     for name in args.models:
         rows[name] = {}
         for context in args.contexts:
-            row = rows[name][context] = run_isolated(name, context, args.steps, max_len, args.threads)
+            row = rows[name][context] = run(name, context, args.steps, max_len, args.threads)
             print(
                 f"{name:9s} context {context:6d}: {row['ms_per_token']:8.1f} ms/token, "
                 f"cache {row['cache_mb']:8.1f} MB, peak RSS {row['peak_rss_mb']:8.0f} MB",

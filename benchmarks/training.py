@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from isolated import emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = dict(
@@ -70,7 +68,7 @@ def worker(name: str, n: int, steps: int, threads: int) -> dict:
     ids = torch.randint(1000, 30000, (1, n))
     labels = torch.full_like(ids, -100)
     labels[:, ::7] = ids[:, ::7]  # ~15% of positions carry a label, as in MLM
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    baseline = peak_rss_mb()
     times = []
     for step in range(steps + 1):
         t0 = time.perf_counter()
@@ -80,8 +78,7 @@ def worker(name: str, n: int, steps: int, threads: int) -> dict:
         if step:
             times.append(time.perf_counter() - t0)
     seconds = min(times)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
-    return {"tokens_per_s": n / seconds, "seconds": seconds, "peak_mb": peak}
+    return {"tokens_per_s": n / seconds, "seconds": seconds, "peak_mb": peak_rss_mb() - baseline}
 
 
 def _cell(row: dict | None, ident: dict | None, bert: dict | None) -> str:
@@ -101,29 +98,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads)))
+        emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads))
         return
     rows: dict[str, dict[int, dict | None]] = {name: {} for name in MODELS}
     for n in args.lengths:
         for name in MODELS:
             steps = 1 if (name == "bert" and n >= 16384) else args.steps
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                name,
-                str(n),
-                "--steps",
-                str(steps),
-                "--threads",
-                str(args.threads),
-            ]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
-                rows[name][n] = json.loads(done.stdout.strip().splitlines()[-1])
-            except (subprocess.TimeoutExpired, subprocess.CalledProcessError):
-                rows[name][n] = None
-            row = rows[name][n]
+            arguments = ["--worker", name, n, "--steps", steps, "--threads", args.threads]
+            row = rows[name][n] = run_isolated(__file__, arguments, timeout=args.timeout, label=f"{name} n={n}")
             shown = f"{row['tokens_per_s']:8.0f} tok/s, {row['peak_mb']:6.0f} MB" if row else "failed / timed out"
             print(f"n={n:6d} {name:10s} {shown}", flush=True)
     print(

@@ -7,9 +7,11 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from linearformers.modeling.registry import FAMILIES
 from linearformers.training import (
     check_block_size,
     default_tokenizer,
+    label_fields,
     load_raw_dataset,
     new_config,
     prepare_dataset,
@@ -19,7 +21,7 @@ from linearformers.training import (
 
 @dataclass
 class ModelArguments:
-    family: str = field(default="performer", metadata={"help": "performer or linformer, for a new model"})
+    family: str = field(default="performer", metadata={"help": "attention of a new model", "choices": tuple(FAMILIES)})
     model_name_or_path: str | None = field(default=None, metadata={"help": "a saved or converted model"})
     config_overrides: str | None = field(
         default=None, metadata={"help": "e.g. hidden_size=256,num_hidden_layers=4,num_attention_heads=4"}
@@ -66,18 +68,13 @@ def load_everything(model_args: ModelArguments, data_args: DataArguments, task: 
     data, labels = prepare_dataset(
         raw, tokenizer, task, data_args.block_size, data_args.text_column, data_args.label_column
     )
-    label_fields = {}
-    if labels is not None:
-        label_fields = {"num_labels": len(labels), "id2label": dict(enumerate(labels))}
-        label_fields["label2id"] = {name: i for i, name in enumerate(labels)}
     if model_args.model_name_or_path:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **label_fields)
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **label_fields(labels))
         check_block_size(config, data_args.block_size)
         model = auto_class.from_pretrained(model_args.model_name_or_path, config=config)
     else:
-        config = new_config(model_args.family, task, tokenizer, data_args.block_size, model_args.config_overrides)
-        for key, value in label_fields.items():
-            setattr(config, key, value)
+        overrides = model_args.config_overrides
+        config = new_config(model_args.family, task, tokenizer, data_args.block_size, overrides, labels)
         check_block_size(config, data_args.block_size)
         model = auto_class.from_config(config)
     if task == "clm" and tokenizer.eos_token_id is not None:  # generate() stops at end-of-text and pads with it

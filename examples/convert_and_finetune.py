@@ -25,7 +25,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 import linearformers
 from linearformers.hub_cards import save_for_hub
 from linearformers.modeling.convert import convert_bert
-from linearformers.training import default_tokenizer, load_metric
+from linearformers.modeling.registry import FAMILIES
+from linearformers.training import default_tokenizer, label_fields, load_metric
 
 
 def stdlib_lines(limit: int = 2000) -> Dataset:
@@ -45,7 +46,7 @@ def stdlib_lines(limit: int = 2000) -> Dataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bert", default=None, help="a BertModel folder (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--family", choices=["performer", "linformer"], default="performer")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
     parser.add_argument("--output_dir", default="outputs/convert")
     parser.add_argument("--max_steps", type=int, default=60)
     args = parser.parse_args()
@@ -59,7 +60,8 @@ def main() -> None:
     print(report)
     # the converted encoder under a fresh classification head
     config = base.config
-    config.num_labels, config.id2label, config.label2id = 2, {0: "code", 1: "comment"}, {"code": 0, "comment": 1}
+    for name, value in label_fields(["code", "comment"]).items():
+        setattr(config, name, value)
     model = AutoModelForSequenceClassification.from_config(config)
     model.model.load_state_dict(base.state_dict())
     data = stdlib_lines().map(lambda b: tokenizer(b["text"], truncation=True, max_length=128), batched=True)

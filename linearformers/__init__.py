@@ -4,38 +4,24 @@ Importing the package registers both configs and every model class with transfor
 ``AutoModel*.from_pretrained(folder)`` and ``pipeline(...)`` work without ``trust_remote_code``.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
+from transformers import AutoConfig
 
 from . import modeling
 from .configuration import LinformerConfig, PerformerConfig
 from .modeling import *  # noqa: F403
 from .modeling import __all__ as _modeling_all
+from .modeling.registry import FAMILIES, HEADS
 
 __version__ = "0.1.0"
 
-AUTO_CLASSES = {
-    AutoModel: "Model",
-    AutoModelForMaskedLM: "ForMaskedLM",
-    AutoModelForCausalLM: "ForCausalLM",
-    AutoModelForSequenceClassification: "ForSequenceClassification",
-    AutoModelForTokenClassification: "ForTokenClassification",
-    AutoModelForQuestionAnswering: "ForQuestionAnswering",
-    AutoModelForMultipleChoice: "ForMultipleChoice",
-}
+# transformers' Auto class -> the class-name suffix of the head it loads (the heads table, modeling/registry.py)
+AUTO_CLASSES = {getattr(transformers, head.auto_class): head.suffix for head in HEADS.values()}
 
-for _config in (LinformerConfig, PerformerConfig):
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    _family = _config.__name__.removesuffix("Config")
-    for _auto, _suffix in AUTO_CLASSES.items():
-        _auto.register(_config, getattr(modeling, _family + _suffix), exist_ok=True)
+for _family in FAMILIES.values():
+    AutoConfig.register(_family.name, _family.config_class, exist_ok=True)
+    for _head in HEADS.values():
+        _auto = getattr(transformers, _head.auto_class)
+        _auto.register(_family.config_class, getattr(modeling, _family.class_name(_head)), exist_ok=True)
 
 __all__ = ["AUTO_CLASSES", "LinformerConfig", "PerformerConfig", *_modeling_all]

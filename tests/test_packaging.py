@@ -61,3 +61,19 @@ def test_the_package_imports_under_python_oo():
 
     done = subprocess.run([sys.executable, "-OO", "-c", "import linearformers"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_head_of_every_family_loads_through_its_auto_class():
+    """The heads and families tables (modeling/registry.py) are what importing the package registers."""
+    import transformers
+
+    from linearformers.modeling.registry import FAMILIES, HEADS
+    from tests.conftest import tiny_config
+
+    assert set(linearformers.AUTO_CLASSES.values()) == set(HEADS)
+    for family in FAMILIES.values():
+        assert transformers.AutoConfig.for_model(family.name).__class__ is family.config_class
+        for head in HEADS.values():
+            config = tiny_config(family.name, is_decoder=head.suffix == "ForCausalLM")
+            model = getattr(transformers, head.auto_class).from_config(config)
+            assert type(model) is getattr(linearformers, family.class_name(head))

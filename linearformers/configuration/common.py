@@ -1,57 +1,40 @@
-"""Fields and checks that Linformer and Performer configs share (the BertConfig / GPT2Config fields)."""
+"""Fields and checks that Linformer and Performer configs share (the BertConfig / GPT2Config fields).
 
-from __future__ import annotations
+Each field declares its type and, where it has one, its own range or choices, which ``@strict`` checks on
+construction and on every assignment. ``validate_architecture`` holds the rules that tie fields together.
+"""
 
-import functools
-import inspect
 import math
-import types
-import typing
+from collections.abc import Callable
+from typing import Any, Literal
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers import PreTrainedConfig
-from transformers.activations import ACT2FN
-
-POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rotary")
+from transformers.utils.type_validators import activation_fn_key, interval
 
 
-def _matches(value, hint) -> bool:
-    """Whether value fits a field's annotation (int, float, bool, str, None, list[...] and unions of them).
-    bool is not an int here, and an int is a float."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if typing.get_origin(hint) is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, (list, tuple)) and all(_matches(v, item) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
+@as_validated_field
+def dropout_probability(value: int | float | None) -> None:
+    """A dropout probability in [0, 1), or None where the field admits it (1 would drop every activation)."""
+    if value is not None and not 0 <= value < 1:  # False for NaN too
+        raise ValueError(f"Value must be in [0, 1), got {value}")
 
 
-@functools.cache
-def _field_hints(cls) -> dict:
-    """The annotated fields of a config class and its bases up to LinearAttentionConfig, resolved to types."""
-    hints = {}
-    for klass in reversed(cls.__mro__):
-        if issubclass(klass, LinearAttentionConfig):
-            hints.update(inspect.get_annotations(klass, eval_str=True))
-    return hints
+def at_least_or_none(low: int) -> Callable[..., Any]:
+    """Like transformers' ``interval(min=low)``, for a field that also admits None."""
+
+    @as_validated_field
+    def check(value: int | None) -> None:
+        if value is not None and value < low:
+            raise ValueError(f"Value must be None or greater or equal to {low}, got {value}")
+
+    return check
 
 
-def _admits_float(hint) -> bool:
-    return hint is float or float in typing.get_args(hint)
-
-
-def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("NoneType", "None")
+# Field factories for ranges several fields share, used as transformers' own are: `hidden_size: int =
+# positive(default=768)`. The excluded upper bound inf refuses infinity; NaN fails every bound.
+positive = interval(min=0, exclude_min=True)
+positive_finite = interval(min=0, max=math.inf, exclude_min=True, exclude_max=True)
 
 
 # The Args entries of the shared fields, appended to the docstrings of LinearAttentionConfig and of each family's
@@ -120,23 +103,23 @@ class LinearAttentionConfig(PreTrainedConfig):
     Args:
     """
 
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    initializer_range: float = 0.02
-    position_embedding_type: str = "absolute"
-    rope_theta: float = 10000.0
-    classifier_dropout: float | None = None
-    num_local_heads: int = 0
-    local_window: int = 128
+    vocab_size: int = positive(default=30522)
+    hidden_size: int = positive(default=768)
+    num_hidden_layers: int = positive(default=12)
+    num_attention_heads: int = positive(default=12)
+    intermediate_size: int = positive(default=3072)
+    hidden_act: str = activation_fn_key(default="gelu")
+    hidden_dropout_prob: int | float = dropout_probability(default=0.1)
+    attention_probs_dropout_prob: int | float = dropout_probability(default=0.1)
+    max_position_embeddings: int = positive(default=512)
+    type_vocab_size: int = interval(min=0)(default=2)
+    layer_norm_eps: int | float = positive_finite(default=1e-12)
+    initializer_range: int | float = interval(min=0.0, max=1.0)(default=0.02)
+    position_embedding_type: Literal["absolute", "sinusoidal", "rotary"] = "absolute"
+    rope_theta: int | float = positive_finite(default=10000.0)
+    classifier_dropout: int | float | None = dropout_probability(default=None)
+    num_local_heads: int = interval(min=0)(default=0)
+    local_window: int = positive(default=128)
     local_relative_bias: bool = False
     is_decoder: bool = False
     use_cache: bool = True
@@ -159,94 +142,56 @@ class LinearAttentionConfig(PreTrainedConfig):
                 "linearformers.modeling.convert."
             )
         super().__post_init__(**kwargs)
-        # Validate here too, so that a bad value raises a plain ValueError naming it at construction
-        # (@strict re-raises validate_architecture's errors wrapped in its own exception type).
+        # The rules across fields, here too: @strict runs validate_architecture after __init__ as well, but wraps its
+        # errors in StrictDataclassClassValidationError; from here they arrive as the plain ValueError they are.
         self.validate_architecture()
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
-    def num_global_heads(self) -> int:
-        return self.num_attention_heads - self.num_local_heads
-
-    def _sequence_limit(self) -> tuple[int, str] | None:
-        """The longest input this config's attention accepts, and the field that sets it (None: no limit)."""
+    def sequence_limit(self) -> tuple[int, str] | None:
+        """The longest input this config's model accepts, and the field that sets it (None: no limit)."""
         return None
 
-    def _check_field_types(self):
-        """TypeError naming the field for a value of the wrong type (hidden_size=16.0, is_decoder="yes"), instead
-        of a failure deep inside model construction. (@strict cannot check these: the annotations are strings.)"""
-        for name in _field_hints(type(self)):
-            self._check_field_type(name, getattr(self, name, None))
-
-    def _check_field_type(self, name, value):
-        hint = _field_hints(type(self)).get(name)
-        if hint is not None and not _matches(value, hint):
-            raise TypeError(
-                f"{type(self).__name__}.{name} must be {_type_name(hint)}, got {type(value).__name__} {value!r}"
-            )
-
-    def __setattr__(self, name, value):
-        # assignment after construction (config.hidden_size = 16.0) gets the same type check as the constructor;
-        # values are checked together (validate_architecture) when the config is built or a model is made from it
-        self._check_field_type(name, value)
-        super().__setattr__(name, value)
+    def check_input_length(self, length: int, *, past: int = 0) -> None:
+        """Raise a ValueError naming the limiting field if ``past`` tokens already seen (a cache's) and ``length``
+        new ones are more than this config's model accepts (:meth:`sequence_limit`)."""
+        if length < 0 or past < 0:
+            raise ValueError(f"input length and past must be >= 0, got length={length}, past={past}")
+        limit = self.sequence_limit()
+        if limit is None or past + length <= limit[0]:
+            return
+        value, name = limit
+        tokens = f"{length} tokens after {past} cached ones ({past + length} in all)" if past else f"{length} tokens"
+        if name == "max_position_embeddings":
+            fix = "use position_embedding_type='rotary' or 'sinusoidal', which have no length limit"
+        else:
+            fix = f"build the model with a larger {name}"
+        raise ValueError(
+            f"an input of {tokens} exceeds {name}={value}, the longest a model of this config accepts. "
+            f"Truncate the input, or {fix}."
+        )
 
     def validate_architecture(self) -> None:
-        self._check_field_types()
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-            "local_window",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.type_vocab_size < 0:
-            raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        """The rules across fields; each field's own range or choices are declared on the field."""
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
                 "pick a head count that divides it"
             )
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value < 1.0:  # False for NaN too
-                raise ValueError(f"{name} must be in [0, 1), got {value}")
-        for name, low in (("layer_norm_eps", "> 0"), ("initializer_range", ">= 0"), ("rope_theta", "> 0")):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
-                raise ValueError(f"{name} must be a finite number {low}, got {value}")
-        for name, hint in _field_hints(type(self)).items():  # every float field, this family's own included
-            value = getattr(self, name, None)
-            if _admits_float(hint) and isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            for token in value if isinstance(value, (list, tuple)) else [value]:
+            for token in value if isinstance(value, list) else [value]:
                 if token is not None and not 0 <= token < self.vocab_size:
                     raise ValueError(f"{name}={value} is not a token id of the vocabulary [0, {self.vocab_size})")
-        if self.hidden_act not in ACT2FN:
-            raise ValueError(f"unknown hidden_act {self.hidden_act!r}; choose one of transformers' ACT2FN keys")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(
-                f"unknown position_embedding_type {self.position_embedding_type!r}; "
-                f"choose one of {POSITION_EMBEDDING_TYPES}"
-            )
         if self.position_embedding_type == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
-        if not 0 <= self.num_local_heads <= self.num_attention_heads:
+        if self.num_local_heads > self.num_attention_heads:
             raise ValueError(
-                f"num_local_heads={self.num_local_heads} must be between 0 and "
-                f"num_attention_heads={self.num_attention_heads}"
+                f"num_local_heads={self.num_local_heads} must be at most num_attention_heads={self.num_attention_heads}"
             )
-        limit = self._sequence_limit()
+        limit = self.sequence_limit()
         if self.num_local_heads and limit is not None and self.local_window > limit[0]:
             raise ValueError(
                 f"local_window={self.local_window} is larger than {limit[1]}={limit[0]}, the longest sequence "

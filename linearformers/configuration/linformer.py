@@ -1,13 +1,19 @@
 """LinformerConfig (model_type "linformer")."""
 
-from __future__ import annotations
+from typing import Literal
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import as_validated_field, strict
 
-from .common import SHARED_FIELDS_DOC, LinearAttentionConfig
+from ..modeling.attention.linformer import METHODS
+from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
 
-SHARING_MODES = ("per_head", "headwise", "key_value", "layerwise")
-PROJECTIONS = ("learned", "pool", "conv")
+
+@as_validated_field
+def positive_entries(value: list[int] | None) -> None:
+    """Every projected length k of the per-layer list is positive."""
+    for k in value or ():
+        if k <= 0:
+            raise ValueError(f"projected length k must be positive, got {k} in {value}")
 
 
 @strict(accept_kwargs=True)
@@ -38,12 +44,12 @@ class LinformerConfig(LinearAttentionConfig):
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
     model_type = "linformer"
 
-    max_seq_length: int | None = None
-    projected_length: int = 256
-    projected_length_per_layer: list[int] | None = None
-    sharing: str = "headwise"
-    projection: str = "learned"
-    causal_chunk_size: int = 128
+    max_seq_length: int | None = at_least_or_none(1)(default=None)
+    projected_length: int = positive(default=256)
+    projected_length_per_layer: list[int] | None = positive_entries(default=None)
+    sharing: Literal["per_head", "headwise", "key_value", "layerwise"] = "headwise"
+    projection: Literal[METHODS] = "learned"
+    causal_chunk_size: int = positive(default=128)
 
     def __post_init__(self, **kwargs):
         if self.max_seq_length is None:
@@ -55,20 +61,11 @@ class LinformerConfig(LinearAttentionConfig):
             return self.projected_length_per_layer[layer_idx]
         return self.projected_length
 
-    def _sequence_limit(self) -> tuple[int, str]:
+    def sequence_limit(self) -> tuple[int, str]:
         return self.max_seq_length, "max_seq_length"
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
-        if self.max_seq_length <= 0 or self.projected_length <= 0 or self.causal_chunk_size <= 0:
-            raise ValueError(
-                f"max_seq_length, projected_length and causal_chunk_size must be positive, got "
-                f"{self.max_seq_length}, {self.projected_length}, {self.causal_chunk_size}"
-            )
-        if self.sharing not in SHARING_MODES:
-            raise ValueError(f"unknown Linformer sharing mode {self.sharing!r}; choose one of {SHARING_MODES}")
-        if self.projection not in PROJECTIONS:
-            raise ValueError(f"unknown Linformer projection {self.projection!r}; choose one of {PROJECTIONS}")
         if self.position_embedding_type == "absolute" and self.max_seq_length > self.max_position_embeddings:
             raise ValueError(
                 f"max_seq_length={self.max_seq_length} exceeds max_position_embeddings="
@@ -85,8 +82,6 @@ class LinformerConfig(LinearAttentionConfig):
             if self.sharing == "layerwise" and len(set(ks)) > 1:
                 raise ValueError("sharing='layerwise' uses one projection for every layer, so all k must be equal")
         for k in ks:
-            if k <= 0:
-                raise ValueError(f"projected length k must be positive, got {k}")
             if k > self.max_seq_length:
                 raise ValueError(
                     f"projected length k={k} is larger than max_seq_length={self.max_seq_length}; k must not exceed n"

@@ -1,12 +1,13 @@
 """PerformerConfig (model_type "performer")."""
 
-from __future__ import annotations
+import math
+from typing import Literal
 
 from huggingface_hub.dataclasses import strict
+from transformers.utils.type_validators import interval
 
-from .common import SHARED_FIELDS_DOC, LinearAttentionConfig
-
-KERNELS = ("softmax", "relu")
+from ..modeling.attention.feature_maps import KERNELS
+from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
 
 
 @strict(accept_kwargs=True)
@@ -38,31 +39,18 @@ class PerformerConfig(LinearAttentionConfig):
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
     model_type = "performer"
 
-    num_random_features: int = 256
-    kernel: str = "softmax"
+    num_random_features: int = positive(default=256)
+    kernel: Literal[KERNELS] = "softmax"
     orthogonal_features: bool = True
-    feature_redraw_interval: int | None = 1000
+    feature_redraw_interval: int | None = at_least_or_none(0)(default=1000)
     feature_seed: int = 0
-    kernel_eps: float = 1e-3
-    causal_chunk_size: int = 32
+    kernel_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
+    causal_chunk_size: int = positive(default=32)
 
-    def _sequence_limit(self) -> tuple[int, str] | None:
+    def sequence_limit(self) -> tuple[int, str] | None:
         if self.position_embedding_type == "absolute":
             return self.max_position_embeddings, "max_position_embeddings"
         return None
-
-    def validate_architecture(self) -> None:
-        super().validate_architecture()
-        if self.num_random_features <= 0:
-            raise ValueError(f"num_random_features must be positive, got {self.num_random_features}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown Performer kernel {self.kernel!r}; choose one of {KERNELS}")
-        if self.feature_redraw_interval is not None and self.feature_redraw_interval < 0:
-            raise ValueError(f"feature_redraw_interval must be >= 0 or None, got {self.feature_redraw_interval}")
-        if self.causal_chunk_size <= 0:
-            raise ValueError(f"causal_chunk_size must be positive, got {self.causal_chunk_size}")
-        if self.kernel_eps < 0:
-            raise ValueError(f"kernel_eps must be >= 0, got {self.kernel_eps}")
 
 
 __all__ = ["PerformerConfig"]

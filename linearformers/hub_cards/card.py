@@ -9,31 +9,14 @@ from typing import TYPE_CHECKING
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..modeling.registry import HEADS, get_family, head_of
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, TrainingArguments
 
 # where the card points for the source: the package metadata's [project.urls] (Repository, else Homepage), else this
 SOURCE_URL = "https://github.com/linearformers/linearformers"
 FRAMEWORKS = ("linearformers", "transformers", "torch", "datasets", "tokenizers", "huggingface_hub")
-
-PIPELINE_TAGS = {
-    "ForMaskedLM": "fill-mask",
-    "ForCausalLM": "text-generation",
-    "ForSequenceClassification": "text-classification",
-    "ForTokenClassification": "token-classification",
-    "ForQuestionAnswering": "question-answering",
-    "ForMultipleChoice": "multiple-choice",
-    "Model": "feature-extraction",
-}
-AUTO_CLASS = {
-    "ForMaskedLM": "AutoModelForMaskedLM",
-    "ForCausalLM": "AutoModelForCausalLM",
-    "ForSequenceClassification": "AutoModelForSequenceClassification",
-    "ForTokenClassification": "AutoModelForTokenClassification",
-    "ForQuestionAnswering": "AutoModelForQuestionAnswering",
-    "ForMultipleChoice": "AutoModelForMultipleChoice",
-    "Model": "AutoModel",
-}
 
 TEMPLATE = """---
 {{ card_data }}
@@ -149,62 +132,79 @@ def hyperparameters(training_args: TrainingArguments | Mapping[str, object] | ob
     return {key: value for key, value in found.items() if value is not None}
 
 
-def _attention_text(config) -> tuple[str, str, list[str]]:
-    heads = config.num_attention_heads
-    local = (
-        f" {config.num_local_heads} of the {heads} heads are local softmax heads over a window of "
-        f"{config.local_window} tokens{' with a learned relative-position bias' if config.local_relative_bias else ''}."
-        if config.num_local_heads
-        else ""
+def _local_heads_text(config) -> str:
+    if not config.num_local_heads:
+        return ""
+    bias = " with a learned relative-position bias" if config.local_relative_bias else ""
+    return (
+        f" {config.num_local_heads} of the {config.num_attention_heads} heads are local softmax heads over a window "
+        f"of {config.local_window} tokens{bias}."
     )
-    if config.model_type == "performer":
-        summary = (
-            f"FAVOR+ attention (Choromanski et al., 2021) with m={config.num_random_features} "
-            f"{'orthogonal' if config.orthogonal_features else 'i.i.d.'} random features and the {config.kernel} kernel."
-        )
-        redraw = (
-            f"every {config.feature_redraw_interval} training forward passes (micro-batches: with gradient "
-            "accumulation, more often than every that many optimizer steps)"
-            if config.feature_redraw_interval
-            else "never"
-        )
-        details = (
-            f"- random features per head: m = {config.num_random_features} ({config.kernel} kernel), saved with "
-            f"the weights; redrawn {redraw}, deterministically from feature_seed={config.feature_seed}\n"
-            f"- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
-            f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
-            f"{local}"
-        )
-        if config.kernel == "softmax":
-            limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
-        else:
-            limits = [
-                "The ReLU kernel is an attention of its own, not an approximation of softmax attention: weights "
-                "trained with softmax attention do not carry over unchanged."
-            ]
-        if config.position_embedding_type == "absolute":
-            limits.append(f"Learned absolute positions: at most {config.max_position_embeddings} tokens.")
-        else:
-            limits.append("No length limit of its own: positions are computed, not learned.")
+
+
+def _performer_text(config) -> tuple[str, str, list[str]]:
+    summary = (
+        f" with m={config.num_random_features} {'orthogonal' if config.orthogonal_features else 'i.i.d.'} random "
+        f"features and the {config.kernel} kernel."
+    )
+    redraw = (
+        f"every {config.feature_redraw_interval} training forward passes (micro-batches: with gradient "
+        "accumulation, more often than every that many optimizer steps)"
+        if config.feature_redraw_interval
+        else "never"
+    )
+    details = (
+        f"- random features per head: m = {config.num_random_features} ({config.kernel} kernel), saved with "
+        f"the weights; redrawn {redraw}, deterministically from feature_seed={config.feature_seed}\n"
+        f"- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
+        f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
+        f"{_local_heads_text(config)}"
+    )
+    if config.kernel == "softmax":
+        limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
     else:
-        summary = (
-            f"Linformer attention (Wang et al., 2020), keys and values projected along the sequence from "
-            f"n={config.max_seq_length} to k={config.projected_length_per_layer or config.projected_length} "
-            f"({config.projection} projection, "
-            f"{config.sharing} sharing)."
-        )
-        details = (
-            f"- maximum sequence length n = {config.max_seq_length}\n- projected length k = "
-            f"{config.projected_length_per_layer or config.projected_length}\n- projection: {config.projection}, "
-            f"sharing: {config.sharing}\n- position embeddings: {config.position_embedding_type}{local}"
-        )
         limits = [
-            f"Inputs longer than max_seq_length={config.max_seq_length} raise an error: E and F are "
-            f"k x {config.max_seq_length} matrices."
+            "The ReLU kernel is an attention of its own, not an approximation of softmax attention: weights "
+            "trained with softmax attention do not carry over unchanged."
         ]
-        if config.is_decoder:
-            limits.append("The causal variant writes slots by position (never reads the future).")
+    if config.position_embedding_type == "absolute":
+        limits.append(f"Learned absolute positions: at most {config.max_position_embeddings} tokens.")
+    else:
+        limits.append("No length limit of its own: positions are computed, not learned.")
     return summary, details, limits
+
+
+def _linformer_text(config) -> tuple[str, str, list[str]]:
+    k = config.projected_length_per_layer or config.projected_length
+    summary = (
+        f", keys and values projected along the sequence from n={config.max_seq_length} to k={k} "
+        f"({config.projection} projection, {config.sharing} sharing)."
+    )
+    details = (
+        f"- maximum sequence length n = {config.max_seq_length}\n- projected length k = {k}\n- projection: "
+        f"{config.projection}, sharing: {config.sharing}\n- position embeddings: {config.position_embedding_type}"
+        f"{_local_heads_text(config)}"
+    )
+    limits = [
+        f"Inputs longer than max_seq_length={config.max_seq_length} raise an error: E and F are "
+        f"k x {config.max_seq_length} matrices."
+    ]
+    if config.is_decoder:
+        limits.append("The causal variant writes slots by position (never reads the future).")
+    return summary, details, limits
+
+
+# what the card says of each family's settings: the rest of its summary (after the family's description in
+# modeling/registry.py), the attention details, and the limits
+FAMILY_TEXT = {"performer": _performer_text, "linformer": _linformer_text}
+
+
+def _attention_text(config) -> tuple[str, str, list[str]]:
+    family = get_family(config.model_type)
+    if family.name not in FAMILY_TEXT:
+        raise ValueError(f"no model card text for family {family.name!r}; add it to FAMILY_TEXT")
+    summary, details, limits = FAMILY_TEXT[family.name](config)
+    return family.description + summary, details, limits
 
 
 def render_model_card(
@@ -222,9 +222,9 @@ def render_model_card(
     (from ``training_args``: transformers' ``TrainingArguments`` or a mapping of its field names), the framework
     versions, and limits."""
     config = model.config
-    head = type(model).__name__.removeprefix(type(config).__name__.removesuffix("Config"))
-    pipeline_tag = PIPELINE_TAGS.get(head, "feature-extraction")
-    name = repo_id.split("/")[-1] if repo_id else f"{config.model_type}-{head.lower()}"
+    head = head_of(type(model).__name__, get_family(config.model_type)) or HEADS["Model"]
+    pipeline_tag = head.pipeline_tag
+    name = repo_id.split("/")[-1] if repo_id else f"{config.model_type}-{head.suffix.lower()}"
     results = {k: v for k, v in (results or {}).items() if isinstance(v, int | float)}
     eval_results = [
         EvalResult(
@@ -255,11 +255,11 @@ def render_model_card(
         template_str=TEMPLATE,
         title=name,
         family=config.model_type.capitalize(),
-        kind="causal language model" if config.is_decoder else f"encoder ({head})",
+        kind="causal language model" if config.is_decoder else f"encoder ({head.suffix})",
         attention_summary=summary,
         attention_details=details,
         model_type=config.model_type,
-        auto_class=AUTO_CLASS.get(head, "AutoModel"),
+        auto_class=head.auto_class,
         repo=repo_id or "path/to/this/folder",
         results_table=table if results else "No evaluation results were recorded.",
         hyperparameters="\n".join(f"- {key}: {value}" for key, value in settings.items())

@@ -1,6 +1,8 @@
-"""Model classes both families share. ``linformer.py`` and ``performer.py`` bind them to their config class.
+"""Model classes both families share. ``linformer.py`` and ``performer.py`` bind them to their config class and
+their attention class, and add what only their family needs.
 
-Read top to bottom: the pretrained base (init, redraws), the base model, then the heads.
+Read top to bottom: the pretrained base (init, the accepted attn_implementation values, saves with the Hub code),
+input checks, the base model, then the heads.
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import capture_outputs
 
 from ..configuration.common import LinearAttentionConfig
-from .attention import draw_random_features
 from .cache import LinearAttentionCache
 from .layers import (
+    LinearAttention,
     LinearAttentionEmbeddings,
     LinearAttentionLayer,
     LinearAttentionPooler,
-    LinformerAttention,
     MaskedLMHead,
-    PerformerAttention,
     rotary_cos_sin,
 )
 
@@ -57,20 +57,23 @@ SOFTMAX_ATTN_IMPLEMENTATIONS = (
 )
 
 
-def _family_kernel(config) -> str:
-    """The attention a config builds, in words, for messages."""
-    kernel = {"performer": "FAVOR+ (Performer)", "linformer": "Linformer's E/F projections"}.get(
-        config.model_type, "linear attention"
-    )
-    if getattr(config, "num_local_heads", 0):
-        kernel += f" with {config.num_local_heads} local windowed-softmax head(s)"
+def _family_kernel(model: LinearAttentionPreTrainedModel) -> str:
+    """The attention a model builds, in words, for messages."""
+    kernel = model.attention_class.kernel_name
+    if model.config.num_local_heads:
+        kernel += f" with {model.config.num_local_heads} local windowed-softmax head(s)"
     return kernel
 
 
 class LinearAttentionPreTrainedModel(PreTrainedModel):
-    """The base of every linearformers model: weight init (FAVOR+ features, Linformer E / F), the accepted
-    ``attn_implementation`` values, and saves that carry the Hub code (``save_pretrained``)."""
+    """The base of every linearformers model: the shared weight init, the accepted ``attn_implementation`` values,
+    and saves that carry the Hub code (``save_pretrained``).
 
+    A family's PreTrainedModel sets ``config_class`` and ``attention_class`` (its LinearAttention subclass, which
+    every LinearAttentionLayer builds), and initializes its own modules in ``_init_weights`` before deferring here.
+    """
+
+    attention_class: type[LinearAttention] = LinearAttention
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionLayer"]
@@ -105,14 +108,14 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         if name not in SOFTMAX_ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation={attn_implementation!r} is not a value {type(self).__name__} accepts: its "
-                f"attention is {_family_kernel(self.config)}, chosen by the config, not a softmax kernel that "
+                f"attention is {_family_kernel(self)}, chosen by the config, not a softmax kernel that "
                 f"transformers can swap. Leave attn_implementation out (or pass one of "
                 f"{', '.join(SOFTMAX_ATTN_IMPLEMENTATIONS)}, which are recorded and change nothing)."
             )
         if name != "eager":
             logger.warning_once(
                 f"attn_implementation={attn_implementation!r} is recorded but not used: this model runs "
-                f"{_family_kernel(self.config)}. Linear attention never forms the n x n softmax attention that "
+                f"{_family_kernel(self)}. Linear attention never forms the n x n softmax attention that "
                 "sdpa / flash / flex attention compute; outputs, speed and memory are those of the linear kernels."
             )
         return attn_implementation
@@ -120,23 +123,8 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, PerformerAttention):
-            # deterministic: the same draw as in __init__, so init tests and reloads agree
-            init.copy_(module.random_features, module.draw_features(0, device=module.random_features.device))
-        if isinstance(module, LinformerAttention):
-            for proj in (module.e_proj, module.f_proj):
-                if proj is None:
-                    continue
-                if module.config.projection == "conv":  # (d, d, window): fan-in scaling
-                    init.normal_(proj, mean=0.0, std=(proj.shape[1] * proj.shape[2]) ** -0.5)
-                else:  # learned E, F (.., k, n): std 1/sqrt(k), as in the reference implementation
-                    init.normal_(proj, mean=0.0, std=proj.shape[-2] ** -0.5)
-        if getattr(module, "relative_bias", None) is not None:
+        if isinstance(module, LinearAttention) and module.relative_bias is not None:
             init.zeros_(module.relative_bias)
-        if isinstance(module, LinearAttentionModel):
-            init.zeros_(module.feature_redraws)
-            if module.shared_projection is not None:
-                init.normal_(module.shared_projection, mean=0.0, std=module.shared_projection.shape[0] ** -0.5)
         if isinstance(module, MaskedLMHead):
             init.zeros_(module.decoder.bias)
 
@@ -186,32 +174,6 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         name = auto_class if isinstance(auto_class, str) else auto_class.__name__
         if not hasattr(auto_module, name):
             raise ValueError(f"{name} is not a valid auto class.")
-
-
-def _redraw_step(
-    counter: torch.Tensor, features: list[torch.Tensor], seeds: list[int], interval: int, orthogonal: bool
-) -> None:
-    """One training forward of the redraw schedule: at every ``interval``-th forward after the first, set each
-    layer's features (m, head_dim) to draw number ``counter // interval``; then count this forward.
-
-    A custom op, so that torch.compile keeps it in the graph as one opaque call: read inside a compiled forward,
-    the counter would break the graph, and as a Python int it would recompile the graph at every step."""
-    seen = int(counter)
-    if seen and seen % interval == 0:
-        for buf, seed in zip(features, seeds):
-            draw = draw_random_features(*buf.shape, seed=seed, step=seen // interval, orthogonal=orthogonal)
-            buf.copy_(draw.to(device=buf.device, dtype=buf.dtype))
-    counter.add_(1)
-
-
-# registered once per process: a Hub remote-code copy of this module reuses the installed package's op
-if hasattr(torch.ops.linearformers, "redraw_schedule_step"):
-    _redraw_schedule_step = torch.ops.linearformers.redraw_schedule_step
-else:
-    _redraw_schedule_step = torch.library.custom_op(
-        "linearformers::redraw_schedule_step", mutates_args=("counter", "features")
-    )(_redraw_step)
-    _redraw_schedule_step.register_fake(lambda counter, features, seeds, interval, orthogonal: None)
 
 
 def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[str, tuple[int, ...]]:
@@ -348,10 +310,12 @@ def _key_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
 
 
 class LinearAttentionModel(LinearAttentionPreTrainedModel):
-    """The bare stack: embeddings, N blocks, and a final LayerNorm (decoder) or a pooler (encoder).
+    """The bare stack: embeddings, N blocks of the family's ``attention_class``, and a final LayerNorm (decoder) or
+    a pooler (encoder).
 
     Position ids default to each token's rank among its sequence's real tokens (cumsum of the attention mask),
-    so left and right padding give the same answers.
+    so left and right padding give the same answers. The family's model adds its own parts after this
+    ``__init__`` and then calls ``post_init()``, so that they are initialized with the rest.
     """
 
     def __init__(self, config: LinearAttentionConfig, add_pooling_layer: bool = True):
@@ -360,16 +324,11 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         # = 5 with hidden_size 768 fails here, naming both, rather than in a reshape)
         config.validate_architecture()
         self.embeddings = LinearAttentionEmbeddings(config)
-        self.layers = nn.ModuleList([LinearAttentionLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [LinearAttentionLayer(config, i, self.attention_class) for i in range(config.num_hidden_layers)]
+        )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.is_decoder else None
         self.pooler = LinearAttentionPooler(config) if add_pooling_layer and not config.is_decoder else None
-        shared = getattr(config, "sharing", None) == "layerwise" and getattr(config, "projection", None) == "learned"
-        self.shared_projection = (
-            nn.Parameter(torch.empty(config.projected_length_for(0), config.max_seq_length)) if shared else None
-        )
-        # training forward passes seen, for FAVOR+ redraws; saved, so a resumed run redraws on the same schedule
-        self.register_buffer("feature_redraws", torch.zeros((), dtype=torch.long), persistent=True)
-        self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -377,22 +336,9 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
 
-    def redraw_features(self, draw_index: int) -> None:
-        """Set every Performer layer's random features to draw number ``draw_index`` (a pure function of the
-        config's feature_seed, the layer and the index: the same on every process)."""
-        for layer in self.layers:
-            if isinstance(layer.attention, PerformerAttention):
-                buf = layer.attention.random_features
-                buf.copy_(layer.attention.draw_features(draw_index, device=buf.device).to(buf.dtype))
-
-    def _maybe_redraw(self) -> None:
-        interval = getattr(self.config, "feature_redraw_interval", None)
-        if not (self.training and interval):
-            return
-        attentions = [layer.attention for layer in self.layers if isinstance(layer.attention, PerformerAttention)]
-        features = [attention.random_features for attention in attentions]
-        seeds = [attention.draw_seed for attention in attentions]
-        _redraw_schedule_step(self.feature_redraws, features, seeds, interval, self.config.orthogonal_features)
+    def _start_forward(self) -> None:
+        """Called once per forward, after the inputs are checked and before the embeddings: the place for a
+        family's per-forward bookkeeping (a schedule that counts forwards). Nothing for the shared stack."""
 
     def _check_id_ranges(self, input_ids, token_type_ids, position_ids) -> None:
         checks = []
@@ -474,6 +420,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 f"of {batch} (shape {shape}); a cache continues the sequences it was built with. Continue with the "
                 "same batch, or start over without past_key_values."
             )
+        self.config.check_input_length(length, past=past)  # the config knows its longest input (host ints only)
         attention_mask = _padding_mask(attention_mask, past, inputs, shape)
         token_type_ids = _broadcast_ids(token_type_ids, "token_type_ids", inputs, shape)
         position_ids = _broadcast_ids(position_ids, "position_ids", inputs, shape)
@@ -485,18 +432,17 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -length:]
             else:
                 position_ids = torch.arange(past, past + length, device=device).expand(batch, -1)
-        self._maybe_redraw()
+        self._start_forward()
         hidden_states = self.embeddings(input_ids, position_ids, token_type_ids, inputs_embeds)
-        rotary = None
+        position_embeddings = None
         if self.config.position_embedding_type == "rotary":
-            rotary = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+            position_embeddings = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
-                key_mask=key_mask,
-                rotary=rotary,
+                attention_mask=key_mask,
+                position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
-                shared_projection=self.shared_projection,
                 position_ids=position_ids,
             )
         if past_key_values is not None:

@@ -1,8 +1,10 @@
-"""Decoding cache for linear attention: a fixed-size recurrent state per layer, in transformers' cache layers.
+"""Decoding cache for linear attention: a fixed-size state per layer, in transformers' cache layers.
 
-Each model layer gets one ``transformers.cache_utils.LinearAttentionLayer`` with up to three recurrent states:
-  * Performer: S = Σ phi(k) vᵀ (b, h, m, d), z = Σ phi(k) (b, h, m) and their offset M (b, h) (see favor_step);
-  * causal Linformer: the slot states K̃ and Ṽ (b, h, k, d).
+The cache stores; the attention modules compute. Each model layer gets one
+``transformers.cache_utils.LinearAttentionLayer`` with room for three recurrent states:
+  * Performer, three: S = Σ phi(k) vᵀ (b, h, m, d), z = Σ phi(k) (b, h, m) and their offset M (b, h) (see
+    favor_step);
+  * causal Linformer, two: the slot states K̃ and Ṽ (b, h, k, d).
 Local windowed heads keep their last ``local_window - 1`` keys and values in the layer's conv state, laid out
 (b, h, 2d + 1, tokens): keys, values, and a validity channel that masks left padding and the zeros the cache
 pads a short prefill with. Nothing grows with the context.
@@ -12,8 +14,6 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionLayer
-
-from .attention import local_attention, local_attention_step
 
 
 class LinearAttentionCache(DynamicCache):
@@ -52,54 +52,37 @@ class LinearAttentionCache(DynamicCache):
             states.append(tensor)
         return tuple(states) or None
 
-    def set_state(self, layer_idx: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def set_state(self, layer_idx: int, state: tuple[torch.Tensor, ...]) -> None:
+        """Store the layer's recurrent states in order: (S, z, M) for Performer, (K̃, Ṽ) for Linformer."""
         layer = self.layers[layer_idx]
         for idx, tensor in enumerate(state):
             self.update_recurrent_state(tensor, layer_idx, idx)
             # update_recurrent_state does not set this flag; without it the next step restarts from an empty state
             layer.has_previous_state[idx] = True
 
-    def local_attention(
+    def update_local_window(
         self,
         layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor | None,
         window: int,
-        key_mask: torch.Tensor | None,
-        relative_bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Causal local heads with the window kept in the cache: prefill computes the whole window attention,
-        a one-token step reads the cached window plus the new token, and several new tokens (a prefill fed in
-        pieces) attend over the cached window followed by themselves."""
-        b, h, n, d = k.shape
-        valid = torch.ones(b, n, dtype=k.dtype, device=k.device) if key_mask is None else key_mask.to(k.dtype)
-        packed = torch.cat([k, v, valid[:, None, :, None].expand(b, h, n, 1)], dim=-1).transpose(-1, -2)
-        has_window = self.layers[layer_idx].has_previous_state[0] and self.layers[layer_idx].conv_states[0] is not None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Store the new tokens' keys and values (b, h, n, d) and validity (b, n) (None: all real) in the layer's
+        window of the last ``window - 1`` tokens.
+
+        Returns the window as it was before these tokens: keys and values (b, h, window - 1, d) and validity
+        (b, window - 1) bool, or None on the layer's first call (nothing kept yet) and for a window of one token,
+        which keeps nothing."""
         if window == 1:
-            full = packed
-        else:
-            full = self.update_conv_state(packed, layer_idx, 0, conv_kernel_size=window - 1)
-        if not has_window:
-            return local_attention(q, k, v, window, causal=True, key_padding_mask=key_mask, relative_bias=relative_bias)
-        full = full.transpose(-1, -2)  # (b, h, window - 1 + n, 2d + 1): the cached window, then the new tokens
-        if n != 1:  # a continued prefill: window attention over [cached window, new tokens], the new rows kept
-            queries = torch.cat([q.new_zeros(b, h, full.shape[2] - n, d), q], dim=2)
-            out = local_attention(
-                queries,
-                full[..., :d],
-                full[..., d : 2 * d],
-                window,
-                causal=True,
-                key_padding_mask=full[:, 0, :, -1] > 0.5,
-                relative_bias=relative_bias,
-            )
-            return out[:, :, -n:]
-        return local_attention_step(
-            q,
-            full[..., :d],
-            full[..., d : 2 * d],
-            window,
-            key_padding_mask=full[:, 0, :, -1] > 0.5,
-            relative_bias=relative_bias,
-        )
+            return None
+        b, h, n, d = keys.shape
+        layer = self.layers[layer_idx]
+        had_window = layer.has_previous_state[0] and layer.conv_states[0] is not None
+        valid = torch.ones(b, n, dtype=keys.dtype, device=keys.device) if valid is None else valid.to(keys.dtype)
+        packed = torch.cat([keys, values, valid[:, None, :, None].expand(b, h, n, 1)], dim=-1).transpose(-1, -2)
+        full = self.update_conv_state(packed, layer_idx, 0, conv_kernel_size=window - 1)
+        if not had_window:
+            return None
+        past = full[..., :-n].transpose(-1, -2)  # (b, h, window - 1, 2d + 1): the window before the new tokens
+        return past[..., :d], past[..., d : 2 * d], past[:, 0, :, -1] > 0.5

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,22 +27,10 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils import cached_file
 
-from ..configuration import LinformerConfig, PerformerConfig
-from . import linformer as linformer_models
-from . import performer as performer_models
-from .base import LinearAttentionModel
-from .layers import LinformerAttention
+from .. import modeling
+from .registry import FAMILIES, HEADS, Family, Head, get_family
 
-FAMILIES = {"linformer": (LinformerConfig, linformer_models), "performer": (PerformerConfig, performer_models)}
-BERT_HEADS = {
-    "BertModel": "Model",
-    "BertForMaskedLM": "ForMaskedLM",
-    "BertForSequenceClassification": "ForSequenceClassification",
-    "BertForTokenClassification": "ForTokenClassification",
-    "BertForQuestionAnswering": "ForQuestionAnswering",
-    "BertForMultipleChoice": "ForMultipleChoice",
-}
-# head weights: BERT name -> ours
+# head weights: BERT module -> ours, by head suffix
 BERT_HEAD_WEIGHTS = {
     "ForMaskedLM": {
         "cls.predictions.transform.dense": "lm_head.dense",
@@ -53,6 +43,7 @@ BERT_HEAD_WEIGHTS = {
     "ForTokenClassification": {"classifier": "score"},
     "ForQuestionAnswering": {"qa_outputs": "qa_outputs"},
 }
+# one BERT layer's modules -> ours
 BERT_LAYER = {
     "attention.self.query": "attention.q_proj",
     "attention.self.key": "attention.k_proj",
@@ -63,6 +54,10 @@ BERT_LAYER = {
     "output.dense": "mlp.down_proj",
     "output.LayerNorm": "mlp_norm",
 }
+# one GPT-2 block's Conv1D modules -> our nn.Linear modules (c_attn is split into q, k, v separately)
+GPT2_LINEAR = {"attn.c_proj": "attention.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+# the names of the tensors a converted model has that no checkpoint holds, and how they start (see the docstring)
+NEW_TENSORS = ("e_proj", "f_proj", "shared_projection", "relative_bias", "random_features")
 
 
 @dataclass
@@ -84,6 +79,22 @@ class ConversionReport:
         if self.ignored:
             lines.append(f"  ignored {len(self.ignored)} source tensors: {', '.join(self.ignored)}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One row of a key-mapping table: the source tensor ``source`` becomes our ``target``, through ``take`` (e.g.
+    GPT-2's Conv1D weights transposed into nn.Linear layout) when given. ``part`` names the slice ``take`` cuts,
+    for the report: ``attn.c_attn.weight[q_proj]``."""
+
+    source: str
+    target: str
+    take: Callable[[torch.Tensor], torch.Tensor] | None = None
+    part: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.source if self.part is None else f"{self.source}[{self.part}]"
 
 
 # what each converter reads: model_type, its name in messages, the architecture when config.json names none
@@ -134,54 +145,65 @@ def _load(source, converter: str, hub: dict) -> PreTrainedModel:
     raise TypeError(f"source must be a folder, a Hub model id or a transformers model, got {type(source).__name__}")
 
 
+def _source_head(source: PreTrainedModel, heads: dict[str, Head]) -> Head:
+    """Our head for the source's class (``heads``: source class name -> head); a ValueError names the classes."""
+    name = type(source).__name__
+    if name not in heads:
+        raise ValueError(f"cannot convert {name}; pass a {' or '.join(sorted(heads))}")
+    return heads[name]
+
+
 def _config_fields(config_cls) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls)} | {"num_labels"}
 
 
-def _attention_fields(max_positions: int, overrides: dict, family: str) -> dict:
+def _attention_fields(max_positions: int, overrides: dict, family: Family) -> dict:
     """The user's attention settings; a Linformer defaults to n = max positions and k = n (exact at start).
 
     None is a value (``feature_redraw_interval=None``: never redraw), except for Linformer's ``max_seq_length``,
     whose None means its default here too. A name the family's config does not have raises, naming close ones.
     """
-    config_cls = FAMILIES[family][0]
-    known = _config_fields(config_cls)
+    known = _config_fields(family.config_class)
     for name in overrides:
         if name in known:
             continue
-        message = f"{config_cls.__name__} has no field {name!r}"
-        other = [f for f, (cls, _) in FAMILIES.items() if f != family and name in _config_fields(cls)]
+        message = f"{family.config_class.__name__} has no field {name!r}"
+        other = [f for f in FAMILIES.values() if f != family and name in _config_fields(f.config_class)]
         close = difflib.get_close_matches(name, sorted(known), n=3)
         if other:
-            message += f"; it is a {FAMILIES[other[0]][0].__name__} field: pass family={other[0]!r}"
+            message += f"; it is a {other[0].config_class.__name__} field: pass family={other[0].name!r}"
         elif close:
             message += f"; did you mean {' or '.join(repr(c) for c in close)}?"
         raise ValueError(message)
     fields = dict(overrides)
-    if family == "linformer":
+    if family.name == "linformer":
         if fields.get("max_seq_length") is None:
             fields["max_seq_length"] = max_positions
         fields.setdefault("projected_length", fields["max_seq_length"])
     return fields
 
 
-def _init_new(model: nn.Module, report: ConversionReport) -> None:
-    """Identity (k = n) or window-mean pooling for Linformer E / F; Performer features are already drawn."""
-    for name, module in model.named_modules():
-        if isinstance(module, LinformerAttention):
-            for attr in ("e_proj", "f_proj"):
-                param = getattr(module, attr)
-                if param is not None:
-                    _pooling_init(param, module.config.projection)
-                    report.initialized.append(f"{name}.{attr}")
-        if isinstance(module, LinearAttentionModel) and module.shared_projection is not None:
-            _pooling_init(module.shared_projection, "learned")
-            report.initialized.append(f"{name}.shared_projection".lstrip("."))
-        if getattr(module, "relative_bias", None) is not None:
-            nn.init.zeros_(module.relative_bias)
-            report.initialized.append(f"{name}.relative_bias")
-        if hasattr(module, "random_features"):
-            report.initialized.append(f"{name}.random_features")
+def _new_model(family: Family, head: Head, fields: dict, max_positions: int, overrides: dict) -> PreTrainedModel:
+    """Our ``head`` model of ``family``, configured with the source's ``fields`` and the user's ``overrides``."""
+    config = family.config_class(**fields, **_attention_fields(max_positions, overrides, family))
+    return getattr(modeling, family.class_name(head))(config)
+
+
+def _init_new(model: nn.Module) -> list[str]:
+    """Initialize the tensors no checkpoint holds (``NEW_TENSORS``); returns their names. Linformer's E / F start
+    as the identity (k = n) or window means, local-head biases at zero; Performer features are already drawn."""
+    initialized = []
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in tensors.items():
+        kind = name.rsplit(".", 1)[-1]
+        if kind not in NEW_TENSORS:
+            continue
+        if kind in ("e_proj", "f_proj", "shared_projection"):
+            _pooling_init(tensor, model.config.projection)
+        elif kind == "relative_bias":
+            nn.init.zeros_(tensor)
+        initialized.append(name)
+    return initialized
 
 
 @torch.no_grad()
@@ -200,25 +222,108 @@ def _pooling_init(param: torch.Tensor, projection: str) -> None:
     param.copy_(matrix.expand_as(param))
 
 
-def _apply(model: nn.Module, state: dict, mapping: list[tuple[str, str]], report: ConversionReport) -> None:
-    target = model.state_dict()
-    used = set()
-    new_state = {}
-    for src, dst in mapping:
-        if dst not in target:
-            raise ValueError(f"conversion maps {src} to {dst}, which {type(model).__name__} does not have")
-        if tuple(state[src].shape) != tuple(target[dst].shape):
-            raise ValueError(f"shape mismatch: {src} {tuple(state[src].shape)} vs {dst} {tuple(target[dst].shape)}")
-        new_state[dst] = state[src]
-        used.add(src)
-        report.mapped.append((src, dst))
-    model.load_state_dict(new_state, strict=False)
-    report.ignored = sorted(set(state) - used)
-    covered = set(new_state) | {name + suffix for name in report.initialized for suffix in ("", ".weight")}
-    tied = {k for k in target if k.endswith("lm_head.weight") or k.endswith("lm_head.decoder.weight")}
-    missing = sorted(k for k in target if k not in covered and k not in tied and not k.endswith("feature_redraws"))
+def _copy_weights(
+    model: PreTrainedModel,
+    source: PreTrainedModel,
+    copies: Sequence[Copy],
+    *,
+    fresh: Sequence[str] = (),
+    tied: Sequence[str] = (),
+) -> tuple[PreTrainedModel, ConversionReport]:
+    """Load ``source``'s weights into ``model`` by the mapping table ``copies`` and initialize the rest.
+
+    The report lists each tensor mapped (source -> ours), initialized (``NEW_TENSORS``, and ``fresh``: ours that stay
+    at their fresh initialization) and ignored (source tensors no row reads, except ``tied``, the source's copies of
+    tied weights). A ValueError names a row whose target we lack or whose shapes differ, and any weight of ours
+    that is neither mapped nor initialized.
+    """
+    report = ConversionReport(type(source).__name__, type(model).__name__)
+    report.initialized = [*_init_new(model), *fresh]
+    state, target = source.state_dict(), model.state_dict()
+    loaded = {}
+    for copy in copies:
+        if copy.target not in target:
+            raise ValueError(
+                f"conversion maps {copy.label} to {copy.target}, which {type(model).__name__} does not have"
+            )
+        tensor = state[copy.source] if copy.take is None else copy.take(state[copy.source])
+        shape, wanted = tuple(tensor.shape), tuple(target[copy.target].shape)
+        if shape != wanted:
+            raise ValueError(f"shape mismatch: {copy.label} {shape} vs {copy.target} {wanted}")
+        loaded[copy.target] = tensor
+        report.mapped.append((copy.label, copy.target))
+    model.load_state_dict(loaded, strict=False)
+    report.ignored = sorted(set(state) - {copy.source for copy in copies} - set(tied))
+    covered = set(loaded) | {name + suffix for name in report.initialized for suffix in ("", ".weight")}
+    ours_tied = {k for k in target if k.endswith("lm_head.weight") or k.endswith("lm_head.decoder.weight")}
+    # the Performer redraw counter starts at zero in a new model
+    missing = sorted(k for k in target if k not in covered and k not in ours_tied and not k.endswith("feature_redraws"))
     if missing:
         raise ValueError(f"conversion left these weights of {type(model).__name__} without a source: {missing}")
+    model.tie_weights()
+    return model.eval(), report
+
+
+def _bert_prefixes(head: Head) -> tuple[str, str]:
+    """Where the encoder's keys start, in BERT and in ours: the base models hold it at the top, heads under a name."""
+    return ("", "") if head.suffix == "Model" else ("bert.", "model.")
+
+
+def _bert_copies(state: dict, head: Head, model_keys: set[str]) -> list[Copy]:
+    """The mapping table of a BERT checkpoint with ``state`` into our ``head`` model with ``model_keys``."""
+    prefix, ours = _bert_prefixes(head)
+    copies = []
+    for key in state:
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        if rest.startswith("embeddings.") and "position_ids" not in rest and "token_type_ids" not in rest:
+            copies.append(Copy(key, ours + rest))
+        elif rest.startswith("encoder.layer."):
+            i, sub = rest[len("encoder.layer.") :].split(".", 1)
+            module, param = sub.rsplit(".", 1)
+            copies.append(Copy(key, f"{ours}layers.{i}.{BERT_LAYER[module]}.{param}"))
+        elif rest.startswith("pooler.") and ours + rest in model_keys:
+            copies.append(Copy(key, ours + rest))
+    for src_module, dst_module in BERT_HEAD_WEIGHTS.get(head.suffix, {}).items():
+        for param in ("weight", "bias"):
+            src, dst = f"{src_module}.{param}", f"{dst_module}.{param}"
+            if src in state and dst not in {copy.target for copy in copies}:
+                copies.append(Copy(src, dst))
+    return copies
+
+
+def _conv1d_as_linear(weight: torch.Tensor, part: int | None = None) -> torch.Tensor:
+    """GPT-2's Conv1D weight (in, out) in nn.Linear layout (out, in); ``part``: the q, k or v third of c_attn."""
+    weight = weight.T
+    return (weight if part is None else weight.chunk(3, dim=0)[part]).contiguous()
+
+
+def _third(bias: torch.Tensor, part: int) -> torch.Tensor:
+    """The q, k or v third of c_attn's bias."""
+    return bias.chunk(3)[part].contiguous()
+
+
+def _gpt2_copies(num_layers: int) -> list[Copy]:
+    """The mapping table of a GPT2LMHeadModel with ``num_layers`` blocks into our causal LM."""
+    copies = [
+        Copy("transformer.wte.weight", "model.embeddings.word_embeddings.weight"),
+        Copy("transformer.wpe.weight", "model.embeddings.position_embeddings.weight"),
+        *(Copy(f"transformer.ln_f.{p}", f"model.final_norm.{p}") for p in ("weight", "bias")),
+    ]
+    for i in range(num_layers):
+        h, ours = f"transformer.h.{i}.", f"model.layers.{i}."
+        for p in ("weight", "bias"):
+            copies += [Copy(f"{h}ln_1.{p}", f"{ours}attention_norm.{p}"), Copy(f"{h}ln_2.{p}", f"{ours}mlp_norm.{p}")]
+        for index, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            weight = functools.partial(_conv1d_as_linear, part=index)
+            bias = functools.partial(_third, part=index)
+            copies.append(Copy(h + "attn.c_attn.weight", f"{ours}attention.{name}.weight", weight, name))
+            copies.append(Copy(h + "attn.c_attn.bias", f"{ours}attention.{name}.bias", bias, name))
+        for conv, linear in GPT2_LINEAR.items():
+            copies.append(Copy(f"{h}{conv}.weight", f"{ours}{linear}.weight", _conv1d_as_linear))
+            copies.append(Copy(f"{h}{conv}.bias", f"{ours}{linear}.bias"))
+    return copies
 
 
 def convert_bert(
@@ -239,15 +344,11 @@ def convert_bert(
     ``num_random_features=256``, ``feature_redraw_interval=None`` or ``projected_length=128``); a name the config
     does not have raises a ValueError naming close matches. Returns ``(model, ConversionReport)``.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     bert = _load(source, "convert_bert", hub)
-    head = BERT_HEADS.get(type(bert).__name__)
-    if head is None:
-        raise ValueError(f"cannot convert {type(bert).__name__}; supported: {sorted(BERT_HEADS)}")
+    head = _source_head(bert, {h.bert_class: h for h in HEADS.values() if h.bert_class})
     bc = bert.config
-    config_cls, models = FAMILIES[family]
     fields = dict(
         vocab_size=bc.vocab_size,
         hidden_size=bc.hidden_size,
@@ -267,40 +368,15 @@ def convert_bert(
         label2id=bc.label2id,
         problem_type=bc.problem_type,
     )
-    fields.update(_attention_fields(bc.max_position_embeddings, config_overrides, family))
-    config = config_cls(**fields)
-    model = getattr(models, config_cls.__name__.removesuffix("Config") + head)(config)
-    state = bert.state_dict()
-    prefix = "" if head == "Model" else "bert."
-    ours = "" if head == "Model" else "model."
-    mapping = []
-    for key in state:
-        if not key.startswith(prefix):
-            continue
-        rest = key[len(prefix) :]
-        if rest.startswith("embeddings.") and "position_ids" not in rest and "token_type_ids" not in rest:
-            mapping.append((key, ours + rest))
-        elif rest.startswith("encoder.layer."):
-            i, sub = rest[len("encoder.layer.") :].split(".", 1)
-            module, param = sub.rsplit(".", 1)
-            mapping.append((key, f"{ours}layers.{i}.{BERT_LAYER[module]}.{param}"))
-        elif rest.startswith("pooler.") and ours + rest in model.state_dict():
-            mapping.append((key, ours + rest))
-    for src_module, dst_module in BERT_HEAD_WEIGHTS.get(head, {}).items():
-        for param in ("weight", "bias"):
-            src = f"{src_module}.{param}"
-            dst = f"{dst_module}.{param}"
-            if src in state and dst not in {d for _, d in mapping}:
-                mapping.append((src, dst))
-    report = ConversionReport(type(bert).__name__, type(model).__name__)
-    _init_new(model, report)
-    if not any(src.startswith(prefix + "pooler.") for src in state):
+    model = _new_model(target, head, fields, bc.max_position_embeddings, config_overrides)
+    theirs, ours = _bert_prefixes(head)
+    state, model_keys = bert.state_dict(), list(model.state_dict())
+    fresh = []
+    if not any(key.startswith(theirs + "pooler.") for key in state):
         # a BERT saved without its pooler (BertModel(add_pooling_layer=False)) into a stack that has one: the
         # pooler stays at its fresh initialization (token classification, QA and masked LM have none)
-        report.initialized += [k for k in model.state_dict() if k.startswith(ours + "pooler.")]
-    _apply(model, state, mapping, report)
-    model.tie_weights()
-    return model.eval(), report
+        fresh = [key for key in model_keys if key.startswith(ours + "pooler.")]
+    return _copy_weights(model, bert, _bert_copies(state, head, set(model_keys)), fresh=fresh)
 
 
 def convert_gpt2(
@@ -319,14 +395,11 @@ def convert_gpt2(
     nn.Linear layout and ``c_attn`` is split into q, k, v. ``config_overrides`` as for :func:`convert_bert`.
     Returns ``(model, ConversionReport)``.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     gpt2 = _load(source, "convert_gpt2", hub)
-    if type(gpt2).__name__ != "GPT2LMHeadModel":
-        raise ValueError(f"cannot convert {type(gpt2).__name__}; pass a GPT2LMHeadModel")
+    head = _source_head(gpt2, {h.gpt2_class: h for h in HEADS.values() if h.gpt2_class})
     gc = gpt2.config
-    config_cls, models = FAMILIES[family]
     fields = dict(
         vocab_size=gc.vocab_size,
         hidden_size=gc.n_embd,
@@ -345,44 +418,9 @@ def convert_gpt2(
         eos_token_id=gc.eos_token_id,
         pad_token_id=None,
     )
-    fields.update(_attention_fields(gc.n_positions, config_overrides, family))
-    config = config_cls(**fields)
-    model = getattr(models, config_cls.__name__.removesuffix("Config") + "ForCausalLM")(config)
-    src = gpt2.state_dict()
-    state, mapping = {}, []
-
-    def put(name, tensor, dst):
-        state[name] = tensor
-        mapping.append((name, dst))
-
-    put("transformer.wte.weight", src["transformer.wte.weight"], "model.embeddings.word_embeddings.weight")
-    put("transformer.wpe.weight", src["transformer.wpe.weight"], "model.embeddings.position_embeddings.weight")
-    for p in ("weight", "bias"):
-        put(f"transformer.ln_f.{p}", src[f"transformer.ln_f.{p}"], f"model.final_norm.{p}")
-    for i in range(gc.n_layer):
-        h, ours = f"transformer.h.{i}.", f"model.layers.{i}."
-        for p in ("weight", "bias"):
-            put(h + f"ln_1.{p}", src[h + f"ln_1.{p}"], ours + f"attention_norm.{p}")
-            put(h + f"ln_2.{p}", src[h + f"ln_2.{p}"], ours + f"mlp_norm.{p}")
-        qkv_w = src[h + "attn.c_attn.weight"].T.chunk(3, dim=0)  # Conv1D (in, 3 out) -> 3 x Linear (out, in)
-        qkv_b = src[h + "attn.c_attn.bias"].chunk(3)
-        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), qkv_w, qkv_b):
-            put(h + f"attn.c_attn.weight[{name}]", w.contiguous(), ours + f"attention.{name}.weight")
-            put(h + f"attn.c_attn.bias[{name}]", b.contiguous(), ours + f"attention.{name}.bias")
-        for conv, linear in (
-            ("attn.c_proj", "attention.o_proj"),
-            ("mlp.c_fc", "mlp.up_proj"),
-            ("mlp.c_proj", "mlp.down_proj"),
-        ):
-            put(h + conv + ".weight", src[h + conv + ".weight"].T.contiguous(), ours + linear + ".weight")
-            put(h + conv + ".bias", src[h + conv + ".bias"], ours + linear + ".bias")
-    report = ConversionReport(type(gpt2).__name__, type(model).__name__)
-    _init_new(model, report)
-    _apply(model, state, mapping, report)
-    model.tie_weights()
-    used = {name.split("[")[0] for name, _ in mapping}
-    report.ignored = sorted(set(src) - used - {"lm_head.weight"})  # lm_head is tied to the embeddings
-    return model.eval(), report
+    model = _new_model(target, head, fields, gc.n_positions, config_overrides)
+    # lm_head.weight is GPT-2's copy of the tied word embeddings
+    return _copy_weights(model, gpt2, _gpt2_copies(gc.n_layer), tied=("lm_head.weight",))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,20 +19,14 @@ from pathlib import Path
 
 from transformers import PreTrainedConfig
 
+from .registry import HEADS
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # True in a flat copy (modeling_hub_code.py, loaded with trust_remote_code): there is no package source to read
 FLAT_COPY = Path(__file__).stem != "hub_code"
 # the modules the written code starts from; everything they import relatively is found with ast (remote_modules)
 ROOT_MODULES = ("configuration.linformer", "configuration.performer", "modeling.linformer", "modeling.performer")
-AUTO_SUFFIXES = {
-    "AutoModel": "Model",
-    "AutoModelForMaskedLM": "ForMaskedLM",
-    "AutoModelForCausalLM": "ForCausalLM",
-    "AutoModelForSequenceClassification": "ForSequenceClassification",
-    "AutoModelForTokenClassification": "ForTokenClassification",
-    "AutoModelForQuestionAnswering": "ForQuestionAnswering",
-    "AutoModelForMultipleChoice": "ForMultipleChoice",
-}
+AUTO_SUFFIXES = {head.auto_class: head.suffix for head in HEADS.values()}  # Auto class name -> class suffix
 
 
 def flat_name(dotted: str) -> str:

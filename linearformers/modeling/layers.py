@@ -1,8 +1,10 @@
-"""The stack both families share: embeddings, attention module, MLP, encoder / decoder blocks, heads' parts.
+"""The stack both families share: position encodings, embeddings, the attention base with its local heads, MLP,
+block, pooler and MLM head.
 
-Only the attention kernel differs between Linformer and Performer; the module picks it from the config in
-plain code (:func:`build_attention`). Shapes: hidden states are (batch, length, hidden_size); inside attention
-tensors are (batch, heads, length, head_dim).
+The global heads are the family's: each family subclasses ``LinearAttention`` in its own file (performer.py,
+linformer.py) to write ``global_attention``, and its PreTrainedModel names that class as ``attention_class``, which
+the model hands to every ``LinearAttentionLayer``. Shapes: hidden states are (batch, length, hidden_size); inside
+attention tensors are (batch, heads, length, head_dim).
 """
 
 from __future__ import annotations
@@ -14,19 +16,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..configuration import LinformerConfig, PerformerConfig
 from ..configuration.common import LinearAttentionConfig
-from .attention import (
-    causal_linformer_attention,
-    causal_linformer_step,
-    draw_random_features,
-    favor_attention,
-    favor_step,
-    linformer_attention,
-    local_attention,
-    num_relative_positions,
-)
-from .attention.linformer import check_sequence_length, slot_first_writes
+from .attention.local import causal_local_attention, local_attention, num_relative_positions
 from .cache import LinearAttentionCache
 
 
@@ -106,8 +97,11 @@ class LinearAttention(nn.Module):
     """Self-attention: q/k/v projections, the family's global kernel on the first heads, optional local
     windowed softmax heads on the last ``num_local_heads``, and the output projection ``o_proj``.
 
+    A family subclasses it and writes ``global_attention``; ``kernel_name`` names that kernel in messages.
     PEFT LoRA targets: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and ``up_proj``, ``down_proj`` in the MLP).
     """
+
+    kernel_name = "linear attention"
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int):
         super().__init__()
@@ -139,23 +133,28 @@ class LinearAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        key_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LinearAttentionCache | None = None,
-        shared_projection: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: LinearAttentionCache | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """hidden_states (batch, n, hidden_size) -> (batch, n, hidden_size).
+
+        attention_mask: (batch, n) bool, True for the real tokens among these n; None: no padding.
+        position_embeddings: the rotary (cos, sin) tables, each (batch, 1, n, head_dim), or None.
+        past_key_values: the decoder's cache, continued here; None: no cache.
+        position_ids: (batch, n) positions of these tokens (decoding steps read them)."""
         q, k, v = (self._split(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if position_embeddings is not None:
+            q, k = apply_rotary(q, *position_embeddings), apply_rotary(k, *position_embeddings)
         g = self.num_global
         # plain assignments around the kernel calls: where a kernel breaks a compiled graph, an object built in this
         # call (a list being appended to) would sit on the stack, and dynamo would recompile the rest at every call
         out = None
         if g:
-            out = self.global_attention(q[:, :g], k[:, :g], v[:, :g], key_mask, cache, shared_projection, position_ids)
+            out = self.global_attention(q[:, :g], k[:, :g], v[:, :g], attention_mask, past_key_values, position_ids)
         if self.num_local:
-            local = self.local_heads(q[:, g:], k[:, g:], v[:, g:], key_mask, cache)
+            local = self.local_heads(q[:, g:], k[:, g:], v[:, g:], attention_mask, past_key_values)
             out = local if out is None else torch.cat([out, local], dim=1)
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -165,53 +164,18 @@ class LinearAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        cache: LinearAttentionCache | None,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
     ) -> torch.Tensor:
+        """The local heads: windowed softmax; with a cache, over the kept window followed by the new tokens."""
         window = self.config.local_window
-        if cache is None:
+        if past_key_values is None:
             return local_attention(
-                q, k, v, window, causal=self.causal, key_padding_mask=key_mask, relative_bias=self.relative_bias
+                q, k, v, window, causal=self.causal, key_padding_mask=attention_mask, relative_bias=self.relative_bias
             )
-        return cache.local_attention(self.layer_idx, q, k, v, window, key_mask, self.relative_bias)
-
-    def global_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        cache: LinearAttentionCache | None,
-        shared_projection: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class PerformerAttention(LinearAttention):
-    """FAVOR+ heads. The random features are a persistent buffer (saved with the checkpoint, so a reload gives
-    the same outputs), drawn deterministically from (feature_seed, layer, draw index)."""
-
-    def __init__(self, config: PerformerConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.draw_seed = config.feature_seed * 10_007 + layer_idx  # this layer's stream of draws
-        self.register_buffer("random_features", self.draw_features(0), persistent=True)
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return (
-            f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
-            f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
-        )
-
-    def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
-        return draw_random_features(
-            self.config.num_random_features,
-            self.head_dim,
-            seed=self.draw_seed,
-            step=draw_index,
-            orthogonal=self.config.orthogonal_features,
-            device=device,
+        past = past_key_values.update_local_window(self.layer_idx, k, v, attention_mask, window)
+        return causal_local_attention(
+            q, k, v, window, past=past, key_padding_mask=attention_mask, relative_bias=self.relative_bias
         )
 
     def global_attention(
@@ -219,169 +183,17 @@ class PerformerAttention(LinearAttention):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        cache: LinearAttentionCache | None,
-        shared_projection: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        kwargs = {"kernel": self.config.kernel, "kernel_eps": self.config.kernel_eps}
-        if not self.causal:
-            return favor_attention(q, k, v, self.random_features, key_padding_mask=key_mask, **kwargs)
-        if cache is None:
-            return favor_attention(
-                q,
-                k,
-                v,
-                self.random_features,
-                causal=True,
-                key_padding_mask=key_mask,
-                chunk_size=self.config.causal_chunk_size,
-                **kwargs,
-            )
-        state = cache.get_state(self.layer_idx)
-        if q.shape[2] == 1 and state is not None:
-            out, state = favor_step(q, k, v, self.random_features, state, key_padding_mask=key_mask, **kwargs)
-        else:
-            out, state = favor_attention(
-                q,
-                k,
-                v,
-                self.random_features,
-                causal=True,
-                key_padding_mask=key_mask,
-                chunk_size=self.config.causal_chunk_size,
-                initial_state=state,
-                return_state=True,
-                **kwargs,
-            )
-        cache.set_state(self.layer_idx, state)
-        return out
-
-
-class LinformerAttention(LinearAttention):
-    """Linformer heads: E / F projections along the sequence, owned here unless shared across layers."""
-
-    def __init__(self, config: LinformerConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        k = config.projected_length_for(layer_idx)
-        n = config.max_seq_length
-        self.window = n // k if config.projection != "learned" else None
-        self.e_proj = self.f_proj = None
-        if config.projection == "learned" and config.sharing != "layerwise":
-            shape = (self.num_global, k, n) if config.sharing == "per_head" else (k, n)
-            self.e_proj = nn.Parameter(torch.empty(shape))
-            if config.sharing != "key_value":
-                self.f_proj = nn.Parameter(torch.empty(shape))
-        elif config.projection == "conv":
-            d = self.head_dim
-            self.e_proj = nn.Parameter(torch.empty(d, d, self.window))
-            if config.sharing not in ("key_value", "layerwise"):
-                self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
-
-    def extra_repr(self) -> str:
-        c = self.config
-        return (
-            f"{super().extra_repr()}, projected_length={c.projected_length_for(self.layer_idx)}, "
-            f"max_seq_length={c.max_seq_length}, sharing={c.sharing!r}, projection={c.projection!r}"
-        )
-
-    def _slot_first_writes(self, e: torch.Tensor) -> torch.Tensor:
-        """slot_first_writes(E), recomputed only when E changes (decoding calls it once per token)."""
-        key = (e.data_ptr(), e._version)
-        if getattr(self, "_first_writes_key", None) != key:
-            self._first_writes_key, self._first_writes = key, slot_first_writes(e)
-        return self._first_writes
-
-    def global_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        cache: LinearAttentionCache | None,
-        shared_projection: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-    ) -> torch.Tensor:
-        e = shared_projection if self.e_proj is None and self.config.projection == "learned" else self.e_proj
-        f = self.f_proj
-        if self.window is not None:  # pool / conv run on any length: hold them to max_seq_length, as learned E is
-            k_len = self.config.projected_length_for(self.layer_idx)
-            check_sequence_length(q.shape[2], self.config.max_seq_length, k_len)
-        if not self.causal:
-            return linformer_attention(
-                q,
-                k,
-                v,
-                e,
-                f,
-                method=self.config.projection,
-                window=self.window,
-                key_padding_mask=key_mask,
-                dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
-            )
-        if cache is None:
-            return causal_linformer_attention(
-                q, k, v, e, f, key_padding_mask=key_mask, chunk_size=self.config.causal_chunk_size
-            )
-        state = cache.get_state(self.layer_idx)
-        if state is None:
-            out, state = causal_linformer_attention(
-                q, k, v, e, f, key_padding_mask=key_mask, chunk_size=self.config.causal_chunk_size, return_state=True
-            )
-        elif q.shape[2] == 1:
-            out, state = causal_linformer_step(
-                q, k, v, e, f, state, position_ids[:, -1], first_writes=self._slot_first_writes(e)
-            )
-        else:  # a continued prefill: a long prompt fed in pieces
-            if key_mask is not None and not bool(key_mask.all()):  # compiled forwards pass an all-True mask
-                raise ValueError(
-                    "a cached causal Linformer continues with real tokens only; padding belongs in the first "
-                    "(prefill) call. Call without past_key_values to recompute the prefix."
-                )
-            start = position_ids[:, :1]
-            offsets = torch.arange(q.shape[2], device=q.device)
-            if bool((start == start[0]).all()) and bool((position_ids == start + offsets).all()):
-                out, state = causal_linformer_attention(
-                    q,
-                    k,
-                    v,
-                    e,
-                    f,
-                    chunk_size=self.config.causal_chunk_size,
-                    initial_state=state,
-                    start=int(start[0, 0]),
-                    return_state=True,
-                )
-            else:  # rows at different positions (after a left-padded prefill): one exact step per token
-                outs = []
-                for t in range(q.shape[2]):
-                    piece, state = causal_linformer_step(
-                        q[:, :, t : t + 1],
-                        k[:, :, t : t + 1],
-                        v[:, :, t : t + 1],
-                        e,
-                        f,
-                        state,
-                        position_ids[:, t],
-                        first_writes=self._slot_first_writes(e),
-                    )
-                    outs.append(piece)
-                out = torch.cat(outs, dim=2)
-        cache.set_state(self.layer_idx, state)
-        return out
-
-
-def build_attention(config: LinearAttentionConfig, layer_idx: int) -> LinearAttention:
-    # by model_type, not isinstance: transformers loads an exported folder's config code and model code as two
-    # separate module copies, so the config object's class need not be the PerformerConfig imported here
-    if config.model_type == PerformerConfig.model_type:
-        return PerformerAttention(config, layer_idx)
-    if config.model_type == LinformerConfig.model_type:
-        return LinformerAttention(config, layer_idx)
-    raise TypeError(f"no attention for config type {type(config).__name__} (model_type {config.model_type!r})")
+        """The family's kernel on the global heads: q, k, v (batch, global heads, n, head_dim) -> the same shape."""
+        raise NotImplementedError(f"{type(self).__name__} must implement global_attention")
 
 
 class LinearAttentionMLP(nn.Module):
+    """The feed-forward block: up_proj, activation, down_proj."""
+
     def __init__(self, config: LinearAttentionConfig):
         super().__init__()
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
@@ -393,13 +205,13 @@ class LinearAttentionMLP(nn.Module):
 
 
 class LinearAttentionLayer(GradientCheckpointingLayer):
-    """One block. Encoder (BERT, post-LN): x = LN(x + attn(x)); x = LN(x + mlp(x)).
-    Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x))."""
+    """One block, around the family's ``attention_class``. Encoder (BERT, post-LN): x = LN(x + attn(x));
+    x = LN(x + mlp(x)). Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x))."""
 
-    def __init__(self, config: LinearAttentionConfig, layer_idx: int):
+    def __init__(self, config: LinearAttentionConfig, layer_idx: int, attention_class: type[LinearAttention]):
         super().__init__()
         self.pre_norm = config.is_decoder
-        self.attention = build_attention(config, layer_idx)
+        self.attention = attention_class(config, layer_idx)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = LinearAttentionMLP(config)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -408,14 +220,13 @@ class LinearAttentionLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        key_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: LinearAttentionCache | None = None,
-        shared_projection: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         def attend(x):
-            return self.attention(x, key_mask, rotary, past_key_values, shared_projection, position_ids)
+            return self.attention(x, attention_mask, position_embeddings, past_key_values, position_ids)
 
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(attend(self.attention_norm(hidden_states)))
@@ -434,12 +245,12 @@ class LinearAttentionPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.activation = nn.Tanh()
 
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if key_mask is None:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
             first = hidden_states[:, 0]
         else:  # argmax gives the first True; a row of padding only pools position 0
             rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
-            first = hidden_states[rows, key_mask.to(hidden_states.device).int().argmax(-1)]
+            first = hidden_states[rows, attention_mask.to(hidden_states.device).int().argmax(-1)]
         return self.activation(self.dense(first))
 
 

@@ -1,5 +1,8 @@
-"""Linformer models: the shared stack (base.py) with Linformer attention, bound to LinformerConfig.
+"""Linformer models (Wang et al. 2020): the shared stack (base.py, layers.py) with Linformer attention.
 
+Everything Linformer is here, top to bottom: the attention module with its E / F projections, the pretrained base
+(config, attention class, init of E / F), the base model (which owns E = F when ``sharing="layerwise"``), and the
+heads.
 BERT-style encoders: LinformerModel, LinformerForMaskedLM, LinformerForSequenceClassification,
 LinformerForTokenClassification, LinformerForQuestionAnswering, LinformerForMultipleChoice.
 GPT-2-style decoder (config.is_decoder=True): LinformerForCausalLM.
@@ -7,9 +10,14 @@ GPT-2-style decoder (config.is_decoder=True): LinformerForCausalLM.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from transformers import GenerationMixin
+from transformers import initialization as init
 
 from ..configuration.linformer import LinformerConfig
+from .attention import causal_linformer_attention, causal_linformer_step, linformer_attention
+from .attention.linformer import slot_first_writes
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
@@ -20,18 +28,148 @@ from .base import (
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
+from .cache import LinearAttentionCache
+from .layers import LinearAttention
+
+
+class LinformerAttention(LinearAttention):
+    """Linformer heads: E / F projections along the sequence, owned here, or read from the model that owns them
+    when they are shared across layers (``sharing="layerwise"``, see :meth:`use_shared_projection`)."""
+
+    kernel_name = "Linformer's E/F projections"
+
+    def __init__(self, config: LinformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        k = config.projected_length_for(layer_idx)
+        n = config.max_seq_length
+        self.window = n // k if config.projection != "learned" else None
+        self.e_proj = self.f_proj = None
+        if config.projection == "learned" and config.sharing != "layerwise":
+            shape = (self.num_global, k, n) if config.sharing == "per_head" else (k, n)
+            self.e_proj = nn.Parameter(torch.empty(shape))
+            if config.sharing != "key_value":
+                self.f_proj = nn.Parameter(torch.empty(shape))
+        elif config.projection == "conv":
+            d = self.head_dim
+            self.e_proj = nn.Parameter(torch.empty(d, d, self.window))
+            if config.sharing not in ("key_value", "layerwise"):
+                self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
+        self._projection_owner = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"{super().extra_repr()}, projected_length={c.projected_length_for(self.layer_idx)}, "
+            f"max_seq_length={c.max_seq_length}, sharing={c.sharing!r}, projection={c.projection!r}"
+        )
+
+    def use_shared_projection(self, owner: nn.Module) -> None:
+        """Read E (= F) from ``owner.shared_projection`` at every call. ``owner`` is kept as a plain reference,
+        outside the module tree, so the parameter is registered, saved and loaded once, under the owner's name;
+        read at the call, it is whatever tensor the owner holds then (after loading, sharding or a move)."""
+        object.__setattr__(self, "_projection_owner", owner)
+
+    def projections(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """E and F as the ops take them; F None means F = E, and both None is pooling (no parameters)."""
+        if self._projection_owner is not None:
+            return self._projection_owner.shared_projection, None
+        return self.e_proj, self.f_proj
+
+    def _slot_first_writes(self, e: torch.Tensor) -> torch.Tensor:
+        """slot_first_writes(E), recomputed only when E changes (decoding calls it once per token)."""
+        key = (e.data_ptr(), e._version)
+        if getattr(self, "_first_writes_key", None) != key:
+            self._first_writes_key, self._first_writes = key, slot_first_writes(e)
+        return self._first_writes
+
+    def global_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        e, f = self.projections()
+        if not self.causal:
+            return linformer_attention(
+                q,
+                k,
+                v,
+                e,
+                f,
+                method=self.config.projection,
+                window=self.window,
+                key_padding_mask=attention_mask,
+                dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
+            )
+        chunk_size = self.config.causal_chunk_size
+        if past_key_values is None:
+            return causal_linformer_attention(q, k, v, e, f, key_padding_mask=attention_mask, chunk_size=chunk_size)
+        state = past_key_values.get_state(self.layer_idx)
+        if q.shape[2] == 1 and state is not None:
+            out, state = causal_linformer_step(
+                q, k, v, e, f, state, position_ids[:, 0], first_writes=self._slot_first_writes(e)
+            )
+        else:  # a prefill, or a prompt fed in pieces, whose rows continue from their own positions
+            out, state = causal_linformer_attention(
+                q,
+                k,
+                v,
+                e,
+                f,
+                key_padding_mask=attention_mask,
+                chunk_size=chunk_size,
+                initial_state=state,
+                start=0 if state is None else position_ids[:, 0],
+                return_state=True,
+            )
+        past_key_values.set_state(self.layer_idx, state)
+        return out
 
 
 class LinformerPreTrainedModel(LinearAttentionPreTrainedModel):
-    """The base class of the Linformer models, bound to LinformerConfig. See LinearAttentionPreTrainedModel."""
+    """The base class of the Linformer models, bound to LinformerConfig and LinformerAttention. See
+    LinearAttentionPreTrainedModel."""
 
     config_class = LinformerConfig
     config: LinformerConfig
+    attention_class = LinformerAttention
+    # a Performer redraw counter, which checkpoints of the shared stack carried for both families: nothing to load
+    _keys_to_ignore_on_load_unexpected = [
+        *LinearAttentionPreTrainedModel._keys_to_ignore_on_load_unexpected,
+        r"feature_redraws$",
+    ]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, LinformerAttention):
+            for proj in (module.e_proj, module.f_proj):
+                if proj is None:
+                    continue
+                if module.config.projection == "conv":  # (d, d, window): fan-in scaling
+                    init.normal_(proj, mean=0.0, std=(proj.shape[1] * proj.shape[2]) ** -0.5)
+                else:  # learned E, F (.., k, n): std 1/sqrt(k), as in the reference implementation
+                    init.normal_(proj, mean=0.0, std=proj.shape[-2] ** -0.5)
+        if isinstance(module, LinformerModel) and module.shared_projection is not None:
+            init.normal_(module.shared_projection, mean=0.0, std=module.shared_projection.shape[0] ** -0.5)
 
 
 class LinformerModel(LinearAttentionModel, LinformerPreTrainedModel):
-    """The bare Linformer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). See
-    LinearAttentionModel."""
+    """The bare Linformer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). With
+    ``sharing="layerwise"`` (learned projections) it owns the one E = F of every layer, ``shared_projection``
+    (k, max_seq_length). See LinearAttentionModel."""
+
+    def __init__(self, config: LinformerConfig, add_pooling_layer: bool = True):
+        super().__init__(config, add_pooling_layer)
+        self.shared_projection = None
+        if config.sharing == "layerwise" and config.projection == "learned":
+            self.shared_projection = nn.Parameter(torch.empty(config.projected_length_for(0), config.max_seq_length))
+            for layer in self.layers:
+                layer.attention.use_shared_projection(self)
+        self.post_init()
 
 
 class LinformerForMaskedLM(LinearAttentionForMaskedLM, LinformerPreTrainedModel):

@@ -1,5 +1,7 @@
-"""Performer models: the shared stack (base.py) with Performer attention, bound to PerformerConfig.
+"""Performer models (Choromanski et al. 2021): the shared stack (base.py, layers.py) with FAVOR+ attention.
 
+Everything Performer is here, top to bottom: the attention module and its random features, the schedule that
+redraws them during training, the pretrained base (config, attention class, init), the base model, and the heads.
 BERT-style encoders: PerformerModel, PerformerForMaskedLM, PerformerForSequenceClassification,
 PerformerForTokenClassification, PerformerForQuestionAnswering, PerformerForMultipleChoice.
 GPT-2-style decoder (config.is_decoder=True): PerformerForCausalLM.
@@ -7,9 +9,14 @@ GPT-2-style decoder (config.is_decoder=True): PerformerForCausalLM.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from transformers import GenerationMixin
+from transformers import initialization as init
 
 from ..configuration.performer import PerformerConfig
+from .attention import draw_random_features, favor_attention, favor_step
+from .attention.seeds import mix_seed
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
@@ -20,18 +27,155 @@ from .base import (
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
 )
+from .cache import LinearAttentionCache
+from .layers import LinearAttention
+
+
+class PerformerAttention(LinearAttention):
+    """FAVOR+ heads. The random features are a persistent buffer (saved with the checkpoint, so a reload gives
+    the same outputs), drawn deterministically from (feature_seed, layer, draw index)."""
+
+    kernel_name = "FAVOR+ (Performer)"
+
+    def __init__(self, config: PerformerConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.draw_seed = mix_seed(config.feature_seed, layer_idx)  # this layer's stream of draws
+        self.register_buffer("random_features", self.draw_features(0), persistent=True)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
+            f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
+        )
+
+    def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
+        """Draw number ``draw_index`` of this layer's features, (num_random_features, head_dim)."""
+        return draw_random_features(
+            self.config.num_random_features,
+            self.head_dim,
+            seed=self.draw_seed,
+            step=draw_index,
+            orthogonal=self.config.orthogonal_features,
+            device=device,
+        )
+
+    def global_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        kwargs = {"kernel": self.config.kernel, "kernel_eps": self.config.kernel_eps}
+        if not self.causal:
+            return favor_attention(q, k, v, self.random_features, key_padding_mask=attention_mask, **kwargs)
+        if past_key_values is None:
+            return favor_attention(
+                q,
+                k,
+                v,
+                self.random_features,
+                causal=True,
+                key_padding_mask=attention_mask,
+                chunk_size=self.config.causal_chunk_size,
+                **kwargs,
+            )
+        state = past_key_values.get_state(self.layer_idx)
+        if q.shape[2] == 1 and state is not None:
+            out, state = favor_step(q, k, v, self.random_features, state, key_padding_mask=attention_mask, **kwargs)
+        else:  # a prefill, or a prompt fed in pieces
+            out, state = favor_attention(
+                q,
+                k,
+                v,
+                self.random_features,
+                causal=True,
+                key_padding_mask=attention_mask,
+                chunk_size=self.config.causal_chunk_size,
+                initial_state=state,
+                return_state=True,
+                **kwargs,
+            )
+        past_key_values.set_state(self.layer_idx, state)
+        return out
+
+
+def _redraw_step(
+    counter: torch.Tensor, features: list[torch.Tensor], seeds: list[int], interval: int, orthogonal: bool
+) -> None:
+    """One training forward of the redraw schedule: at every ``interval``-th forward after the first, set each
+    layer's features (m, head_dim) to draw number ``counter // interval``; then count this forward.
+
+    A custom op, so that torch.compile keeps it in the graph as one opaque call: read inside a compiled forward,
+    the counter would break the graph, and as a Python int it would recompile the graph at every step."""
+    seen = int(counter)
+    if seen and seen % interval == 0:
+        for buf, seed in zip(features, seeds):
+            draw = draw_random_features(*buf.shape, seed=seed, step=seen // interval, orthogonal=orthogonal)
+            buf.copy_(draw.to(device=buf.device, dtype=buf.dtype))
+    counter.add_(1)
+
+
+# registered once per process: a Hub remote-code copy of this module reuses the installed package's op
+if hasattr(torch.ops.linearformers, "redraw_schedule_step"):
+    _redraw_schedule_step = torch.ops.linearformers.redraw_schedule_step
+else:
+    _redraw_schedule_step = torch.library.custom_op(
+        "linearformers::redraw_schedule_step", mutates_args=("counter", "features")
+    )(_redraw_step)
+    _redraw_schedule_step.register_fake(lambda counter, features, seeds, interval, orthogonal: None)
 
 
 class PerformerPreTrainedModel(LinearAttentionPreTrainedModel):
-    """The base class of the Performer models, bound to PerformerConfig. See LinearAttentionPreTrainedModel."""
+    """The base class of the Performer models, bound to PerformerConfig and PerformerAttention. See
+    LinearAttentionPreTrainedModel."""
 
     config_class = PerformerConfig
     config: PerformerConfig
+    attention_class = PerformerAttention
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, PerformerAttention):
+            # deterministic: the same draw as in __init__, so init tests and reloads agree
+            init.copy_(module.random_features, module.draw_features(0, device=module.random_features.device))
+        if isinstance(module, PerformerModel):
+            init.zeros_(module.feature_redraws)
 
 
 class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
-    """The bare Performer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). See
+    """The bare Performer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). In
+    training it redraws every layer's features each ``config.feature_redraw_interval`` forwards. See
     LinearAttentionModel."""
+
+    def __init__(self, config: PerformerConfig, add_pooling_layer: bool = True):
+        super().__init__(config, add_pooling_layer)
+        # training forward passes seen, for the redraws; saved, so a resumed run redraws on the same schedule
+        self.register_buffer("feature_redraws", torch.zeros((), dtype=torch.long), persistent=True)
+        self.post_init()
+
+    def redraw_features(self, draw_index: int) -> None:
+        """Set every layer's random features to draw number ``draw_index`` (a pure function of the config's
+        feature_seed, the layer and the index: the same on every process)."""
+        for layer in self.layers:
+            buf = layer.attention.random_features
+            buf.copy_(layer.attention.draw_features(draw_index, device=buf.device).to(buf.dtype))
+
+    def _start_forward(self) -> None:
+        self._maybe_redraw()
+
+    def _maybe_redraw(self) -> None:
+        interval = self.config.feature_redraw_interval
+        if not (self.training and interval):
+            return
+        attentions = [layer.attention for layer in self.layers]
+        features = [attention.random_features for attention in attentions]
+        seeds = [attention.draw_seed for attention in attentions]
+        _redraw_schedule_step(self.feature_redraws, features, seeds, interval, self.config.orthogonal_features)
 
 
 class PerformerForMaskedLM(LinearAttentionForMaskedLM, PerformerPreTrainedModel):

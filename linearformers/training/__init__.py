@@ -3,7 +3,15 @@ modules, atomic checkpoints."""
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import check_block_size, load_raw_dataset, prepare_dataset
-from .loop import ModelDataArguments, build_model, default_tokenizer, evaluate_model, new_config, train
+from .loop import (
+    ModelDataArguments,
+    build_model,
+    default_tokenizer,
+    evaluate_model,
+    label_fields,
+    new_config,
+    train,
+)
 from .metrics import load_metric
 from .tokenizer import train_bpe_tokenizer
 
@@ -13,6 +21,7 @@ __all__ = [
     "check_block_size",
     "default_tokenizer",
     "evaluate_model",
+    "label_fields",
     "latest_checkpoint",
     "load_checkpoint",
     "load_metric",

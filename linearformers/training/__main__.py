@@ -12,6 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import HfArgumentParser, TrainingArguments
 
 from .loop import ModelDataArguments, train
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _raised_by_linearformers(error):  # a bug or a library's failure mid-run: keep its traceback
             raise
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except StrictDataclassFieldValidationError as error:  # a config field's value (--config_overrides) refused
+        print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except OSError as error:
         if error.errno != errno.ENOSPC:

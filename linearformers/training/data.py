@@ -191,17 +191,13 @@ def prepare_dataset(
 
 
 def check_block_size(config: PreTrainedConfig, block_size: int) -> None:
-    """Raise a ValueError naming the limit if the model cannot take blocks of ``block_size`` tokens."""
+    """Raise a ValueError naming the limit if the model cannot take blocks of ``block_size`` tokens (the config says
+    what its longest input is: ``config.sequence_limit()``)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    limits = []
-    if config.position_embedding_type == "absolute":
-        limits.append((config.max_position_embeddings, "max_position_embeddings"))
-    if getattr(config, "max_seq_length", None) is not None:
-        limits.append((config.max_seq_length, "max_seq_length"))
-    for limit, name in limits:
-        if block_size > limit:
-            raise ValueError(
-                f"block_size={block_size} is beyond what this model supports: {name}={limit}. "
-                f"Lower --block_size or build the model with a larger {name}."
-            )
+    limit = config.sequence_limit()
+    if limit is not None and block_size > limit[0]:
+        raise ValueError(
+            f"block_size={block_size} is beyond what this model supports: {limit[1]}={limit[0]}. "
+            f"Lower --block_size or build the model with a larger {limit[1]}."
+        )

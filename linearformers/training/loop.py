@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from accelerate import utils as accelerate_utils
 from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+from datasets import Dataset, DatasetDict
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -38,7 +40,9 @@ from transformers import (
 from transformers.integrations import get_available_reporting_integrations
 from transformers.utils import logging
 
-from .. import LinformerConfig, PerformerConfig
+from ..hub_cards import check_repo_id, push_to_hub
+from ..modeling.attention.seeds import mix_seed
+from ..modeling.registry import FAMILIES, get_family
 from .checkpoint import TOKENIZER_FOLDER, latest_checkpoint, load_checkpoint, load_run, save_checkpoint
 from .data import TASKS, check_block_size, load_raw_dataset, prepare_dataset
 from .metrics import load_metric
@@ -47,7 +51,6 @@ from .tokenizer import train_bpe_tokenizer
 
 logger = logging.get_logger(__name__)
 
-FAMILIES = {"performer": PerformerConfig, "linformer": LinformerConfig}
 AUTO_FOR_TASK = {
     "mlm": AutoModelForMaskedLM,
     "clm": AutoModelForCausalLM,
@@ -161,21 +164,33 @@ def parse_overrides(overrides: str | None, config_class: type[PreTrainedConfig])
     return fields
 
 
+def label_fields(labels: list[str] | None) -> dict:
+    """The config fields of a classifier of ``labels`` (class index i is ``labels[i]``); none without labels."""
+    if labels is None:
+        return {}
+    return {
+        "num_labels": len(labels),
+        "id2label": dict(enumerate(labels)),
+        "label2id": {name: i for i, name in enumerate(labels)},
+    }
+
+
 def new_config(
     family: str,
     task: str,
     tokenizer: PreTrainedTokenizerBase,
     block_size: int,
     overrides: str | None = None,
-    num_labels: int | None = None,
-) -> LinformerConfig | PerformerConfig:
-    """A config for a new model of ``family`` sized for ``tokenizer`` and ``block_size``.
+    labels: list[str] | None = None,
+) -> PreTrainedConfig:
+    """A config for a new model of ``family`` sized for ``tokenizer`` and ``block_size`` (and, for classification,
+    the class names ``labels``).
 
     ``overrides`` is a comma-separated list of config fields with JSON values, e.g.
-    ``hidden_size=256,num_hidden_layers=4,position_embedding_type="rotary"``.
+    ``hidden_size=256,num_hidden_layers=4,position_embedding_type="rotary"``. Fields neither set here nor overridden
+    take the config's own defaults (a Linformer's max_seq_length follows max_position_embeddings).
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    config_class = get_family(family).config_class
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
     fields = dict(
@@ -185,36 +200,22 @@ def new_config(
         max_position_embeddings=max(block_size, 512),
     )
     if family == "linformer":
-        fields["max_seq_length"] = fields["max_position_embeddings"]
         fields["projected_length"] = min(256, block_size)
-    fields.update(parse_overrides(overrides, FAMILIES[family]))
-    if num_labels is not None:
-        fields["num_labels"] = num_labels
-    return FAMILIES[family](**fields)
+    fields.update(parse_overrides(overrides, config_class))
+    fields.update(label_fields(labels))
+    return config_class(**fields)
 
 
 def build_model(
     args: ModelDataArguments, tokenizer: PreTrainedTokenizerBase, labels: list[str] | None
 ) -> PreTrainedModel:
+    """The model of ``args.task``: loaded from ``args.model_name_or_path``, else new (``new_config``); a classifier
+    gets the class names ``labels``."""
     auto = AUTO_FOR_TASK[args.task]
     if args.model_name_or_path:
-        extra = {}
-        if labels is not None:
-            extra = {"num_labels": len(labels), "id2label": dict(enumerate(labels))}
-            extra["label2id"] = {name: i for i, name in enumerate(labels)}
-        config = AutoConfig.from_pretrained(args.model_name_or_path, **extra)
+        config = AutoConfig.from_pretrained(args.model_name_or_path, **label_fields(labels))
         return auto.from_pretrained(args.model_name_or_path, config=config)
-    config = new_config(
-        args.family,
-        args.task,
-        tokenizer,
-        args.block_size,
-        args.config_overrides,
-        None if labels is None else len(labels),
-    )
-    if labels is not None:
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+    config = new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides, labels)
     return auto.from_config(config)
 
 
@@ -237,6 +238,11 @@ def mask_tokens(masker: DataCollatorForLanguageModeling, batch: dict, seed: int)
     return {**batch, "input_ids": input_ids.to(device), "labels": labels.to(device)}
 
 
+# the first part of every evaluation mask's seed, mix_seed(EVAL_MASKS, process, batch): a stream of its own, the same
+# in every evaluation, so evaluations compare
+EVAL_MASKS = 10_000_019
+
+
 @torch.no_grad()
 def evaluate_model(
     model: torch.nn.Module,
@@ -251,7 +257,7 @@ def evaluate_model(
     total, count, predictions, references = 0.0, 0, [], []
     for index, batch in enumerate(loader):
         if masker is not None:
-            batch = mask_tokens(masker, batch, seed=10_000_019 * (accelerator.process_index + 1) + index)
+            batch = mask_tokens(masker, batch, seed=mix_seed(EVAL_MASKS, accelerator.process_index, index))
         out = model(**batch)
         n = batch["input_ids"].shape[0]
         losses = accelerator.gather_for_metrics(out.loss.detach().float().repeat(n))
@@ -412,8 +418,6 @@ def check_arguments(args: ModelDataArguments, training_args: TrainingArguments) 
     if training_args.push_to_hub:
         if not training_args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id (e.g. your-name/performer-small)")
-        from ..hub_cards.export import check_repo_id
-
         check_repo_id(training_args.hub_model_id)  # before training, not after it
 
 
@@ -690,38 +694,153 @@ def _steps(value: float | None, total: int) -> int:
     return max(math.ceil(value * total), 1) if value < 1 else int(value)
 
 
+@dataclass
+class _Schedule:
+    """The run's optimizer steps, every how many of them it logs, evaluates and saves (0: never), and how many
+    checkpoints it keeps."""
+
+    max_steps: int
+    log_every: int
+    eval_every: int
+    save_every: int
+    keep: float
+
+    @classmethod
+    def of(cls, training_args: TrainingArguments, train_rows: int, num_processes: int) -> _Schedule:
+        max_steps = training_args.max_steps
+        if max_steps <= 0:  # Trainer's meaning: num_train_epochs of optimizer steps over the whole training set
+            batches = math.ceil(train_rows / (training_args.per_device_train_batch_size * num_processes))
+            steps_per_epoch = max(batches // training_args.gradient_accumulation_steps, 1)
+            max_steps = math.ceil(training_args.num_train_epochs * steps_per_epoch)
+
+        def every(strategy: str, value: float | None) -> int:
+            return _steps(value, max_steps) if _plain(getattr(training_args, strategy)) == "steps" else 0
+
+        return cls(
+            max_steps=max_steps,
+            log_every=every("logging_strategy", training_args.logging_steps),
+            eval_every=every("eval_strategy", training_args.eval_steps),
+            save_every=every("save_strategy", training_args.save_steps),
+            keep=training_args.save_total_limit or math.inf,
+        )
+
+
+@dataclass
+class _Training:
+    """What the steps of a run share once its model is built: the arguments, the prepared model, optimizer and
+    schedule, the data, and what every checkpoint saves with them (the run record and the tokenizer)."""
+
+    args: ModelDataArguments
+    training_args: TrainingArguments
+    accelerator: Accelerator
+    output: Path
+    tokenizer: PreTrainedTokenizerBase
+    run: dict
+    train_rows: Dataset
+    eval_loader: DataLoader
+    collator: Callable
+    masker: DataCollatorForLanguageModeling | None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    schedule: _Schedule
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output / "checkpoints"
+
+
 def _run(args: ModelDataArguments, training_args: TrainingArguments, accelerator: Accelerator, report_to) -> dict:
-    """The run itself, in a locked output_dir."""
+    """The run itself, in a locked output_dir: plan and check, build, resume, train, evaluate, save, push."""
     output = Path(training_args.output_dir)
-    checkpoints = output / "checkpoints"
     target = resume_target(training_args)
-    if target is None and checkpoints.is_dir() and any(checkpoints.iterdir()):  # before any data work
-        if not args.overwrite_output_dir:
-            raise ValueError(
-                f"{checkpoints} holds the checkpoints of an earlier run; pass --resume_from_checkpoint true to "
-                "continue it, --overwrite_output_dir true to start over (deleting them), or choose another output_dir"
-            )
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(checkpoints)
-        accelerator.wait_for_everyone()
-    seed = training_args.seed
-    set_seed(seed)
-    resume_from = _resume_folder(target, checkpoints)
+    _start_clean(args, accelerator, output / "checkpoints", target)  # before any data work
+    set_seed(training_args.seed)
+    resume_from = _resume_folder(target, output / "checkpoints")
+    tokenizer, raw, run = _plan(args, training_args, accelerator, output, resume_from)
+    job = _build(args, training_args, accelerator, output, tokenizer, raw, run)
+    if report_to:
+        hyperparameters = {
+            **asdict(args),
+            **{name: _plain(getattr(training_args, name)) for name in TRAINING_ARGUMENTS_READ},
+        }
+        accelerator.init_trackers(
+            training_args.run_name or "linearformers", config={k: str(v) for k, v in hyperparameters.items()}
+        )
+    progress = _resume(job, resume_from)
+    _train_steps(job, progress)
+    results = evaluate_model(job.model, job.eval_loader, accelerator, args.task, job.masker)
+    accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
+    model, summary = _save_final(job, progress, results)
+    if training_args.push_to_hub and accelerator.is_main_process:
+        _push(job, model, results)
+    accelerator.end_training()
+    return {
+        **summary,
+        "final_dir": str(output / "final"),
+        "results_file": str(output / "results.json"),
+        "model": model,
+        "auto_class": AUTO_FOR_TASK[args.task].__name__,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "rank": accelerator.process_index,
+    }
+
+
+def _start_clean(args: ModelDataArguments, accelerator: Accelerator, checkpoints: Path, target: str | None) -> None:
+    """A fresh run (no resume ``target``) into an output_dir holding an earlier run's checkpoints refuses to mix
+    with them, or with ``--overwrite_output_dir`` deletes them."""
+    if target is not None or not checkpoints.is_dir() or not any(checkpoints.iterdir()):
+        return
+    if not args.overwrite_output_dir:
+        raise ValueError(
+            f"{checkpoints} holds the checkpoints of an earlier run; pass --resume_from_checkpoint true to "
+            "continue it, --overwrite_output_dir true to start over (deleting them), or choose another output_dir"
+        )
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(checkpoints)
+    accelerator.wait_for_everyone()
+
+
+def _load_raw(args: ModelDataArguments, seed: int) -> DatasetDict:
     sample_by = "paragraph" if args.task == "clm" else "line"  # a causal LM's documents end with end-of-text
+    return load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=seed, sample_by=sample_by)
+
+
+def _plan(
+    args: ModelDataArguments,
+    training_args: TrainingArguments,
+    accelerator: Accelerator,
+    output: Path,
+    resume_from: Path | None,
+) -> tuple[PreTrainedTokenizerBase, DatasetDict | None, dict]:
+    """The tokenizer, the raw data where a new tokenizer was trained on it (else None), and the run record; the
+    block size is checked against the model, and a resume against its checkpoint, before any other data work."""
     raw = None
     if resume_from is None and args.task == "clm" and not args.tokenizer_name:  # the tokenizer is trained on it
-        raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=seed, sample_by=sample_by)
+        raw = _load_raw(args, training_args.seed)
     tokenizer = _load_tokenizer(args, accelerator, resume_from, raw, output)
-    # fail on a block size the model cannot take before any data work
     planned = AutoConfig.from_pretrained(args.model_name_or_path) if args.model_name_or_path else None
     planned = planned or new_config(args.family, args.task, tokenizer, args.block_size, args.config_overrides)
     check_block_size(planned, args.block_size)
     run = run_record(args, training_args, planned)
-    if resume_from is not None:  # before any data work too
+    if resume_from is not None:
         check_resume(resume_from, load_run(resume_from), run)
-    if raw is None:
-        raw = load_raw_dataset(args.train_file, args.validation_file, args.dataset_dir, seed=seed, sample_by=sample_by)
+    return tokenizer, raw, run
+
+
+def _build(
+    args: ModelDataArguments,
+    training_args: TrainingArguments,
+    accelerator: Accelerator,
+    output: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    raw: DatasetDict | None,
+    run: dict,
+) -> _Training:
+    """Tokenize the data, build the model, its optimizer and schedule, and prepare them with Accelerate."""
+    raw = _load_raw(args, training_args.seed) if raw is None else raw
     with accelerator.main_process_first():
         data, labels = prepare_dataset(raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column)
     model = build_model(args, tokenizer, labels)
@@ -734,18 +853,7 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, accelerator
     masker = None
     if args.task == "mlm":
         masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=args.mlm_probability)
-    batch_size = training_args.per_device_train_batch_size
-    max_steps = training_args.max_steps
-    if max_steps <= 0:  # Trainer's meaning: num_train_epochs of optimizer steps over the whole training set
-        batches = math.ceil(len(data["train"]) / (batch_size * accelerator.num_processes))
-        steps_per_epoch = max(batches // training_args.gradient_accumulation_steps, 1)
-        max_steps = math.ceil(training_args.num_train_epochs * steps_per_epoch)
-    eval_every = _steps(training_args.eval_steps, max_steps) if _plain(training_args.eval_strategy) == "steps" else 0
-    save_every = _steps(training_args.save_steps, max_steps) if _plain(training_args.save_strategy) == "steps" else 0
-    log_every = (
-        _steps(training_args.logging_steps, max_steps) if _plain(training_args.logging_strategy) == "steps" else 0
-    )
-    keep = training_args.save_total_limit or math.inf
+    schedule = _Schedule.of(training_args, len(data["train"]), accelerator.num_processes)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=training_args.learning_rate,
@@ -754,152 +862,183 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, accelerator
         eps=training_args.adam_epsilon,
         fused=_plain(training_args.optim) == "adamw_torch_fused" and accelerator.device.type == "cuda",
     )
-    scheduler = get_scheduler(
-        _plain(training_args.lr_scheduler_type), optimizer, training_args.get_warmup_steps(max_steps), max_steps
-    )
+    warmup = training_args.get_warmup_steps(schedule.max_steps)
+    scheduler = get_scheduler(_plain(training_args.lr_scheduler_type), optimizer, warmup, schedule.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    workers = training_args.dataloader_num_workers
     eval_loader = accelerator.prepare_data_loader(
         DataLoader(
             data["validation"],
             batch_size=training_args.per_device_eval_batch_size,
             collate_fn=collator,
-            num_workers=workers,
+            num_workers=training_args.dataloader_num_workers,
+            generator=torch.Generator().manual_seed(training_args.seed),
+        )
+    )
+    return _Training(
+        args=args,
+        training_args=training_args,
+        accelerator=accelerator,
+        output=output,
+        tokenizer=tokenizer,
+        run=run,
+        train_rows=data["train"],
+        eval_loader=eval_loader,
+        collator=collator,
+        masker=masker,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        schedule=schedule,
+    )
+
+
+def _resume(job: _Training, resume_from: Path | None) -> dict:
+    """The run's progress: at the start, or read from checkpoint ``resume_from`` with the model, optimizer,
+    schedule and random states (this run's optimizer arguments then replace the checkpoint's)."""
+    accelerator = job.accelerator
+    layout = {"per_device_batch_size": job.training_args.per_device_train_batch_size}
+    layout["num_processes"] = accelerator.num_processes
+    # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
+    progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
+    if resume_from is None:
+        return progress
+    loaded = load_checkpoint(accelerator, resume_from)
+    _apply_optimizer_arguments(job.optimizer, job.scheduler, job.training_args)
+    if "rows" not in loaded:  # a checkpoint that counts batches only: it had this layout's count
+        loaded["rows"] = loaded["batches"] * layout["per_device_batch_size"] * layout["num_processes"]
+    progress = {**progress, **loaded}
+    saved = progress["layout"]
+    if saved != layout:
+        logger.warning(
+            f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
+            "data position, but is no longer identical to an uninterrupted run"
+        )
+        progress["layout"] = layout
+    logger.info(f"resumed from {resume_from} at step {progress['step']}")
+    return progress
+
+
+def _epoch_loader(job: _Training, progress: dict) -> DataLoader | None:
+    """The batches left of the current epoch, or None when a resumed run's checkpoint fell on its last batch.
+
+    The order of an epoch is a function of (seed, epoch); a resumed run drops the rows its processes already
+    consumed (per-process batches are dealt round-robin, so each step of them covers processes * size rows).
+    """
+    seed = job.training_args.seed + progress["epoch"]
+    rows = job.train_rows.shuffle(seed=seed)
+    if progress["rows"] >= len(rows):
+        return None
+    if progress["rows"]:
+        rows = rows.select(range(progress["rows"], len(rows)))
+    return job.accelerator.prepare_data_loader(
+        DataLoader(
+            rows,
+            batch_size=job.training_args.per_device_train_batch_size,
+            collate_fn=job.collator,
+            num_workers=job.training_args.dataloader_num_workers,
+            # its own generator: starting an iterator draws a seed, which must not move the global RNG that masking
+            # and dropout use
             generator=torch.Generator().manual_seed(seed),
         )
     )
-    if report_to:
-        hyperparameters = {
-            **asdict(args),
-            **{name: _plain(getattr(training_args, name)) for name in TRAINING_ARGUMENTS_READ},
-        }
-        accelerator.init_trackers(
-            training_args.run_name or "linearformers", config={k: str(v) for k, v in hyperparameters.items()}
+
+
+def _train_batch(job: _Training, batch: dict, progress: dict) -> torch.Tensor:
+    """Forward and backward on one per-process batch, stepping the optimizer when gradients sync; returns the loss."""
+    accelerator, model, training_args = job.accelerator, job.model, job.training_args
+    if job.masker is not None:
+        seed = mix_seed(training_args.seed, progress["epoch"], progress["batches"], accelerator.process_index)
+        batch = mask_tokens(job.masker, batch, seed=seed)
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and training_args.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
+        job.optimizer.step()
+        if accelerator.sync_gradients:
+            job.scheduler.step()
+        job.optimizer.zero_grad()
+    progress["batches"] += 1
+    progress["rows"] += training_args.per_device_train_batch_size * accelerator.num_processes
+    return loss
+
+
+def _after_step(job: _Training, progress: dict, loss: torch.Tensor, logged: list[float]) -> None:
+    """Record an optimizer step's loss, then log, evaluate and save when the schedule says so."""
+    accelerator, schedule, step = job.accelerator, job.schedule, progress["step"]
+    mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+    progress["train_loss"].append(mean_loss)
+    logged.append(mean_loss)
+    if schedule.log_every and step % schedule.log_every == 0:
+        average = sum(logged) / len(logged)
+        accelerator.log({"train/loss": average, "train/lr": job.scheduler.get_last_lr()[0]}, step=step)
+        logged.clear()
+    if schedule.eval_every and step % schedule.eval_every == 0:
+        results = evaluate_model(job.model, job.eval_loader, accelerator, job.args.task, job.masker)
+        accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=step)
+    if schedule.save_every and step % schedule.save_every == 0:
+        save_checkpoint(
+            accelerator, job.checkpoints, progress, keep=schedule.keep, run=job.run, tokenizer=job.tokenizer
         )
 
-    layout = {"per_device_batch_size": batch_size, "num_processes": accelerator.num_processes}
-    # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
-    progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
-    if resume_from is not None:
-        loaded = load_checkpoint(accelerator, resume_from)
-        _apply_optimizer_arguments(optimizer, scheduler, training_args)
-        if "rows" not in loaded:  # a checkpoint from before rows were recorded: it had this layout's count
-            loaded["rows"] = loaded["batches"] * batch_size * accelerator.num_processes
-        progress = {**progress, **loaded}
-        saved = progress["layout"]
-        if saved != layout:
-            logger.warning(
-                f"resuming with {layout} instead of the checkpoint's {saved}: training continues from the same "
-                "data position, but is no longer identical to an uninterrupted run"
-            )
-            progress["layout"] = layout
-        logger.info(f"resumed from {resume_from} at step {progress['step']}")
 
+def _train_steps(job: _Training, progress: dict) -> None:
+    """Train from ``progress`` to the schedule's last step, epoch after epoch."""
+    max_steps = job.schedule.max_steps
     bar = tqdm(
         total=max_steps,
         initial=progress["step"],
-        disable=bool(training_args.disable_tqdm) or not accelerator.is_main_process,
+        disable=bool(job.training_args.disable_tqdm) or not job.accelerator.is_main_process,
     )
-    history, results, logged = progress["train_loss"], {}, []
-    model.train()
+    logged: list[float] = []  # step losses since the last log
+    job.model.train()
     while progress["step"] < max_steps:
-        # the order of an epoch is a function of (seed, epoch); a resumed run drops the rows its processes
-        # already consumed (per-process batches are dealt round-robin, so each step of them covers
-        # processes * size rows)
-        epoch_rows = data["train"].shuffle(seed=seed + progress["epoch"])
-        if progress["rows"] >= len(epoch_rows):  # the checkpoint fell on the epoch's last batch
-            progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
-            continue
-        if progress["rows"]:
-            epoch_rows = epoch_rows.select(range(progress["rows"], len(epoch_rows)))
-        loader = accelerator.prepare_data_loader(
-            DataLoader(
-                epoch_rows,
-                batch_size=batch_size,
-                collate_fn=collator,
-                num_workers=workers,
-                # its own generator: starting an iterator draws a seed, which must not move the global RNG
-                # that masking and dropout use
-                generator=torch.Generator().manual_seed(seed + progress["epoch"]),
-            )
-        )
-        for batch in loader:
-            if masker is not None:
-                mask_seed = seed
-                for part in (progress["epoch"], progress["batches"], accelerator.process_index):
-                    mask_seed = (mask_seed * 1_000_003 + part) % (2**62)
-                batch = mask_tokens(masker, batch, seed=mask_seed)
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and training_args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), training_args.max_grad_norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            progress["batches"] += 1
-            progress["rows"] += batch_size * accelerator.num_processes
-            if not accelerator.sync_gradients:
+        loader = _epoch_loader(job, progress)
+        for batch in loader or ():
+            loss = _train_batch(job, batch, progress)
+            if not job.accelerator.sync_gradients:
                 continue
             progress["step"] += 1
-            mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
-            history.append(mean_loss)
-            logged.append(mean_loss)
+            _after_step(job, progress, loss, logged)
             bar.update(1)
-            bar.set_postfix(loss=f"{mean_loss:.3f}")
-            if log_every and progress["step"] % log_every == 0:
-                accelerator.log(
-                    {"train/loss": sum(logged) / len(logged), "train/lr": scheduler.get_last_lr()[0]},
-                    step=progress["step"],
-                )
-                logged = []
-            if eval_every and progress["step"] % eval_every == 0:
-                results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
-                accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
-            if save_every and progress["step"] % save_every == 0:
-                save_checkpoint(accelerator, checkpoints, progress, keep=keep, run=run, tokenizer=tokenizer)
+            bar.set_postfix(loss=f"{progress['train_loss'][-1]:.3f}")
             if progress["step"] >= max_steps:
                 break
-        else:
+        if progress["step"] < max_steps:  # the epoch ran out
             progress.update(epoch=progress["epoch"] + 1, batches=0, rows=0)
     bar.close()
-    results = evaluate_model(model, eval_loader, accelerator, args.task, masker)
-    accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=progress["step"])
+
+
+def _save_final(job: _Training, progress: dict, results: dict) -> tuple[PreTrainedModel, dict]:
+    """Save the trained model and tokenizer to ``output_dir/final`` and the losses and results to results.json;
+    returns the model (unwrapped from Accelerate) and that summary."""
+    accelerator = job.accelerator
     accelerator.wait_for_everyone()
-    final = output / "final"
-    unwrapped = accelerator.unwrap_model(model)
+    final = job.output / "final"
+    model = accelerator.unwrap_model(job.model)
     # every rank takes part: under FSDP this gathers the full (unsharded) weights from the shards
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped.save_pretrained(
+    state_dict = accelerator.get_state_dict(job.model)
+    model.save_pretrained(
         final, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
-    summary = {"results": results, "train_loss": history, "steps": progress["step"]}
+    summary = {"results": results, "train_loss": progress["train_loss"], "steps": progress["step"]}
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(final)
-        (output / "results.json").write_text(json.dumps(summary, indent=2))
-        if training_args.push_to_hub:
-            from ..hub_cards import push_to_hub
+        job.tokenizer.save_pretrained(final)
+        (job.output / "results.json").write_text(json.dumps(summary, indent=2))
+    return model, summary
 
-            push_to_hub(
-                unwrapped,
-                tokenizer,
-                training_args.hub_model_id,
-                results=results,
-                private=bool(training_args.hub_private_repo),
-                training_args={
-                    **training_args.to_dict(),
-                    "world_size": accelerator.num_processes,  # the launch's, without TrainingArguments' device set-up
-                },
-            )
-    accelerator.end_training()
-    return {
-        **summary,
-        "final_dir": str(final),
-        "results_file": str(output / "results.json"),
-        "model": unwrapped,
-        "auto_class": AUTO_FOR_TASK[args.task].__name__,
-        "num_processes": accelerator.num_processes,
-        "distributed_type": str(accelerator.distributed_type),
-        "rank": accelerator.process_index,
-    }
+
+def _push(job: _Training, model: PreTrainedModel, results: dict) -> None:
+    """Upload the final model, tokenizer and model card to ``hub_model_id`` (from the main process)."""
+    training_args = job.training_args
+    push_to_hub(
+        model,
+        job.tokenizer,
+        training_args.hub_model_id,
+        results=results,
+        private=bool(training_args.hub_private_repo),
+        training_args={
+            **training_args.to_dict(),
+            "world_size": job.accelerator.num_processes,  # the launch's, without TrainingArguments' device set-up
+        },
+    )

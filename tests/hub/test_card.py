@@ -4,10 +4,12 @@ link to the source."""
 from importlib import metadata
 
 import transformers
+import yaml
 from transformers import AutoModelForMaskedLM, TrainingArguments
 
 from linearformers.hub_cards import render_model_card
 from linearformers.hub_cards.card import source_url
+from linearformers.modeling.registry import FAMILIES, HEADS
 from tests.conftest import tiny_config
 
 
@@ -59,3 +61,17 @@ def test_card_lists_framework_versions_and_links_the_source():
         assert f"- {name} {metadata.version(name)}" in versions
     assert source_url().startswith("https://") and source_url() in card
     assert "pip install ." not in card
+
+
+def test_every_family_and_head_of_the_registry_gets_its_card():
+    import linearformers
+
+    for family in FAMILIES.values():
+        for head in HEADS.values():
+            model = getattr(linearformers, family.class_name(head))(
+                tiny_config(family.name, is_decoder=head.suffix == "ForCausalLM")
+            )
+            card = str(render_model_card(model))
+            meta = yaml.safe_load(card.split("---")[1])
+            assert meta["pipeline_tag"] == head.pipeline_tag
+            assert family.description in card and f"{head.auto_class}.from_pretrained" in card

@@ -48,21 +48,22 @@ def test_cached_greedy_equals_recomputed_greedy_for_64_tokens(family, variant):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_uses_the_chunked_kernel_and_steps_use_the_recurrent_one(family, monkeypatch):
-    import linearformers.modeling.layers as layers
+    import linearformers.modeling.linformer as linformer
+    import linearformers.modeling.performer as performer
 
     calls = {"prefill": 0, "step": 0}
     if family == "performer":
-        names = ("favor_attention", "favor_step")
+        module, names = performer, ("favor_attention", "favor_step")
     else:
-        names = ("causal_linformer_attention", "causal_linformer_step")
+        module, names = linformer, ("causal_linformer_attention", "causal_linformer_step")
     for kind, name in zip(("prefill", "step"), names):
-        original = getattr(layers, name)
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _kind=kind, **kwargs):
             calls[_kind] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(layers, name, counted)
+        monkeypatch.setattr(module, name, counted)
     model = _lm(family)
     model.generate(torch.randint(1, 99, (1, 10)), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     layers_count = model.config.num_hidden_layers

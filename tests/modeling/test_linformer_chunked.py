@@ -92,6 +92,53 @@ def test_continuing_from_a_state_equals_one_pass_and_the_step():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_continuing_from_different_positions_equal_each_row_continued_alone():
+    """After a left-padded prefill the rows have seen different numbers of real tokens: a per-row ``start``
+    continues each row from its own position, as that row alone would continue with an int start."""
+    q, k, v, e, f = (t.detach() for t in _inputs(n=20, late=9))
+    starts = (10, 6)
+    with torch.no_grad():
+        alone, states = [], []
+        for row, start in enumerate(starts):
+            head = (t[row : row + 1, :, :start] for t in (q, k, v))
+            _, state = causal_linformer_attention(*head, e, f, chunk_size=4, return_state=True)
+            tail = (t[row : row + 1, :, start : start + 7] for t in (q, k, v))
+            alone.append(causal_linformer_attention(*tail, e, f, chunk_size=4, initial_state=state, start=start))
+            states.append(state)
+        state = tuple(torch.cat(parts) for parts in zip(*states))
+        new = [torch.stack([t[row, :, start : start + 7] for row, start in enumerate(starts)]) for t in (q, k, v)]
+        out, _ = causal_linformer_attention(
+            *new, e, f, initial_state=state, start=torch.tensor(starts), return_state=True
+        )
+        mask = torch.ones(2, 7, dtype=torch.bool)  # all real: a continuation accepts the model's all-True mask
+        same = causal_linformer_attention(
+            *new, e, f, key_padding_mask=mask, initial_state=state, start=torch.tensor(starts)
+        )
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    assert torch.equal(same, out)
+
+
+def test_one_start_for_every_row_is_the_int_start():
+    q, k, v, e, f = (t.detach() for t in _inputs(n=16, late=9))
+    with torch.no_grad():
+        _, state = causal_linformer_attention(*(t[:, :, :9] for t in (q, k, v)), e, f, return_state=True)
+        tail = [t[:, :, 9:] for t in (q, k, v)]
+        by_int = causal_linformer_attention(*tail, e, f, chunk_size=4, initial_state=state, start=9)
+        by_row = causal_linformer_attention(*tail, e, f, chunk_size=4, initial_state=state, start=torch.tensor([9, 9]))
+    assert torch.equal(by_row, by_int)
+
+
+def test_padding_in_a_continuation_and_a_misshapen_start_raise():
+    q, k, v, e, f = (t.detach() for t in _inputs(n=12))
+    state = tuple(torch.zeros(2, 3, 6, 8) for _ in range(2))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 5] = False
+    with pytest.raises(ValueError, match="padding belongs in the first"):
+        causal_linformer_attention(q, k, v, e, f, key_padding_mask=mask, initial_state=state, start=4)
+    with pytest.raises(ValueError, match=r"start must be an int or a \(batch,\) = \(2,\) integer tensor"):
+        causal_linformer_attention(q, k, v, e, f, initial_state=state, start=torch.tensor([4, 4, 4]))
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padding_changes_nothing_for_real_tokens_gradients_included(side):
     q, k, v, e, f = _inputs(b=1, n=13, late=6)

@@ -19,5 +19,5 @@ def test_inputs_longer_than_max_seq_length_are_refused_by_every_projection(proje
     )
     model = AutoModel.from_config(cfg).eval()
     assert model(torch.randint(1, 99, (1, 16))).last_hidden_state.shape == (1, 16, 32)  # n = max_seq_length runs
-    with pytest.raises(ValueError, match=r"sequence length 17 exceeds the Linformer's max_seq_length=16"):
+    with pytest.raises(ValueError, match=r"17 tokens exceeds max_seq_length=16"):
         model(torch.randint(1, 99, (1, 17)))

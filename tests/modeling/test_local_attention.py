@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from linearformers.modeling.attention import local_attention, local_attention_step, softmax_attention
+from linearformers.modeling.attention.local import causal_local_attention
 from linearformers.modeling.attention.reference import local_reference
 
 
@@ -49,6 +50,35 @@ def test_decoding_step_matches_the_causal_pass():
         lo = max(0, t - 3)
         step = local_attention_step(q[:, :, t : t + 1], k[:, :, lo : t + 1], v[:, :, lo : t + 1], 4, relative_bias=bias)
         torch.testing.assert_close(step, full[:, :, t : t + 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("new", [1, 2, 9], ids=["step", "piece-shorter-than-the-window", "piece-longer"])
+@pytest.mark.parametrize("before", [2, 11], ids=["window-not-full", "window-full"])
+def test_continuing_from_the_kept_window_equals_the_causal_pass(new, before):
+    """What a decoder keeps (the last window - 1 keys and values, with zeros marked invalid where fewer came
+    before) and the new tokens give the rows of one causal pass over everything."""
+    window = 5
+    q, k, v = _qkv(n=before + new)
+    bias = torch.randn(3, window)
+    full = local_attention(q, k, v, window, causal=True, relative_bias=bias)
+    kept = max(0, before - (window - 1))
+    empty = window - 1 - (before - kept)
+    past_k, past_v = (torch.nn.functional.pad(x[:, :, kept:before], (0, 0, empty, 0)) for x in (k, v))
+    past_valid = torch.arange(window - 1).expand(2, -1) >= empty
+    rows = slice(before, before + new)
+    out = causal_local_attention(
+        q[:, :, rows], k[:, :, rows], v[:, :, rows], window, past=(past_k, past_v, past_valid), relative_bias=bias
+    )
+    torch.testing.assert_close(out, full[:, :, rows], rtol=1e-5, atol=1e-5)
+    first = causal_local_attention(q[:, :, :before], k[:, :, :before], v[:, :, :before], window, relative_bias=bias)
+    torch.testing.assert_close(first, full[:, :, :before], rtol=0, atol=0)  # no past: the plain causal pass
+
+
+def test_a_past_longer_than_the_window_reads_raises():
+    q, k, v = _qkv(n=1)
+    past = (torch.zeros(2, 3, 4, 16), torch.zeros(2, 3, 4, 16), torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="reads at most 3 earlier ones"):
+        causal_local_attention(q, k, v, 4, past=past)
 
 
 @pytest.mark.parametrize("causal", [False, True])

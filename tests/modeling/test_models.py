@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -194,7 +196,9 @@ def test_too_long_inputs_raise_an_error_naming_the_limit(family):
     model = AutoModel.from_config(
         tiny_config(family, max_position_embeddings=32, **({"projected_length": 8} if family == "linformer" else {}))
     )
-    with pytest.raises(ValueError, match="max_position_embeddings=32"):
+    # the Linformer's limit is max_seq_length, which defaults to max_position_embeddings
+    limit = "max_seq_length=32" if family == "linformer" else "max_position_embeddings=32"
+    with pytest.raises(ValueError, match=limit):
         model(torch.randint(1, 99, (1, 40)))
 
 
@@ -246,6 +250,63 @@ def test_layerwise_sharing_uses_the_per_layer_k():
     model = AutoModel.from_config(cfg)
     assert model.shared_projection.shape == (8, 64)
     assert model(torch.randint(1, 99, (1, 10))).last_hidden_state.shape == (1, 10, 32)
+
+
+def test_the_layerwise_projection_is_one_parameter_that_every_layer_reads(tmp_path):
+    cfg = tiny_config("linformer", sharing="layerwise", projected_length=8)
+    model = lf.LinformerModel(cfg).eval()
+    assert [k for k in model.state_dict() if "_proj" in k and ("e_proj" in k or "f_proj" in k or "shared" in k)] == [
+        "shared_projection"
+    ]
+    ids = torch.randint(1, 99, (1, 10))
+    with torch.no_grad():
+        before = model(ids).last_hidden_state
+        model.shared_projection.mul_(2.0)  # read at the call by every layer: the outputs move
+        assert not torch.allclose(model(ids).last_hidden_state, before)
+    model.save_pretrained(tmp_path)
+    for again in (lf.LinformerModel.from_pretrained(tmp_path).eval(), copy.deepcopy(model)):
+        for layer in again.layers:  # a loaded or copied model's layers read its own parameter
+            assert layer.attention.projections()[0] is again.shared_projection
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids).last_hidden_state, model(ids).last_hidden_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("auto", [AutoModel, AutoModelForCausalLM], ids=lambda a: a.__name__)
+def test_only_the_performer_keeps_a_redraw_counter(auto):
+    decoder = auto is AutoModelForCausalLM
+    prefix = "model." if decoder else ""
+    linformer = auto.from_config(tiny_config("linformer", is_decoder=decoder))
+    performer = auto.from_config(tiny_config("performer", is_decoder=decoder))
+    assert not [key for key in linformer.state_dict() if "feature_redraws" in key]
+    assert [key for key in performer.state_dict() if "feature_redraws" in key] == [prefix + "feature_redraws"]
+
+
+def test_the_shared_stack_has_no_family_branch():
+    """base.py and layers.py name no family: no family attention class, no model_type dispatch, no family config
+    field. Each family binds its attention class on its PreTrainedModel and keeps the rest in its own file."""
+    import dataclasses
+    import inspect
+    import re
+
+    from linearformers.configuration.common import LinearAttentionConfig
+    from linearformers.modeling import base, cache, layers
+
+    shared = {field.name for field in dataclasses.fields(LinearAttentionConfig)}
+    family_fields = {
+        field.name for cls in (lf.LinformerConfig, lf.PerformerConfig) for field in dataclasses.fields(cls)
+    } - shared
+    assert {"sharing", "projection", "feature_redraw_interval", "num_random_features"} <= family_fields
+    for module in (base, layers):
+        source = inspect.getsource(module)
+        for name in ("PerformerAttention", "LinformerAttention", "build_attention", "model_type ==", "redraw"):
+            assert name not in source, (module.__name__, name)
+        for field in sorted(family_fields):
+            pattern = rf"\.{field}\b|[\"']{field}[\"']"
+            assert not re.search(pattern, source), (module.__name__, field)
+    assert lf.PerformerPreTrainedModel.attention_class.__name__ == "PerformerAttention"
+    assert lf.LinformerPreTrainedModel.attention_class.__name__ == "LinformerAttention"
+    # the cache stores: it computes no attention
+    assert "from .attention" not in inspect.getsource(cache)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -79,6 +79,14 @@ def test_main_returns_the_exit_status(text_file, tmp_path, capsys):
     assert "linearformers-train: error: train file '/nope.txt' does not exist" in capsys.readouterr().err
 
 
+def test_a_config_override_of_the_wrong_type_exits_2_naming_the_field(text_file, tmp_path, capsys):
+    cli = ["--task", "mlm", "--output_dir", str(tmp_path), "--train_file", text_file, "--use_cpu", "true"]
+    assert main([*cli, "--config_overrides", "hidden_size=12a"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("linearformers-train: error: Validation error for field 'hidden_size'")
+    assert "expected int, got str (value: '12a')" in error and len(error.splitlines()) == 1
+
+
 def test_report_to_accepts_installed_trackers_and_names_the_package_of_a_missing_one(monkeypatch):
     from accelerate import utils
 

@@ -452,6 +452,8 @@ def test_a_malformed_hub_model_id_is_refused_before_training(tmp_path, text_file
 
 
 def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_value():
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+
     from linearformers import LinformerConfig
     from linearformers.training.loop import parse_overrides
 
@@ -465,8 +467,45 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
     }
     with pytest.raises(ValueError, match="'hidden_size' is not of the form field=value"):
         parse_overrides("hidden_size", LinformerConfig)
-    with pytest.raises(TypeError, match="hidden_size must be int, got str '12a'"):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hidden_size'") as raised:
         LinformerConfig(**parse_overrides("hidden_size=12a", LinformerConfig))
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert "expected int, got str (value: '12a')" in str(raised.value)
+
+
+def test_a_max_position_embeddings_override_moves_max_seq_length_as_the_config_does(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from linearformers import LinformerConfig
+    from linearformers.training import new_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = new_config("linformer", "mlm", tokenizer, 128, "max_position_embeddings=2048")
+    assert config.max_seq_length == LinformerConfig(max_position_embeddings=2048).max_seq_length == 2048
+    assert new_config("linformer", "mlm", tokenizer, 1024).max_seq_length == 1024  # max(block_size, 512)
+    assert new_config("linformer", "mlm", tokenizer, 128, "max_seq_length=256").max_seq_length == 256
+
+
+def test_a_new_classifier_config_carries_the_labels_of_the_data(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from linearformers.training import label_fields, new_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = new_config("performer", "classification", tokenizer, 64, labels=["neg", "pos"])
+    assert (config.num_labels, config.id2label, config.label2id) == (2, {0: "neg", 1: "pos"}, {"neg": 0, "pos": 1})
+    assert label_fields(None) == {}
+
+
+def test_mlm_mask_seeds_are_mixed_from_the_position_in_training():
+    """Training masks: mix_seed(seed, epoch, batch, process); evaluation masks: a stream of their own."""
+    from linearformers.modeling.attention.seeds import mix_seed
+    from linearformers.training.loop import EVAL_MASKS
+
+    seeds = {mix_seed(42, epoch, batch, process) for epoch in range(3) for batch in range(50) for process in range(4)}
+    assert len(seeds) == 3 * 50 * 4
+    evaluation = {mix_seed(EVAL_MASKS, process, batch) for process in range(4) for batch in range(50)}
+    assert len(evaluation) == 4 * 50 and not evaluation & seeds
 
 
 def test_resuming_from_a_checkpoint_of_another_config_names_the_checkpoint(tmp_path, text_file):

@@ -14,7 +14,7 @@ from .linformer import (
     linformer_attention,
     uncompact,
 )
-from .local import local_attention, local_attention_step, num_relative_positions
+from .local import causal_local_attention, local_attention, local_attention_step, num_relative_positions
 from .softmax import softmax_attention
 
 FAVOR_BACKENDS = BACKENDS  # the name earlier releases exported
@@ -33,6 +33,7 @@ __all__ = [
     "ReluFeatures",
     "causal_linformer_attention",
     "causal_linformer_step",
+    "causal_local_attention",
     "compact",
     "draw_random_features",
     "favor_attention",

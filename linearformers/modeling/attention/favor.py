@@ -39,6 +39,7 @@ from ._precision import outside_autocast
 from .backends import NATIVE_CHUNK, choose_backend
 from .feature_maps import KERNELS, favor_exponents, random_features
 from .reference import favor_reference
+from .seeds import mix_seed
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 
@@ -69,7 +70,7 @@ def draw_random_features(
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     generator = torch.Generator(device="cpu")
-    generator.manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+    generator.manual_seed(mix_seed(int(seed), int(step)))
     if not orthogonal:
         w = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
     else:

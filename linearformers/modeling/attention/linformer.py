@@ -259,7 +259,7 @@ def causal_linformer_attention(
     scale: float | None = None,
     chunk_size: int = 128,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    start: int = 0,
+    start: int | torch.Tensor = 0,
     return_state: bool = False,
     backend: str | None = None,
     prefill_block: int | None = None,
@@ -284,11 +284,15 @@ def causal_linformer_attention(
         q, k, v: (batch, heads, n, head_dim), v's head_dim equal to q's.
         e_proj, f_proj: learned projections (k, n_max) or (heads, k, n_max); ``f_proj=None`` shares E.
         key_padding_mask: (batch, n). Sequences are compacted (real tokens first) and outputs put back;
-            outputs at padded positions are zero.
+            outputs at padded positions are zero. Padding belongs to a prefill from position 0: with an
+            ``initial_state`` or a ``start``, the mask must be None or all True.
         scale: logit scale, head_dim ** -0.5 when None.
         chunk_size: positions per chunk C of the chunked backend, a positive int: a speed / memory trade-off
             that does not change the result beyond rounding.
-        initial_state, start: continue from a state returned for positions [0, start).
+        initial_state, start: continue from a state returned for positions [0, start). ``start`` is an int, or a
+            (batch,) tensor when the rows continue from different positions (after a left-padded prefill, each
+            row counts its own real tokens): rows at one position take the chunked form from there, rows at
+            different positions one exact :func:`causal_linformer_step` per token.
         return_state: also return the state (K̃, Ṽ) after the last position.
         backend: None (choose, see :func:`_choose_causal_backend`: today always "chunked"), "chunked" (the
             chunked prefix sums above; without gradients a prompt longer than ``prefill_block`` is walked in
@@ -309,13 +313,27 @@ def causal_linformer_attention(
     if e_proj is None:
         raise ValueError("causal Linformer needs a learned projection e_proj")
     f_proj = e_proj if f_proj is None else f_proj
+    starts = None  # per-row starts, kept only when the rows differ
+    if isinstance(start, torch.Tensor):
+        if start.shape != (b,) or start.is_floating_point() or start.dtype == torch.bool:
+            raise ValueError(
+                f"start must be an int or a (batch,) = ({b},) integer tensor, got {start.dtype} {tuple(start.shape)}"
+            )
+        low, high = torch.stack(torch.aminmax(start)).tolist()  # one host sync
+        starts, start = (None, low) if low == high else (start.to(q.device).long(), high)
     _check_learned(e_proj, "e_proj", h, start + n)
     _check_learned(f_proj, "f_proj", h, start + n)
     _check_size("chunk_size", chunk_size)
     prefill_block = _PREFILL_ROWS if prefill_block is None else _check_size("prefill_block", prefill_block)
     mask = check_mask(key_padding_mask, b, n)
     if mask is not None and (initial_state is not None or start):
-        raise ValueError("key_padding_mask applies to a prefill from position 0, not to a continued state")
+        if not bool(mask.all()):
+            raise ValueError(
+                "key_padding_mask marks padding among tokens that continue a state (initial_state or start): "
+                "padding belongs in the first (prefill) call, from position 0; continue with real tokens only "
+                "(for a model: call without past_key_values to recompute the prefix with its padding)"
+            )
+        mask = None  # all real: nothing to compact
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, e_proj, f_proj))
     chosen, block = _choose_causal_backend(
         backend,
@@ -330,6 +348,10 @@ def causal_linformer_attention(
         dtype = _reference_dtype(q.dtype)
         q_, k_, v_, e_, f_ = (t.to(dtype) for t in (q, k, v, e_proj, f_proj))
         return causal_linformer_reference(q_, k_, v_, e_, f_, key_padding_mask=mask, scale=scale).to(q.dtype)
+    if starts is not None:
+        out, state = _causal_linformer_ragged(q, k, v, e_proj, f_proj, scale, initial_state, starts)
+        out = out.to(q.dtype)
+        return (out, state) if return_state else out
     if mask is not None:
         q, k, v = compact(q, mask), compact(k, mask), compact(v, mask)
     if block >= n:
@@ -386,6 +408,28 @@ def _choose_causal_backend(
                 )
         return "reference", n
     return "chunked", (n if needs_grad or n <= prefill_block else prefill_block)
+
+
+def _causal_linformer_ragged(q, k, v, e_proj, f_proj, scale, initial_state, starts):
+    """Rows that continue from different positions ``starts`` (batch,): one exact step per token, since the
+    chunked form writes every row's token t into the same column of E and F."""
+    first = slot_first_writes(e_proj)
+    outs, state = [], initial_state
+    for t in range(q.shape[2]):
+        rows = slice(t, t + 1)
+        out, state = causal_linformer_step(
+            q[:, :, rows],
+            k[:, :, rows],
+            v[:, :, rows],
+            e_proj,
+            f_proj,
+            state,
+            starts + t,
+            scale=scale,
+            first_writes=first,
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=2), state
 
 
 def _as_heads(proj: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ Tensors are (batch, heads, length, head_dim). A window of w tokens means:
   * bidirectional: query i sees keys j with |i - j| <= w // 2.
 Computed by blocks of B = max(w - 1, 1) (causal) or max(w // 2, 1) (bidirectional) queries, B being the
 farthest visible distance, each reading its own block and the neighbouring ones: O(n w d) time and O(n w)
-memory.
+memory. A decoder keeps the last w - 1 keys and values and calls :func:`causal_local_attention` with them: a
+step then reads at most w keys (:func:`local_attention_step`), whatever the context length.
 """
 
 from __future__ import annotations
@@ -112,3 +113,60 @@ def local_attention_step(
         logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
     return torch.matmul(probs, v_window.float()).to(v_window.dtype)
+
+
+def causal_local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    *,
+    past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    relative_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal local attention of new tokens, which may continue earlier tokens whose last keys were kept (decoding).
+
+    Args:
+        q, k, v: (batch, heads, n, head_dim), the new tokens.
+        window: tokens each query sees, itself included (see :func:`local_attention`).
+        past: the tokens just before these, or None when q starts the sequence: keys and values
+            (batch, heads, p, head_dim) and their validity (batch, p) bool, with p <= window - 1 (False marks
+            padding, and the empty places of a window not yet full).
+        key_padding_mask: (batch, n), True / 1 for the new real tokens; None: all real.
+        relative_bias, scale: as in :func:`local_attention`.
+    Returns: (batch, heads, n, head_dim) in v's dtype.
+
+    Without ``past`` this is :func:`local_attention` with ``causal=True``. With it, one new token is a decoding
+    step (:func:`local_attention_step` over the past and itself); several (a prompt fed in pieces) take the window
+    attention over the past followed by them, and keep their own rows.
+    """
+    if past is None:
+        return local_attention(
+            q, k, v, window, causal=True, key_padding_mask=key_padding_mask, relative_bias=relative_bias, scale=scale
+        )
+    past_k, past_v, past_valid = past
+    check_qkv(q, k, v, same_length=True)
+    check_qkv(q, past_k, past_v)
+    b, h, n, d = q.shape
+    p = past_k.shape[2]
+    if p > window - 1:
+        raise ValueError(f"past holds {p} tokens, but a window of {window} reads at most {window - 1} earlier ones")
+    if not isinstance(past_valid, torch.Tensor) or tuple(past_valid.shape) != (b, p):
+        got = tuple(past_valid.shape) if isinstance(past_valid, torch.Tensor) else type(past_valid).__name__
+        raise ValueError(f"past's validity must be a (batch, p) = ({b}, {p}) bool tensor, got {got}")
+    valid = check_mask(key_padding_mask, b, n)
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if valid is None else valid
+    keys = torch.cat([past_k, k], dim=2)
+    values = torch.cat([past_v, v], dim=2)
+    mask = torch.cat([past_valid.bool(), valid], dim=1)
+    if n == 1:
+        return local_attention_step(
+            q, keys, values, window, key_padding_mask=mask, relative_bias=relative_bias, scale=scale
+        )
+    queries = torch.cat([q.new_zeros(b, h, keys.shape[2] - n, d), q], dim=2)  # rows for the past, dropped below
+    out = local_attention(
+        queries, keys, values, window, causal=True, key_padding_mask=mask, relative_bias=relative_bias, scale=scale
+    )
+    return out[:, :, -n:]
