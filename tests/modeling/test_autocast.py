@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from linearformers.modeling.attention import (
     _favor_autograd,
-    _native,
     causal_linformer_attention,
     causal_linformer_step,
     draw_random_features,
@@ -21,6 +20,7 @@ from linearformers.modeling.attention import (
     linformer_attention,
     local_attention,
     local_attention_step,
+    native_available,
     native_walk_enabled,
     set_native_walk,
 )
@@ -29,7 +29,7 @@ from tests.conftest import tiny_config
 DTYPES = [torch.bfloat16, torch.float16]
 # a few roundings of the output / gradient dtype; float32 inputs (under autocast too) see float32 work only
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
-NO_NATIVE = pytest.mark.skipif(not _native.available(), reason="the native kernel is unavailable here")
+NO_NATIVE = pytest.mark.skipif(not native_available(), reason="the native kernel is unavailable here")
 WALKS = [pytest.param(True, id="native", marks=NO_NATIVE), pytest.param(False, id="chunked")]
 
 

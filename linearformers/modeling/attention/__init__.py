@@ -1,5 +1,6 @@
 """Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch."""
 
+from ._native import available as native_available
 from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_walk_enabled, set_native_walk
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
 from .feature_maps import KERNELS, FavorPositive, FeatureMap, ReluFeatures, favor_positive, relu_features
@@ -45,6 +46,7 @@ __all__ = [
     "linformer_attention",
     "local_attention",
     "local_attention_step",
+    "native_available",
     "native_walk_enabled",
     "num_relative_positions",
     "relu_features",

@@ -6,7 +6,7 @@ outputs, masks), four to eight times the size of q. Here forward saves only q, k
 denominator and a few states (the bidirectional sums, or the native walk's state at each block start); backward
 recomputes phi(q) and phi(k) block by block. The denominator rides along as an extra column of v ([v, 1]), so
 numerator and denominator come out of the same matmul. Blocks are worked in buffers allocated once per call: a
-fresh allocation per block costs page faults that show up as ~10% of the time.
+fresh allocation per block would cost page faults on every block.
 
 Gradients, with out = N / D, N = phi(Q) (phi(K)ᵀ V), D = phi(Q) (phi(K)ᵀ 1), g = dL/dout:
     g_aug = [g / D, -(g · out) / D]                         (n x (d + 1))
@@ -132,7 +132,7 @@ def _rescale(before, after):
 class _RunningMax:
     """The bidirectional walk's key offset: the largest key exponent seen so far per (batch, head), over real
     keys, in log2 units. Every key feature is exp(-|w - x'|² / 2) <= 1, and keys of large norm (|k| scale^½
-    beyond ~17) drive all of them below float32's range; a constant per (batch, head) cancels in N / D, so
+    beyond ~15) drive all of them below float32's range; a constant per (batch, head) cancels in N / D, so
     the exponents are taken relative to the running maximum and the sums kept so far are rescaled when it
     grows (as flash attention does for softmax). Backward recomputes the features with the final offset."""
 

@@ -15,17 +15,17 @@ from linearformers.modeling.attention import (
     FeatureMap,
     ReluFeatures,
     _linear_native,
-    _native,
     draw_random_features,
     favor_attention,
     linear_attention,
     linear_step,
+    native_available,
     native_walk_enabled,
     set_native_walk,
 )
 
 B, H, N, D, M = 2, 2, 37, 16, 32  # n = 37: not a multiple of any chunk used here
-NATIVE = _native.available()
+NATIVE = native_available()
 needs_native = pytest.mark.skipif(
     not NATIVE, reason="the native walk needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
 )

@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from linearformers.modeling.attention import _favor_autograd, _native, draw_random_features, favor_attention
+from linearformers.modeling.attention import (
+    _favor_autograd,
+    _native,
+    draw_random_features,
+    favor_attention,
+    native_available,
+)
 from linearformers.modeling.attention import favor as favor_module
 
 pytestmark = pytest.mark.skipif(
-    not _native.available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
+    not native_available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
 )
 
 
@@ -118,7 +124,7 @@ def _probe(tmp_path, **env):
     """available() and a causal call in a fresh process with the given environment."""
     code = (
         "import torch, logging; logging.basicConfig()\n"
-        "from linearformers.modeling.attention import _native, favor_attention, draw_random_features\n"
+        "from linearformers.modeling.attention import _native, native_available, favor_attention, draw_random_features\n"
         "q = torch.randn(1, 2, 40, 16)\n"
         "out = favor_attention(q, q, q, draw_random_features(32, 16, seed=0), causal=True)\n"
         "print('available', _native.available(), bool(torch.isfinite(out).all()))\n"

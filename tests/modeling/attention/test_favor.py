@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from linearformers.modeling.attention import (
-    _native,
     draw_random_features,
     favor_attention,
     favor_features,
     favor_step,
+    native_available,
     softmax_attention,
 )
 from linearformers.modeling.attention.reference import favor_reference
 
-NO_NATIVE = pytest.mark.skipif(not _native.available(), reason="the native kernel is unavailable here")
+NO_NATIVE = pytest.mark.skipif(not native_available(), reason="the native kernel is unavailable here")
 
 
 def _qkv(b=2, h=3, n=40, d=16, seed=0, scale=1.0):

@@ -18,7 +18,7 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, Trainer, TrainingA
 import linearformers as lf
 from linearformers.hub_cards import push_to_hub, save_for_hub
 from tests.conftest import tiny_config
-from tests.hub.test_export import _isolated_python
+from tests.hub_cards.test_export import _isolated_python
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

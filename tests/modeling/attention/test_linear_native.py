@@ -6,12 +6,12 @@ the fused FAVOR+ kernels of the same library, still equal to their reference."""
 import pytest
 import torch
 
-from linearformers.modeling.attention import _native, draw_random_features, favor_attention
+from linearformers.modeling.attention import _native, draw_random_features, favor_attention, native_available
 from linearformers.modeling.attention._linear_native import LinearCausalNative
 from linearformers.modeling.attention.reference import linear_reference
 
 pytestmark = pytest.mark.skipif(
-    not _native.available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
+    not native_available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"
 )
 
 
