@@ -4,6 +4,7 @@ from ._native import available as native_available
 from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_walk_enabled, set_native_walk
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
 from .feature_maps import KERNELS, FavorPositive, FeatureMap, ReluFeatures, favor_positive, relu_features
+from .hybrid import HybridState, hybrid_attention, hybrid_step
 from .linear import linear_attention, linear_step
 from .linformer import BACKENDS as LINFORMER_BACKENDS
 from .linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
@@ -31,6 +32,7 @@ __all__ = [
     "METHODS",
     "FavorPositive",
     "FeatureMap",
+    "HybridState",
     "ReluFeatures",
     "causal_linformer_attention",
     "causal_linformer_step",
@@ -41,6 +43,8 @@ __all__ = [
     "favor_features",
     "favor_positive",
     "favor_step",
+    "hybrid_attention",
+    "hybrid_step",
     "linear_attention",
     "linear_step",
     "linformer_attention",

@@ -269,3 +269,48 @@ def local_reference(
         scores = scores + relative_bias.to(scores.dtype)[:, index]
     allowed = band & _key_mask(key_padding_mask, k.shape[0], n, q.device)
     return _attend(scores, allowed, v)
+
+
+def hybrid_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    gamma: torch.Tensor,
+    window: int,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Sliding-window softmax + linear attention inside a head (LoLCATs, Zhang et al. 2024), as (n x n) matrices.
+
+    Query t takes softmax scores on its window W(t) (causal: t - window < s <= t; bidirectional: |s - t| < window)
+    and linear feature scores on the other keys (causal: only s <= t), normalized together:
+
+        a_ts = gamma_h exp(scale q_t·k_s - c_t)  (s in W(t)),   b_ts = phi_q,t · phi_k,s  (s outside W(t))
+        out_t = Σ_s (a_ts + b_ts) v_s / Σ_s (a_ts + b_ts)
+
+    c_t is the largest window logit over real keys. Padded keys leave both parts; a query with no real key outputs
+    0. Computed in the inputs' (promoted) dtype; returns v's dtype.
+    """
+    dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), phi_q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = q.shape[2]
+    i = torch.arange(n, device=q.device)
+    dist = i[:, None] - i[None, :]  # t - s
+    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
+    seen = (dist >= 0) if causal else torch.ones_like(in_window)
+    real = _key_mask(key_padding_mask, k.shape[0], n, q.device)
+    win = in_window & real
+    lin = seen & ~in_window & real
+    logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2) * scale).masked_fill(~win, -math.inf)
+    c = logits.amax(-1, keepdim=True)
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    a = gamma.to(dtype)[None, :, None, None] * torch.exp(logits - c)
+    b = (phi_q.to(dtype) @ phi_k.to(dtype).transpose(-1, -2)) * lin
+    scores = a + b
+    den = scores.sum(-1, keepdim=True)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, (scores @ v.to(dtype)) / safe, torch.zeros_like(den)).to(v.dtype)

@@ -1,0 +1,281 @@
+"""Sliding-window softmax + linear attention inside one head (LoLCATs, Zhang et al. 2024, arXiv 2410.10254).
+
+Query t takes exact softmax scores on its window W(t) and linear feature scores on every other key it may see:
+
+    causal:         W(t) = {s : t - w < s <= t},   linear keys s <= t - w
+    bidirectional:  W(t) = {s : |s - t| < w},      linear keys |s - t| >= w
+
+    a_ts = gamma_h exp(scale q_t·k_s - c_t)   (s in W(t)),      b_ts = phi_q,t · phi_k,s   (linear keys)
+    out_t = (Σ_s a_ts v_s + Σ_s b_ts v_s) / (Σ_s a_ts + Σ_s b_ts)
+
+c_t is the largest window logit of query t over real keys, the paper's stabilizer on the softmax part only: it
+keeps every a_ts in (0, gamma_h], and, as in the paper, it makes gamma's effective weight against the linear part
+query-dependent (the window part is gamma exp(-c_t) times the unstabilized scores). Padded keys leave both parts;
+a query with no real key outputs 0. :func:`reference.hybrid_reference` is the (n x n) definition.
+
+Computed by blocks of B = w queries. In the frame of keys [(c - 1) B, (c + 1) B) (causal) or [(c - 1) B, (c + 2) B)
+(bidirectional) around query block c, every key is either in the query's window or a linear key, and all keys
+outside the frame are linear keys: they come in through block states, the per-block sums phi_kᵀ [v, 1] summed over
+the blocks before c - 1 (and after c + 1, bidirectional) by a cumsum over blocks — no subtraction, so no
+cancellation. Time O(n (w (m + d) + m d)), memory O(n w + (n / w) m d), m features, d head_dim; no Python loop.
+
+Decoding keeps (S, z), the linear sums over keys that left the window, and the last w - 1 keys, values and key
+features with their validity: memory per step is constant in the context length (:func:`hybrid_step`).
+
+Everything is computed in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_mask, check_qkv
+from ._precision import outside_autocast
+
+
+class HybridState(NamedTuple):
+    """Decoding state after a causal pass. ``s`` (b, h, m, d) and ``z`` (b, h, m): Σ phi_k vᵀ and Σ phi_k over the
+    real keys that have left the window, in the compute dtype; ``k``, ``v``, ``phi_k`` (b, h, w - 1, ·): the last
+    w - 1 positions, oldest first, in the inputs' dtype; ``valid`` (b, w - 1) bool: False for padding and for the
+    empty places of a window not yet full."""
+
+    s: torch.Tensor
+    z: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    phi_k: torch.Tensor
+    valid: torch.Tensor
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_inputs(q, k, v, phi_q, phi_k, gamma, window):
+    check_qkv(q, k, v, same_length=True)
+    for name, t in (("phi_q", phi_q), ("phi_k", phi_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 4 or t.shape[:3] != q.shape[:3]:
+            raise ValueError(
+                f"{name} must be shaped (batch, heads, length, features) = {tuple(q.shape[:3])} + (m,), "
+                f"got {tuple(t.shape)}"
+            )
+    if phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(
+            f"phi_q and phi_k need the same number of features, got {phi_q.shape[-1]} and {phi_k.shape[-1]}"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    if not isinstance(gamma, torch.Tensor):
+        raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
+    if not gamma.is_floating_point():
+        raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
+    if tuple(gamma.shape) != (q.shape[1],):
+        raise ValueError(f"gamma must be shaped (heads,) = ({q.shape[1]},), got {tuple(gamma.shape)}")
+    if bool(((gamma < 0) | ~torch.isfinite(gamma)).any()):
+        raise ValueError("gamma must be finite and nonnegative (keep it positive, e.g. the exp of a parameter)")
+
+
+def _check_state(state, b, h, w, d, m, dv, dtype, device) -> HybridState:
+    if not isinstance(state, (tuple, list)) or len(state) != 6 or not all(isinstance(t, torch.Tensor) for t in state):
+        raise TypeError("a hybrid-attention state is a HybridState (s, z, k, v, phi_k, valid) of tensors")
+    state = HybridState(*state)
+    p = w - 1
+    want = {
+        "s": (b, h, m, dv),
+        "z": (b, h, m),
+        "k": (b, h, p, d),
+        "v": (b, h, p, dv),
+        "phi_k": (b, h, p, m),
+        "valid": (b, p),
+    }
+    for name, shape in want.items():
+        got = tuple(getattr(state, name).shape)
+        if got != shape:
+            raise ValueError(f"the state's {name} must be shaped {shape} for window={w}, got {got}")
+    return HybridState(
+        state.s.to(device=device, dtype=dtype),
+        state.z.to(device=device, dtype=dtype),
+        state.k,
+        state.v,
+        state.phi_k,
+        state.valid.bool(),
+    )
+
+
+def _blocks_before_after(block_sums: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Per query block c: Σ of block sums over blocks < c - 1 (and, bidirectional, > c + 1). (b, h, nb, m, e)."""
+    nb = block_sums.shape[2]
+    pre = block_sums.cumsum(2)
+    out = F.pad(pre, (0, 0, 0, 0, 2, 0))[:, :, :nb]  # pre[c - 2]: blocks 0 .. c - 2
+    if not causal:
+        suf = block_sums.flip(2).cumsum(2).flip(2)  # suf[c]: blocks c .. nb - 1
+        out = out + F.pad(suf, (0, 0, 0, 0, 0, 2))[:, :, 2:]  # suf[c + 2]
+    return out
+
+
+def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base):
+    """All inputs in the compute dtype; valid (b, n) bool; base (b, h, m, d + 1) added to every block's state, or
+    None. Returns (b, h, n, d)."""
+    b, h, n, d = q.shape
+    blk = window
+    pad_end = (-n) % blk
+    nb = (n + pad_end) // blk
+    frame = 2 * blk if causal else 3 * blk
+    after = blk + pad_end if not causal else pad_end
+    keep = valid[:, None, :, None].to(pk.dtype)
+    pk = pk * keep  # padded keys leave the linear sums (and the frame scores)
+    vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
+
+    def frames(x):  # (b, h, n, e) -> (b, h, nb, frame, e): keys [(c - 1) blk, (c - 1) blk + frame) of block c
+        return F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2)
+
+    def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e)
+        return F.pad(x, (0, 0, 0, pad_end)).view(b, h, nb, blk, x.shape[-1])
+
+    kf, vf, pkf = frames(k), frames(vaug), frames(pk)
+    qb, pqb = blocks(q), blocks(pq)
+
+    dev = q.device
+    t = torch.arange(nb * blk, device=dev).view(nb, blk, 1)
+    s = (torch.arange(nb, device=dev) * blk - blk).view(nb, 1, 1) + torch.arange(frame, device=dev)
+    dist = t - s  # (nb, blk, frame): t - s
+    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
+    seen = (dist >= 0) if causal else torch.ones_like(in_window)
+    real = F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :]  # (b, 1, nb, 1, frame)
+    win = in_window & real
+    lin = seen & ~in_window & real
+
+    logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
+    c = logits.amax(-1, keepdim=True)
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
+    scores = gamma.to(q.dtype)[None, :, None, None, None] * torch.exp(logits - c)
+    scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
+    acc = scores @ vf  # (b, h, nb, blk, d + 1)
+
+    block_sums = blocks(pk).transpose(-1, -2) @ blocks(vaug)  # (b, h, nb, m, d + 1)
+    state = _blocks_before_after(block_sums, causal)
+    if base is not None:
+        state = state + base[:, :, None]
+    acc = acc + pqb @ state
+    acc = acc.reshape(b, h, nb * blk, d + 1)[:, :, :n]
+    num, den = acc[..., :-1], acc[..., -1:]
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, num / safe, torch.zeros_like(num))
+
+
+@outside_autocast
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    gamma: torch.Tensor,
+    window: int,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: HybridState | None = None,
+    return_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, HybridState]:
+    """Sliding-window softmax + linear attention (module docstring).
+
+    Args:
+        q, k: (batch, heads, n, head_dim); v: (batch, heads, n, d_v).
+        phi_q, phi_k: (batch, heads, n, m) nonnegative features of q and k (any feature map).
+        gamma: (heads,) nonnegative weight of the window part, kept positive by its owner (e.g. exp of a parameter).
+        window: positive int w: causal, t sees t - w < s <= t exactly; bidirectional, |s - t| < w.
+        causal: see above; the linear part then holds only keys s <= t - w.
+        key_padding_mask: (batch, n), True / 1 for real tokens.
+        scale: softmax logit scale, head_dim ** -0.5 by default.
+        initial_state: causal only, the state of an earlier call (continued prefill / decoding).
+        return_state: causal only, also return the :class:`HybridState` after these tokens.
+
+    Gradients reach q, k, v, phi_q, phi_k and gamma. Returns (batch, heads, n, d_v) in v's dtype (and the state).
+    """
+    _check_inputs(q, k, v, phi_q, phi_k, gamma, window)
+    if (initial_state is not None or return_state) and not causal:
+        raise ValueError("initial_state and return_state apply to causal attention only")
+    b, h, n, d = q.shape
+    m, dv = phi_q.shape[-1], v.shape[-1]
+    mask = check_mask(key_padding_mask, b, n)
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if mask is None else mask
+    dtype = _compute_dtype(q, k, v, phi_q, phi_k)
+    scale = d**-0.5 if scale is None else scale
+    qc, kc, vc, pqc, pkc = (x.to(dtype) for x in (q, k, v, phi_q, phi_k))
+    base = None
+    p = 0
+    past = None
+    if initial_state is not None:
+        past = _check_state(initial_state, b, h, window, d, m, dv, dtype, q.device)
+        p = window - 1
+        base = torch.cat([past.s, past.z[..., None]], -1)
+        # the kept window's keys come first, with zero queries whose rows are dropped below
+        qc = torch.cat([qc.new_zeros(b, h, p, d), qc], 2)
+        pqc = torch.cat([pqc.new_zeros(b, h, p, m), pqc], 2)
+        kc = torch.cat([past.k.to(dtype), kc], 2)
+        vc = torch.cat([past.v.to(dtype), vc], 2)
+        pkc = torch.cat([past.phi_k.to(dtype), pkc], 2)
+        valid = torch.cat([past.valid, valid], 1)
+    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, scale, base)[:, :, p:].to(v.dtype)
+    if not return_state:
+        return out
+    # the state: keys before the last w - 1 positions join (S, z); the last w - 1 stay (invalid places in front
+    # when fewer came)
+    keep = window - 1
+    total = kc.shape[2]
+    leaving = max(total - keep, 0)
+    pk_out = pkc[:, :, :leaving] * valid[:, None, :leaving, None].to(dtype)
+    s_new = pk_out.transpose(-1, -2) @ vc[:, :, :leaving]
+    z_new = pk_out.sum(2)
+    if past is not None:
+        s_new, z_new = s_new + past.s, z_new + past.z
+    k_all = torch.cat([k.new_zeros(b, h, keep, d), past.k if past else k.new_zeros(b, h, 0, d), k], 2)
+    v_all = torch.cat([v.new_zeros(b, h, keep, dv), past.v if past else v.new_zeros(b, h, 0, dv), v], 2)
+    f_all = torch.cat([phi_k.new_zeros(b, h, keep, m), past.phi_k if past else phi_k.new_zeros(b, h, 0, m), phi_k], 2)
+    valid_all = torch.cat([valid.new_zeros(b, keep), valid], 1)
+    last = slice(valid_all.shape[1] - keep, None)
+    state = HybridState(s_new, z_new, k_all[:, :, last], v_all[:, :, last], f_all[:, :, last], valid_all[:, last])
+    return out, state
+
+
+def hybrid_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    gamma: torch.Tensor,
+    window: int,
+    state: HybridState | None,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, HybridState]:
+    """One causal decoding step (tokens of length 1) from the state of a prefill or of earlier steps (None: the
+    first token). Reads the w - 1 kept keys, the new one and (S, z): constant memory and time in the context length.
+    Returns (out (batch, heads, 1, d_v) in v's dtype, the new state)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
+        raise ValueError(f"hybrid_step takes one new token, got length {q.shape[2]}; use hybrid_attention to prefill")
+    return hybrid_attention(
+        q,
+        k,
+        v,
+        phi_q,
+        phi_k,
+        gamma,
+        window,
+        causal=True,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        initial_state=state,
+        return_state=True,
+    )

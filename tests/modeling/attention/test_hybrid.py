@@ -1,0 +1,200 @@
+import pytest
+import torch
+
+from linearformers.modeling.attention.hybrid import HybridState, hybrid_attention, hybrid_step
+from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
+
+B, H, D, M = 2, 3, 4, 5
+
+
+def _inputs(n=11, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for _ in range(3))
+    phi_q, phi_k = (torch.rand(B, H, n, M, generator=g, dtype=dtype) for _ in range(2))
+    gamma = torch.tensor([0.3, 1.0, 2.5], dtype=dtype)  # a different balance per head
+    return q, k, v, phi_q, phi_k, gamma
+
+
+def _mask(n, padding):
+    if padding == "none":
+        return None
+    mask = torch.ones(B, n, dtype=torch.bool)
+    if padding == "left":
+        mask[0, :3] = False
+        mask[1, :1] = False
+    else:
+        mask[0, -4:] = False
+        mask[1, -2:] = False
+    return mask
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("window", [1, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_equals_the_reference(causal, window, padding):
+    n = 11  # not a multiple of any window here but 1
+    x = _inputs(n)
+    mask = _mask(n, padding)
+    out = hybrid_attention(*x, window, causal=causal, key_padding_mask=mask)
+    ref = hybrid_reference(*x, window, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_equal_the_reference(causal):
+    mask = _mask(9, "left")
+    grads = []
+    for fn in (hybrid_attention, hybrid_reference):
+        x = [t.clone().requires_grad_(True) for t in _inputs(9)]
+        out = fn(*x, 3, causal=causal, key_padding_mask=mask)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append([t.grad for t in x])
+    for name, got, want in zip(("q", "k", "v", "phi_q", "phi_k", "gamma"), *grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("padding", ["none", "right"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_window_covering_everything_is_softmax_attention(causal, padding):
+    q, k, v, phi_q, phi_k, gamma = _inputs(7)
+    mask = _mask(7, padding)
+    out = hybrid_attention(q, k, v, phi_q, phi_k, gamma, 7 if causal else 8, causal=causal, key_padding_mask=mask)
+    ref = softmax_reference(q, k, v, causal=causal, key_padding_mask=mask)  # the linear part is empty
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_causal_never_reads_the_future():
+    x = _inputs(12)
+    out = hybrid_attention(*x, 3, causal=True)
+    changed = [t.clone() for t in x[:5]]
+    for t in changed:
+        t[:, :, 7:] = 3.0
+    out2 = hybrid_attention(*changed, x[5], 3, causal=True)
+    torch.testing.assert_close(out2[:, :, :7], out[:, :, :7], rtol=0, atol=0)
+    assert not torch.allclose(out2[:, :, 7:], out[:, :, 7:])
+
+
+def test_a_query_with_no_real_key_outputs_zero():
+    x = _inputs(6)
+    mask = torch.ones(B, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    out = hybrid_attention(*x, 2, causal=True, key_padding_mask=mask)
+    assert (out[0, :, :2] == 0).all()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_padding_invariance(causal):
+    n, pad = 7, 3
+    q, k, v, phi_q, phi_k, gamma = _inputs(n)
+    plain = hybrid_attention(q, k, v, phi_q, phi_k, gamma, 3, causal=causal)
+
+    def padded(side):
+        def put(t):
+            zeros = torch.full((*t.shape[:2], pad, t.shape[-1]), 9.0, dtype=t.dtype)  # junk in the padding
+            return torch.cat([zeros, t] if side == "left" else [t, zeros], 2)
+
+        real = torch.ones(B, n, dtype=torch.bool)
+        fake = torch.zeros(B, pad, dtype=torch.bool)
+        mask = torch.cat([fake, real] if side == "left" else [real, fake], 1)
+        out = hybrid_attention(
+            *(put(t) for t in (q, k, v, phi_q, phi_k)), gamma, 3, causal=causal, key_padding_mask=mask
+        )
+        return out[:, :, pad:] if side == "left" else out[:, :, :n]
+
+    torch.testing.assert_close(padded("left"), plain, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(padded("right"), plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+@pytest.mark.parametrize("prefill", [2, 6], ids=["prefill-shorter-than-the-window", "prefill-longer"])
+def test_prefill_then_steps_equal_the_causal_pass(window, prefill):
+    n = 10
+    x = _inputs(n)
+    mask = _mask(n, "left")
+    full = hybrid_attention(*x, window, causal=True, key_padding_mask=mask)
+    q, k, v, phi_q, phi_k, gamma = x
+    cut = slice(0, prefill)
+    out, state = hybrid_attention(
+        q[:, :, cut], k[:, :, cut], v[:, :, cut], phi_q[:, :, cut], phi_k[:, :, cut], gamma, window,
+        causal=True, key_padding_mask=mask[:, cut], return_state=True,
+    )  # fmt: skip
+    assert isinstance(state, HybridState) and state.k.shape[2] == window - 1
+    torch.testing.assert_close(out, full[:, :, cut])
+    for t in range(prefill, n):
+        one = slice(t, t + 1)
+        out, state = hybrid_step(
+            q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, window, state,
+            key_padding_mask=mask[:, one],
+        )  # fmt: skip
+        torch.testing.assert_close(out, full[:, :, one], rtol=1e-10, atol=1e-12)
+        assert state.k.shape[2] == window - 1  # constant memory
+
+
+def test_steps_from_nothing_and_a_multi_token_continuation_equal_the_causal_pass():
+    n, window = 9, 3
+    q, k, v, phi_q, phi_k, gamma = x = _inputs(n)
+    full = hybrid_attention(*x, window, causal=True)
+    state = None
+    for t in range(4):
+        one = slice(t, t + 1)
+        out, state = hybrid_step(
+            q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, window, state
+        )
+        torch.testing.assert_close(out, full[:, :, one])
+    rest = slice(4, n)
+    out = hybrid_attention(
+        q[:, :, rest], k[:, :, rest], v[:, :, rest], phi_q[:, :, rest], phi_k[:, :, rest], gamma, window,
+        causal=True, initial_state=state,
+    )  # fmt: skip
+    torch.testing.assert_close(out, full[:, :, rest])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_is_finite_and_close_to_float32(causal):
+    x32 = [t.float() for t in _inputs(13)]
+    x16 = [t.bfloat16() for t in x32]
+    out16 = hybrid_attention(*x16, 4, causal=causal)
+    out32 = hybrid_attention(*(t.float() for t in x16), 4, causal=causal)  # the same rounded inputs
+    assert out16.dtype == torch.bfloat16 and torch.isfinite(out16).all()
+    torch.testing.assert_close(out16.float(), out32, rtol=2e-2, atol=2e-2)
+
+
+def test_runs_outside_autocast():
+    x = [t.float() for t in _inputs(8)]
+    plain = hybrid_attention(*x, 3, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = hybrid_attention(*x, 3, causal=True)
+    assert inside.dtype == torch.float32
+    torch.testing.assert_close(inside, plain, rtol=0, atol=0)
+
+
+def test_bad_inputs_are_named():
+    q, k, v, phi_q, phi_k, gamma = _inputs(6)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        hybrid_attention(q, k, v, phi_q, phi_k, gamma, 0, causal=True)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        hybrid_attention(q, k, v, phi_q, phi_k, gamma, -2, causal=False)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        hybrid_attention(q, k, v, phi_q, phi_k, gamma, 2.0, causal=True)
+    with pytest.raises(ValueError, match=r"gamma must be shaped \(heads,\)"):
+        hybrid_attention(q, k, v, phi_q, phi_k, gamma[:2], 2, causal=True)
+    with pytest.raises(ValueError, match="gamma must be finite and nonnegative"):
+        hybrid_attention(q, k, v, phi_q, phi_k, -gamma, 2, causal=True)
+    with pytest.raises(TypeError, match="gamma must be a torch.Tensor"):
+        hybrid_attention(q, k, v, phi_q, phi_k, [1.0, 1.0, 1.0], 2, causal=True)
+    with pytest.raises(ValueError, match="phi_k must be shaped"):
+        hybrid_attention(q, k, v, phi_q, phi_k[:, :, :5], gamma, 2, causal=True)
+    with pytest.raises(ValueError, match="same number of features"):
+        hybrid_attention(q, k, v, phi_q, phi_k[..., :3], gamma, 2, causal=True)
+    with pytest.raises(ValueError, match="same length"):
+        hybrid_attention(q, k[:, :, :5], v[:, :, :5], phi_q, phi_k, gamma, 2, causal=True)
+    with pytest.raises(ValueError, match="causal attention only"):
+        hybrid_attention(q, k, v, phi_q, phi_k, gamma, 2, causal=False, return_state=True)
+    with pytest.raises(ValueError, match="one new token"):
+        hybrid_step(q, k, v, phi_q, phi_k, gamma, 2, None)
+    _, state = hybrid_attention(q, k, v, phi_q, phi_k, gamma, 3, causal=True, return_state=True)
+    with pytest.raises(ValueError, match="the state's k must be shaped"):
+        one = slice(0, 1)
+        hybrid_step(q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, 4, state)
