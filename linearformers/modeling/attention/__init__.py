@@ -3,7 +3,15 @@
 from ._native import available as native_available
 from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_walk_enabled, set_native_walk
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
-from .feature_maps import KERNELS, FavorPositive, FeatureMap, ReluFeatures, favor_positive, relu_features
+from .feature_maps import (
+    KERNELS,
+    FavorPositive,
+    FeatureMap,
+    HedgehogFeatureMap,
+    ReluFeatures,
+    favor_positive,
+    relu_features,
+)
 from .hybrid import HybridState, hybrid_attention, hybrid_step
 from .linear import linear_attention, linear_step
 from .linformer import BACKENDS as LINFORMER_BACKENDS
@@ -32,6 +40,7 @@ __all__ = [
     "METHODS",
     "FavorPositive",
     "FeatureMap",
+    "HedgehogFeatureMap",
     "HybridState",
     "ReluFeatures",
     "causal_linformer_attention",

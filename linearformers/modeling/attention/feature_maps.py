@@ -164,3 +164,121 @@ class ReluFeatures:
 
     def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         return relu_features(x, self.projection, scale=self.scale, eps=self.eps)
+
+
+class HedgehogFeatureMap(torch.nn.Module):
+    """Hedgehog's learned feature map (Zhang et al., ICLR 2024, arXiv 2402.04347), a :class:`FeatureMap`.
+
+    Per head h, with u = x W_h + b_h (W_h: (head_dim, m / 2), b_h: (m / 2,)),
+
+        phi(x) = [softmax(u), softmax(-u)]          (each softmax over its own m / 2 features)
+
+    so the m features are positive, each half sums to 1, and a position's features depend on it alone. The map is
+    applied to q and k as they are: no 1/sqrt(head_dim) is folded in (as in the paper); W learns whatever scale the
+    attention it imitates needs, and an owner that wants the softmax scale at the start can multiply q and k by
+    ``head_dim ** -0.25`` before the map.
+
+    Initialization (:meth:`reset_parameters`): b = 0 and W = the identity on its first min(head_dim, m / 2) columns
+    (W[i, i] = 1, every other entry of those columns 0). With m = 2 head_dim (the default) W is exactly the identity,
+    the paper's initialization: phi starts as the "spiky" [softmax(x), softmax(-x)]. With m / 2 < head_dim the map
+    starts from the first m / 2 coordinates of x; with m / 2 > head_dim the extra columns are drawn N(0, 0.02²) from
+    torch's global generator (zero columns would give identical features whose gradients stay identical forever).
+
+    Queries and keys take separate maps (``separate=True``, the default, as in the paper's attention layers): the
+    kernel phi(q)·phi(k) of one shared map is symmetric (K(a, b) = K(b, a)) and ties what queries and keys may
+    learn, while with two maps each side learns its own projection, so the pair can imitate attention weights
+    that are not symmetric in this way. ``separate=False`` shares one (W, b) for both.
+
+    Parameters: ``weight`` (heads, head_dim, m / 2) and ``bias`` (heads, m / 2) for queries (and for keys when
+    shared), ``key_weight`` and ``key_bias`` for keys when separate (``None`` otherwise). They belong to the module
+    that owns this map (an attention layer registers it as a submodule, so they train, move and save with it);
+    unlike the random FAVOR+ maps, nothing is ever redrawn.
+
+    Precision: features are computed in float32, or float64 when x or the parameters are float64 (as the other maps
+    of this module: bf16 / fp16 inputs give float32 features). ``forward(x, is_query=...)``: x (batch, heads, n,
+    head_dim) -> (batch, heads, n, m).
+    """
+
+    INIT_STD = 0.02
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_features: int | None = None,
+        *,
+        separate: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if num_features is None:
+            num_features = 2 * head_dim
+        if isinstance(num_features, bool) or not isinstance(num_features, int):
+            raise TypeError(f"num_features must be an int or None, got {type(num_features).__name__}")
+        if num_features < 2 or num_features % 2:
+            raise ValueError(
+                f"num_features must be a positive even number (two softmax halves of m / 2), got {num_features}"
+            )
+        if not isinstance(separate, bool):
+            raise TypeError(f"separate must be a bool, got {type(separate).__name__}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        self.num_heads, self.head_dim, self.num_features, self.separate = num_heads, head_dim, num_features, separate
+        half = num_features // 2
+        kw = {"device": device, "dtype": dtype}
+        self.weight = torch.nn.Parameter(torch.empty(num_heads, head_dim, half, **kw))
+        self.bias = torch.nn.Parameter(torch.empty(num_heads, half, **kw))
+        if separate:
+            self.key_weight = torch.nn.Parameter(torch.empty(num_heads, head_dim, half, **kw))
+            self.key_bias = torch.nn.Parameter(torch.empty(num_heads, half, **kw))
+        else:
+            self.register_parameter("key_weight", None)
+            self.register_parameter("key_bias", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The initialization of the class docstring: identity on the first min(head_dim, m / 2) columns, bias 0."""
+        half = self.num_features // 2
+        r = min(self.head_dim, half)
+        for weight, bias in ((self.weight, self.bias), (self.key_weight, self.key_bias)):
+            if weight is None:
+                continue
+            weight.zero_()
+            if half > r:
+                weight[:, :, r:].normal_(0.0, self.INIT_STD)
+            idx = torch.arange(r, device=weight.device)
+            weight[:, idx, idx] = 1.0
+            bias.zero_()
+
+    def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not isinstance(is_query, bool):
+            raise TypeError(f"is_query must be a bool, got {type(is_query).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(f"x must be shaped (batch, heads, length, head_dim), got {tuple(x.shape)}")
+        if x.shape[1] != self.num_heads:
+            raise ValueError(f"x has {x.shape[1]} heads, this map was built for num_heads={self.num_heads}")
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x has head_dim {x.shape[-1]}, this map was built for head_dim={self.head_dim}")
+        shared = is_query or not self.separate
+        weight = self.weight if shared else self.key_weight
+        bias = self.bias if shared else self.key_bias
+        dtype = torch.promote_types(compute_dtype(x), weight.dtype)
+        u = torch.einsum("bhnd,hdf->bhnf", x.to(dtype), weight.to(dtype)) + bias.to(dtype)[None, :, None, :]
+        return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_features={self.num_features}, "
+            f"separate={self.separate}"
+        )
