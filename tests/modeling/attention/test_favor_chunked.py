@@ -3,7 +3,6 @@ with n. Checked against the plain quadratic formula (reference.favor_reference),
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from linearformers.modeling.attention import (
     draw_random_features,
@@ -16,6 +15,7 @@ from linearformers.modeling.attention import favor as favor_module
 from linearformers.modeling.attention._favor_chunked import DEFAULT_CHUNK
 from linearformers.modeling.attention.backends import choose_backend, native_refusal
 from linearformers.modeling.attention.reference import favor_reference
+from tests.modeling.attention.helpers import CountOps
 
 
 def _qkv(b=2, h=2, n=37, d=16, seed=0, dtype=torch.float32):
@@ -167,21 +167,11 @@ def test_decoding_after_a_chunked_prefill_equals_the_full_pass(kernel):
     torch.testing.assert_close(torch.cat(steps, 2), full, rtol=1e-5, atol=1e-5)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops(n, backend):
     """Ops dispatched by forward + backward of causal FAVOR+ (b = h = 1, d = 16, m = 32)."""
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
     w = draw_random_features(32, 16, seed=0)
-    with _CountOps() as counter:
+    with CountOps() as counter:
         favor_attention(q, k, v, w, causal=True, backend=backend).sum().backward()
     return counter.count
 
@@ -283,7 +273,7 @@ def test_bidirectional_chunked_op_count_does_not_depend_on_n():
     def ops(n):
         q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
         w = draw_random_features(32, 16, seed=0)
-        with _CountOps() as counter:
+        with CountOps() as counter:
             favor_attention(q, k, v, w, backend="chunked").sum().backward()
         return counter.count
 

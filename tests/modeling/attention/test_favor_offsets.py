@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from linearformers.modeling.attention import draw_random_features
 from linearformers.modeling.attention._favor_chunked import FavorCausalChunked, favor_causal_offsets, offsets_chunk
 from linearformers.modeling.attention.reference import favor_reference
+from tests.modeling.attention.helpers import CountOps
 
 B, H, N, D, M = 2, 2, 37, 16, 32  # n = 37: not a multiple of the chunk 8
 SCALE = D**-0.5
@@ -221,16 +221,6 @@ def test_the_chunk_is_an_argument():
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _offsets_ops(n, state):
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
     w = draw_random_features(32, 16, seed=0)
@@ -239,7 +229,7 @@ def _offsets_ops(n, state):
     initial = None
     if state:
         initial = (torch.rand(1, 1, 32, 16, requires_grad=True), torch.rand(1, 1, 32) + 1, torch.zeros(1, 1))
-    with _CountOps() as counter:
+    with CountOps() as counter:
         out, _ = favor_causal_offsets(q, _large(k.detach()).requires_grad_(), v, w, keep, SCALE, 64, initial)
         out.sum().backward()
     return counter.count
@@ -249,7 +239,7 @@ def _features_ops(n):
     gen = torch.Generator().manual_seed(0)
     pq, pk = (torch.rand(1, 1, n, 32, generator=gen).requires_grad_() for _ in range(2))
     v = torch.randn(1, 1, n, 16, generator=gen, requires_grad=True)
-    with _CountOps() as counter:
+    with CountOps() as counter:
         FavorCausalChunked.apply(pq, pk, v, None, None, "features", 1.0, 0.0, 64, None)[0].sum().backward()
     return counter.count
 

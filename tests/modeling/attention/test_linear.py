@@ -7,7 +7,6 @@ native-walk switch."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from linearformers.modeling.attention import (
     BACKENDS,
@@ -23,6 +22,7 @@ from linearformers.modeling.attention import (
     native_walk_enabled,
     set_native_walk,
 )
+from tests.modeling.attention.helpers import CountOps
 
 B, H, N, D, M = 2, 2, 37, 16, 32  # n = 37: not a multiple of any chunk used here
 NATIVE = native_available()
@@ -306,19 +306,9 @@ def test_a_padded_new_token_leaves_the_state_unchanged():
 # 4. the chunked backend's op count does not grow with n
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops(n):
     phi_q, phi_k, v = (x.requires_grad_() for x in _features(b=1, h=1, n=n, m=16))
-    with _CountOps() as counter:
+    with CountOps() as counter:
         linear_attention(phi_q, phi_k, v, causal=True, backend="chunked").sum().backward()
     assert phi_q.grad is not None and phi_k.grad is not None and v.grad is not None
     return counter.count

@@ -8,7 +8,6 @@ dispatched aten ops (GPU kernel launches) does not depend on n. Only the no-grad
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from linearformers.modeling.attention.linformer import (
     CAUSAL_BACKENDS,
@@ -16,6 +15,7 @@ from linearformers.modeling.attention.linformer import (
     causal_linformer_step,
 )
 from linearformers.modeling.attention.reference import causal_linformer_reference
+from tests.modeling.attention.helpers import CountOps
 
 
 def _inputs(b=2, h=3, n=21, d=8, slots=6, n_max=32, dtype=torch.float32, per_head=True, late=0, seed=0):
@@ -176,16 +176,6 @@ def test_half_inputs_are_finite_and_close_to_float32(dtype):
         torch.testing.assert_close(a.float(), b, rtol=5 * tol, atol=5 * tol)
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _op_count(n, masked, grad=True, prefill_block=None):
     """Aten ops dispatched by forward (+ backward) at b = h = 1, d = 16, k = 16 slots."""
     g = torch.Generator().manual_seed(0)
@@ -195,7 +185,7 @@ def _op_count(n, masked, grad=True, prefill_block=None):
     if masked:
         mask = torch.ones(1, n, dtype=torch.bool)
         mask[:, : n // 8] = False
-    with _CountOps() as counter, torch.set_grad_enabled(grad):
+    with CountOps() as counter, torch.set_grad_enabled(grad):
         out, _state = causal_linformer_attention(
             q, k, v, e, f, key_padding_mask=mask, return_state=True, prefill_block=prefill_block
         )
