@@ -6,7 +6,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import strict
 from transformers.utils.type_validators import interval
 
-from ..modeling.attention.feature_maps import KERNELS
+from ..modeling.attention.feature_maps import PERFORMER_KERNELS
 from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
 
 
@@ -23,14 +23,18 @@ class PerformerConfig(LinearAttentionConfig):
         ... )
 
     Args:
-        num_random_features: m, the number of random features per head (default 256; e.g. 128).
-        kernel: "softmax" (positive random features, Lemma 1) or "relu" (the generalized ReLU kernel) (default
-            "softmax").
-        orthogonal_features: draw exactly orthogonal blocks (True) or i.i.d. Gaussian rows (default True).
+        num_random_features: m, the number of features per head (default 256; e.g. 128); with kernel="hedgehog"
+            the learned map's feature count, which must be even (two softmax halves of m / 2).
+        kernel: "softmax" (positive random features, Lemma 1), "relu" (the generalized ReLU kernel) or "hedgehog"
+            (a learned per-head feature map, Zhang et al. 2024: phi(x) = [softmax(xW + b), softmax(-(xW + b))],
+            trained with the model; see HedgehogFeatureMap) (default "softmax").
+        orthogonal_features: draw exactly orthogonal blocks (True) or i.i.d. Gaussian rows (default True). Unused
+            with kernel="hedgehog".
         feature_redraw_interval: redraw the features every this many training forward passes (None or 0:
             never). Each draw is a pure function of (feature_seed, layer, draw index): every DDP rank draws the
-            same features without communication (default 1000; e.g. None).
-        feature_seed: seed of the feature draws (default 0; e.g. 42).
+            same features without communication (default 1000; e.g. None). Ignored with kernel="hedgehog": a
+            learned map is never redrawn.
+        feature_seed: seed of the feature draws (default 0; e.g. 42). Unused with kernel="hedgehog".
         kernel_eps: the ReLU kernel's additive epsilon (default 1e-3).
         causal_chunk_size: chunk of the causal prefix sums, in tokens: a speed / memory trade-off that, up to rounding,
             does not change the result (default 32; e.g. 64).
@@ -40,12 +44,26 @@ class PerformerConfig(LinearAttentionConfig):
     model_type = "performer"
 
     num_random_features: int = positive(default=256)
-    kernel: Literal[KERNELS] = "softmax"
+    kernel: Literal[PERFORMER_KERNELS] = "softmax"
     orthogonal_features: bool = True
     feature_redraw_interval: int | None = at_least_or_none(0)(default=1000)
     feature_seed: int = 0
     kernel_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
     causal_chunk_size: int = positive(default=32)
+
+    @property
+    def random_feature_kernel(self) -> bool:
+        """Whether the kernel uses FAVOR+ random features (drawn, and redrawn on a schedule); False for the learned
+        "hedgehog" map."""
+        return self.kernel != "hedgehog"
+
+    def validate_architecture(self) -> None:
+        super().validate_architecture()
+        if self.kernel == "hedgehog" and self.num_random_features % 2:
+            raise ValueError(
+                f"kernel='hedgehog' needs an even num_random_features (two softmax halves of m / 2), got "
+                f"{self.num_random_features}"
+            )
 
     def sequence_limit(self) -> tuple[int, str] | None:
         if self.position_embedding_type == "absolute":

@@ -142,7 +142,30 @@ def _local_heads_text(config) -> str:
     )
 
 
+def _hedgehog_text(config) -> tuple[str, str, list[str]]:
+    summary = (
+        f" with a learned Hedgehog feature map (m={config.num_random_features} features per head, "
+        "[softmax(xW + b), softmax(-(xW + b))])."
+    )
+    details = (
+        f"- learned feature map per head: m = {config.num_random_features} (hedgehog kernel), trained and saved "
+        f"with the weights; never redrawn\n- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
+        f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
+        f"{_local_heads_text(config)}"
+    )
+    limits = [
+        "The Hedgehog map is learned with the model: it imitates softmax attention only as well as training made it."
+    ]
+    if config.position_embedding_type == "absolute":
+        limits.append(f"Learned absolute positions: at most {config.max_position_embeddings} tokens.")
+    else:
+        limits.append("No length limit of its own: positions are computed, not learned.")
+    return summary, details, limits
+
+
 def _performer_text(config) -> tuple[str, str, list[str]]:
+    if config.kernel == "hedgehog":
+        return _hedgehog_text(config)
     summary = (
         f" with m={config.num_random_features} {'orthogonal' if config.orthogonal_features else 'i.i.d.'} random "
         f"features and the {config.kernel} kernel."

@@ -15,7 +15,14 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.performer import PerformerConfig
-from .attention import draw_random_features, favor_attention, favor_step
+from .attention import (
+    HedgehogFeatureMap,
+    draw_random_features,
+    favor_attention,
+    favor_step,
+    linear_attention,
+    linear_step,
+)
 from .attention.seeds import mix_seed
 from .base import (
     LinearAttentionForCausalLM,
@@ -33,14 +40,29 @@ from .layers import LinearAttention
 
 class PerformerAttention(LinearAttention):
     """FAVOR+ heads. The random features are a persistent buffer (saved with the checkpoint, so a reload gives
-    the same outputs), drawn deterministically from (feature_seed, layer, draw index)."""
+    the same outputs), drawn deterministically from (feature_seed, layer, draw index).
+
+    With ``config.kernel == "hedgehog"`` the heads use a learned feature map instead: ``self.feature_map``, a
+    :class:`HedgehogFeatureMap` over the global heads with ``num_random_features`` features, whose parameters
+    (``feature_map.weight``, ``feature_map.bias``, ``feature_map.key_weight``, ``feature_map.key_bias``) train and
+    save with the layer. Such a layer has no random features (``random_features`` is None, not in the state dict),
+    is never redrawn, and its decoding state is (S, z) (plain linear attention, see ``attention.linear``)."""
 
     kernel_name = "FAVOR+ (Performer)"
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.draw_seed = mix_seed(config.feature_seed, layer_idx)  # this layer's stream of draws
-        self.register_buffer("random_features", self.draw_features(0), persistent=True)
+        if config.random_feature_kernel:
+            self.feature_map = None
+            self.register_buffer("random_features", self.draw_features(0), persistent=True)
+        else:
+            self.register_buffer("random_features", None)
+            self.feature_map = (
+                HedgehogFeatureMap(self.num_global, self.head_dim, config.num_random_features)
+                if self.num_global
+                else None
+            )
 
     def extra_repr(self) -> str:
         c = self.config
@@ -69,6 +91,8 @@ class PerformerAttention(LinearAttention):
         past_key_values: LinearAttentionCache | None,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
+        if self.feature_map is not None:
+            return self._learned_attention(q, k, v, attention_mask, past_key_values)
         kwargs = {"kernel": self.config.kernel, "kernel_eps": self.config.kernel_eps}
         if not self.causal:
             return favor_attention(q, k, v, self.random_features, key_padding_mask=attention_mask, **kwargs)
@@ -98,6 +122,39 @@ class PerformerAttention(LinearAttention):
                 initial_state=state,
                 return_state=True,
                 **kwargs,
+            )
+        past_key_values.set_state(self.layer_idx, state)
+        return out
+
+    def _learned_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+    ) -> torch.Tensor:
+        """Linear attention of the learned (Hedgehog) features; with a cache, the state is (S, z)."""
+        phi_q = self.feature_map(q, is_query=True)
+        phi_k = self.feature_map(k, is_query=False)
+        if not self.causal:
+            return linear_attention(phi_q, phi_k, v, key_padding_mask=attention_mask)
+        chunk = self.config.causal_chunk_size
+        if past_key_values is None:
+            return linear_attention(phi_q, phi_k, v, causal=True, key_padding_mask=attention_mask, chunk_size=chunk)
+        state = past_key_values.get_state(self.layer_idx)
+        if q.shape[2] == 1 and state is not None:
+            out, state = linear_step(phi_q, phi_k, v, state, key_padding_mask=attention_mask)
+        else:  # a prefill, or a prompt fed in pieces
+            out, state = linear_attention(
+                phi_q,
+                phi_k,
+                v,
+                causal=True,
+                key_padding_mask=attention_mask,
+                chunk_size=chunk,
+                initial_state=state,
+                return_state=True,
             )
         past_key_values.set_state(self.layer_idx, state)
         return out
@@ -140,9 +197,17 @@ class PerformerPreTrainedModel(LinearAttentionPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, PerformerAttention):
+        if isinstance(module, PerformerAttention) and module.random_features is not None:
             # deterministic: the same draw as in __init__, so init tests and reloads agree
             init.copy_(module.random_features, module.draw_features(0, device=module.random_features.device))
+        if isinstance(module, HedgehogFeatureMap):
+            # the map's own initialization (HedgehogFeatureMap.reset_parameters), through transformers' init
+            # functions so that weights loaded from a checkpoint are left alone
+            for weight, bias in ((module.weight, module.bias), (module.key_weight, module.key_bias)):
+                if weight is None:
+                    continue
+                init.copy_(weight, module.initial_weight(weight))
+                init.zeros_(bias)
         if isinstance(module, PerformerModel):
             init.zeros_(module.feature_redraws)
 
@@ -160,9 +225,11 @@ class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
 
     def redraw_features(self, draw_index: int) -> None:
         """Set every layer's random features to draw number ``draw_index`` (a pure function of the config's
-        feature_seed, the layer and the index: the same on every process)."""
+        feature_seed, the layer and the index: the same on every process). Nothing to do with a learned map."""
         for layer in self.layers:
             buf = layer.attention.random_features
+            if buf is None:
+                continue
             buf.copy_(layer.attention.draw_features(draw_index, device=buf.device).to(buf.dtype))
 
     def _start_forward(self) -> None:
@@ -170,7 +237,7 @@ class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
 
     def _maybe_redraw(self) -> None:
         interval = self.config.feature_redraw_interval
-        if not (self.training and interval):
+        if not (self.training and interval and self.config.random_feature_kernel):
             return
         attentions = [layer.attention for layer in self.layers]
         features = [attention.random_features for attention in attentions]

@@ -7,7 +7,7 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel
 
 from linearformers import LinformerConfig, PerformerConfig
-from linearformers.modeling.attention.feature_maps import KERNELS
+from linearformers.modeling.attention.feature_maps import PERFORMER_KERNELS
 from linearformers.modeling.attention.linformer import METHODS
 
 
@@ -101,7 +101,7 @@ def test_a_value_out_of_its_field_range_is_refused_naming_the_field_and_the_valu
 @pytest.mark.parametrize(
     "cls,name,value,choices",
     [
-        (PerformerConfig, "kernel", "cosine", KERNELS),
+        (PerformerConfig, "kernel", "cosine", PERFORMER_KERNELS),
         (LinformerConfig, "projection", "fft", METHODS),
         (LinformerConfig, "sharing", "everything", ("per_head", "headwise", "key_value", "layerwise")),
         (PerformerConfig, "position_embedding_type", "alibi", ("absolute", "sinusoidal", "rotary")),
@@ -124,7 +124,7 @@ def test_every_field_we_declare_has_an_annotation_strict_checks(cls):
 
 def test_the_config_choices_are_the_attention_floor_tuples():
     fields = {f.name: f.type for f in dataclasses.fields(PerformerConfig)}
-    assert typing.get_args(fields["kernel"]) == KERNELS
+    assert typing.get_args(fields["kernel"]) == PERFORMER_KERNELS
     fields = {f.name: f.type for f in dataclasses.fields(LinformerConfig)}
     assert typing.get_args(fields["projection"]) == METHODS
 

@@ -5,6 +5,7 @@ from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
 from .feature_maps import (
     KERNELS,
+    PERFORMER_KERNELS,
     FavorPositive,
     FeatureMap,
     HedgehogFeatureMap,
@@ -38,6 +39,7 @@ __all__ = [
     "LINFORMER_BACKENDS",
     "LINFORMER_CAUSAL_BACKENDS",
     "METHODS",
+    "PERFORMER_KERNELS",
     "FavorPositive",
     "FeatureMap",
     "HedgehogFeatureMap",

@@ -33,7 +33,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-KERNELS = ("softmax", "relu")
+KERNELS = ("softmax", "relu")  # the random-feature kernels of favor_attention
+# PerformerConfig.kernel's choices: the random-feature kernels and the learned Hedgehog map (HedgehogFeatureMap)
+PERFORMER_KERNELS = (*KERNELS, "hedgehog")
 
 
 @runtime_checkable
@@ -242,20 +244,26 @@ class HedgehogFeatureMap(torch.nn.Module):
             self.register_parameter("key_bias", None)
         self.reset_parameters()
 
+    @classmethod
+    def initial_weight(cls, weight: torch.Tensor) -> torch.Tensor:
+        """The starting value of a weight (heads, head_dim, m / 2), as a new tensor: the identity on the first
+        min(head_dim, m / 2) columns, N(0, INIT_STD²) on the rest (biases start at 0)."""
+        _, head_dim, half = weight.shape
+        r = min(head_dim, half)
+        value = torch.zeros_like(weight)
+        if half > r:
+            value[:, :, r:].normal_(0.0, cls.INIT_STD)
+        idx = torch.arange(r, device=weight.device)
+        value[:, idx, idx] = 1.0
+        return value
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """The initialization of the class docstring: identity on the first min(head_dim, m / 2) columns, bias 0."""
-        half = self.num_features // 2
-        r = min(self.head_dim, half)
+        """The initialization of the class docstring (:meth:`initial_weight`, biases 0)."""
         for weight, bias in ((self.weight, self.bias), (self.key_weight, self.key_bias)):
-            if weight is None:
-                continue
-            weight.zero_()
-            if half > r:
-                weight[:, :, r:].normal_(0.0, self.INIT_STD)
-            idx = torch.arange(r, device=weight.device)
-            weight[:, idx, idx] = 1.0
-            bias.zero_()
+            if weight is not None:
+                weight.copy_(self.initial_weight(weight))
+                bias.zero_()
 
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
