@@ -91,70 +91,37 @@ class PerformerAttention(LinearAttention):
         past_key_values: LinearAttentionCache | None,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.feature_map is not None:
-            return self._learned_attention(q, k, v, attention_mask, past_key_values)
-        kwargs = {"kernel": self.config.kernel, "kernel_eps": self.config.kernel_eps}
+        # the random FAVOR+ map is fused into its kernels (q, k in); a learned map's features go to linear attention
+        if self.feature_map is None:
+            x, y = q, k
+            attend, step = favor_attention, favor_step
+            fixed = {
+                "projection": self.random_features,
+                "kernel": self.config.kernel,
+                "kernel_eps": self.config.kernel_eps,
+            }
+        else:
+            x, y = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+            attend, step, fixed = linear_attention, linear_step, {}
         if not self.causal:
-            return favor_attention(q, k, v, self.random_features, key_padding_mask=attention_mask, **kwargs)
-        if past_key_values is None:
-            return favor_attention(
-                q,
-                k,
-                v,
-                self.random_features,
-                causal=True,
-                key_padding_mask=attention_mask,
-                chunk_size=self.config.causal_chunk_size,
-                **kwargs,
-            )
-        state = past_key_values.get_state(self.layer_idx)
-        if q.shape[2] == 1 and state is not None:
-            out, state = favor_step(q, k, v, self.random_features, state, key_padding_mask=attention_mask, **kwargs)
-        else:  # a prefill, or a prompt fed in pieces
-            out, state = favor_attention(
-                q,
-                k,
-                v,
-                self.random_features,
-                causal=True,
-                key_padding_mask=attention_mask,
-                chunk_size=self.config.causal_chunk_size,
-                initial_state=state,
-                return_state=True,
-                **kwargs,
-            )
-        past_key_values.set_state(self.layer_idx, state)
-        return out
-
-    def _learned_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: LinearAttentionCache | None,
-    ) -> torch.Tensor:
-        """Linear attention of the learned (Hedgehog) features; with a cache, the state is (S, z)."""
-        phi_q = self.feature_map(q, is_query=True)
-        phi_k = self.feature_map(k, is_query=False)
-        if not self.causal:
-            return linear_attention(phi_q, phi_k, v, key_padding_mask=attention_mask)
+            return attend(x, y, v, key_padding_mask=attention_mask, **fixed)
         chunk = self.config.causal_chunk_size
         if past_key_values is None:
-            return linear_attention(phi_q, phi_k, v, causal=True, key_padding_mask=attention_mask, chunk_size=chunk)
+            return attend(x, y, v, causal=True, key_padding_mask=attention_mask, chunk_size=chunk, **fixed)
         state = past_key_values.get_state(self.layer_idx)
         if q.shape[2] == 1 and state is not None:
-            out, state = linear_step(phi_q, phi_k, v, state, key_padding_mask=attention_mask)
+            out, state = step(x, y, v, state=state, key_padding_mask=attention_mask, **fixed)
         else:  # a prefill, or a prompt fed in pieces
-            out, state = linear_attention(
-                phi_q,
-                phi_k,
+            out, state = attend(
+                x,
+                y,
                 v,
                 causal=True,
                 key_padding_mask=attention_mask,
                 chunk_size=chunk,
                 initial_state=state,
                 return_state=True,
+                **fixed,
             )
         past_key_values.set_state(self.layer_idx, state)
         return out
