@@ -38,6 +38,14 @@ class PerformerConfig(LinearAttentionConfig):
         kernel_eps: the ReLU kernel's additive epsilon (default 1e-3).
         causal_chunk_size: chunk of the causal prefix sums, in tokens: a speed / memory trade-off that, up to rounding,
             does not change the result (default 32; e.g. 64).
+        hybrid_window: w, or None for plain linear heads (default None; e.g. 64). When set, each global head takes
+            exact softmax scores on its window (causal: the last w keys, itself included; bidirectional: the keys
+            with |s - t| < w) and the feature map's linear scores on all other keys, the two normalized together
+            with a learned per-head balance gamma = exp(window_balance), which starts at 1 (LoLCATs, Zhang et al.
+            2024; see ``attention.hybrid``). Works with kernel "softmax", "relu" and "hedgehog" alike; with the
+            random "softmax" features the linear scores keep the softmax's scale, so that at gamma = 1 a head
+            estimates softmax attention (exact on the window, FAVOR+ elsewhere). Decoding keeps the last w - 1
+            keys, values and key features besides the (S, z) sums: memory still constant in the context length.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -50,6 +58,7 @@ class PerformerConfig(LinearAttentionConfig):
     feature_seed: int = 0
     kernel_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
     causal_chunk_size: int = positive(default=32)
+    hybrid_window: int | None = at_least_or_none(1)(default=None)
 
     @property
     def random_feature_kernel(self) -> bool:

@@ -142,6 +142,15 @@ def _local_heads_text(config) -> str:
     )
 
 
+def _hybrid_text(config) -> str:
+    if not config.hybrid_window:
+        return ""
+    return (
+        f" Each global head adds exact softmax attention over a window of {config.hybrid_window} tokens to its linear "
+        "attention on the other keys, normalized together with a learned per-head balance (LoLCATs hybrid)."
+    )
+
+
 def _hedgehog_text(config) -> tuple[str, str, list[str]]:
     summary = (
         f" with a learned Hedgehog feature map (m={config.num_random_features} features per head, "
@@ -151,7 +160,7 @@ def _hedgehog_text(config) -> tuple[str, str, list[str]]:
         f"- learned feature map per head: m = {config.num_random_features} (hedgehog kernel), trained and saved "
         f"with the weights; never redrawn\n- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
         f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
-        f"{_local_heads_text(config)}"
+        f"{_local_heads_text(config)}{_hybrid_text(config)}"
     )
     limits = [
         "The Hedgehog map is learned with the model: it imitates softmax attention only as well as training made it."
@@ -181,7 +190,7 @@ def _performer_text(config) -> tuple[str, str, list[str]]:
         f"the weights; redrawn {redraw}, deterministically from feature_seed={config.feature_seed}\n"
         f"- causal chunk size: {config.causal_chunk_size}\n- position embeddings: "
         f"{config.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
-        f"{_local_heads_text(config)}"
+        f"{_local_heads_text(config)}{_hybrid_text(config)}"
     )
     if config.kernel == "softmax":
         limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]

@@ -5,10 +5,15 @@ FAVOR+ approximates the softmax attention a checkpoint was trained with, and Lin
   * Linformer E / F: the identity when k = n (the converted model then equals the original exactly, causal
     included), otherwise mean pooling over windows of n / k positions (each slot starts as the average of its
     window's keys / values);
-  * Performer: its random features (a buffer drawn from the config's seed);
+  * Performer: its random features (a buffer drawn from the config's seed), or a learned feature map
+    (``kernel="hedgehog"``) and per-head window balances at the model's own initialization;
   * local-head relative-position biases: zeros.
 
+The new attention parameters can then be fit to the original's attention (``transfer=``, attention transfer,
+see ``transfer.py``) before the model is returned or saved.
+
     python -m linearformers.modeling.convert bert-folder out-folder --family performer --num_random_features 256
+    python -m linearformers.modeling.convert bert-folder out-folder --kernel hedgehog --transfer_file text.txt
 """
 
 from __future__ import annotations
@@ -24,11 +29,19 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
 from .. import modeling
 from .registry import FAMILIES, HEADS, Family, Head, get_family
+from .transfer import (
+    FINETUNE_MODES,
+    TransferArguments,
+    TransferReport,
+    attention_transfer,
+    default_block_length,
+    text_blocks,
+)
 
 # head weights: BERT module -> ours, by head suffix
 BERT_HEAD_WEIGHTS = {
@@ -57,18 +70,24 @@ BERT_LAYER = {
 # one GPT-2 block's Conv1D modules -> our nn.Linear modules (c_attn is split into q, k, v separately)
 GPT2_LINEAR = {"attn.c_proj": "attention.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 # the names of the tensors a converted model has that no checkpoint holds, and how they start (see the docstring)
-NEW_TENSORS = ("e_proj", "f_proj", "shared_projection", "relative_bias", "random_features")
+NEW_TENSORS = ("e_proj", "f_proj", "shared_projection", "relative_bias", "random_features", "window_balance")
+# modules whose every tensor is new: the learned feature maps, left at the model's initialization
+NEW_MODULES = ("feature_map",)
+# the files that make a tokenizer: a folder without any of them has none (transformers would build an empty one)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
 
 
 @dataclass
 class ConversionReport:
-    """What the conversion did: source -> target weights, new parameters initialized, source keys ignored."""
+    """What the conversion did: source -> target weights, new parameters initialized, source keys ignored, and the
+    attention transfer when one ran (``transfer``)."""
 
     source: str
     target: str
     mapped: list[tuple[str, str]] = field(default_factory=list)
     initialized: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    transfer: TransferReport | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -78,6 +97,8 @@ class ConversionReport:
         ]
         if self.ignored:
             lines.append(f"  ignored {len(self.ignored)} source tensors: {', '.join(self.ignored)}")
+        if self.transfer is not None:
+            lines.append(str(self.transfer))
         return "\n".join(lines)
 
 
@@ -190,12 +211,16 @@ def _new_model(family: Family, head: Head, fields: dict, max_positions: int, ove
 
 
 def _init_new(model: nn.Module) -> list[str]:
-    """Initialize the tensors no checkpoint holds (``NEW_TENSORS``); returns their names. Linformer's E / F start
-    as the identity (k = n) or window means, local-head biases at zero; Performer features are already drawn."""
+    """Initialize the tensors no checkpoint holds (``NEW_TENSORS``, and those of ``NEW_MODULES``); returns their
+    names. Linformer's E / F start as the identity (k = n) or window means, local-head biases at zero; Performer
+    features are already drawn, and learned feature maps and window balances keep the model's initialization."""
     initialized = []
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name, tensor in tensors.items():
-        kind = name.rsplit(".", 1)[-1]
+        module, _, kind = name.rpartition(".")
+        if module.rpartition(".")[-1] in NEW_MODULES:
+            initialized.append(name)
+            continue
         if kind not in NEW_TENSORS:
             continue
         if kind in ("e_proj", "f_proj", "shared_projection"):
@@ -326,6 +351,64 @@ def _gpt2_copies(num_layers: int) -> list[Copy]:
     return copies
 
 
+def _source_tokenizer(source: PreTrainedModel | str | Path, **hub) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved with ``source`` (a folder or Hub id, or a model loaded from one: its ``name_or_path``),
+    loaded with AutoTokenizer and ``hub`` (revision, cache_dir, ...); None when it has no tokenizer files."""
+    where = getattr(source, "name_or_path", "") if isinstance(source, PreTrainedModel) else str(source)
+    if not where:
+        return None
+    found = (cached_file(where, name, _raise_exceptions_for_missing_entries=False, **hub) for name in TOKENIZER_FILES)
+    if not any(found):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(where, **hub)
+
+
+def _check_transfer_request(transfer, transfer_texts, tokenizer) -> None:
+    """Fail before any loading on a transfer request that cannot run."""
+    if transfer is None:
+        if transfer_texts is not None or tokenizer is not None:
+            raise ValueError(
+                "transfer_texts and tokenizer are for attention transfer: pass transfer=TransferArguments(...) too"
+            )
+        return
+    if not isinstance(transfer, TransferArguments):
+        raise TypeError(f"transfer must be TransferArguments, got {type(transfer).__name__}")
+    if transfer_texts is None:
+        raise ValueError(
+            "transfer=TransferArguments(...) needs transfer_texts: the path of a text file or a list of strings to "
+            "fit the attention on"
+        )
+
+
+def _transfer(
+    model: PreTrainedModel,
+    source: PreTrainedModel,
+    given: PreTrainedModel | str | Path,
+    report: ConversionReport,
+    transfer: TransferArguments | None,
+    transfer_texts,
+    tokenizer: PreTrainedTokenizerBase | None,
+    hub: dict,
+    wrap: bool,
+) -> None:
+    """Run attention transfer on the converted ``model`` when asked; its report goes to ``report.transfer``."""
+    if transfer is None:
+        return
+    if tokenizer is None:
+        tokenizer = _source_tokenizer(given, **hub)
+    if tokenizer is None:
+        where = given if isinstance(given, str | Path) else type(given).__name__
+        raise ValueError(
+            f"attention transfer tokenizes transfer_texts, and {str(where)!r} comes with no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); pass tokenizer=AutoTokenizer.from_pretrained(...) of the checkpoint"
+        )
+    length = transfer.max_length or default_block_length(model)
+    ids = text_blocks(tokenizer, transfer_texts, length, wrap=wrap)
+    report.transfer = attention_transfer(model, source, ids, args=transfer)
+
+
 def convert_bert(
     source: PreTrainedModel | str | Path,
     family: str = "performer",
@@ -334,6 +417,9 @@ def convert_bert(
     cache_dir: str | Path | None = None,
     token: str | bool | None = None,
     local_files_only: bool = False,
+    transfer: TransferArguments | None = None,
+    transfer_texts: str | Path | Sequence[str] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     **config_overrides,
 ) -> tuple[PreTrainedModel, ConversionReport]:
     """Convert a ``BertModel`` / ``BertFor*`` into the matching ``Linformer*`` / ``Performer*``.
@@ -341,9 +427,16 @@ def convert_bert(
     ``source`` is a model, a folder, or a Hub id (``"google-bert/bert-base-uncased"``), loaded as
     ``from_pretrained`` loads it, with ``revision``, ``cache_dir``, ``token`` and ``local_files_only`` passed on.
     ``config_overrides`` set fields of the family's config, typically the attention's (e.g.
-    ``num_random_features=256``, ``feature_redraw_interval=None`` or ``projected_length=128``); a name the config
-    does not have raises a ValueError naming close matches. Returns ``(model, ConversionReport)``.
+    ``num_random_features=256``, ``feature_redraw_interval=None``, ``kernel="hedgehog"`` or
+    ``projected_length=128``); a name the config does not have raises a ValueError naming close matches.
+
+    ``transfer``: run attention transfer (``linearformers.modeling.transfer``) on the converted model, fitting its
+    new attention parameters to BERT's attention on ``transfer_texts`` (a text file's path or a list of strings),
+    tokenized by ``tokenizer`` (default: the one saved with ``source``) into [CLS] ... [SEP] blocks of
+    ``transfer.max_length`` tokens. Returns ``(model, ConversionReport)``; the report's ``transfer`` holds the
+    TransferReport.
     """
+    _check_transfer_request(transfer, transfer_texts, tokenizer)
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     bert = _load(source, "convert_bert", hub)
@@ -376,7 +469,9 @@ def convert_bert(
         # a BERT saved without its pooler (BertModel(add_pooling_layer=False)) into a stack that has one: the
         # pooler stays at its fresh initialization (token classification, QA and masked LM have none)
         fresh = [key for key in model_keys if key.startswith(ours + "pooler.")]
-    return _copy_weights(model, bert, _bert_copies(state, head, set(model_keys)), fresh=fresh)
+    model, report = _copy_weights(model, bert, _bert_copies(state, head, set(model_keys)), fresh=fresh)
+    _transfer(model, bert, source, report, transfer, transfer_texts, tokenizer, hub, wrap=True)
+    return model, report
 
 
 def convert_gpt2(
@@ -387,14 +482,19 @@ def convert_gpt2(
     cache_dir: str | Path | None = None,
     token: str | bool | None = None,
     local_files_only: bool = False,
+    transfer: TransferArguments | None = None,
+    transfer_texts: str | Path | Sequence[str] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     **config_overrides,
 ) -> tuple[PreTrainedModel, ConversionReport]:
     """Convert a ``GPT2LMHeadModel`` into ``LinformerForCausalLM`` / ``PerformerForCausalLM``.
 
     ``source`` and the Hub arguments as for :func:`convert_bert`. GPT-2's Conv1D weights are transposed into
-    nn.Linear layout and ``c_attn`` is split into q, k, v. ``config_overrides`` as for :func:`convert_bert`.
-    Returns ``(model, ConversionReport)``.
+    nn.Linear layout and ``c_attn`` is split into q, k, v. ``config_overrides`` and ``transfer``,
+    ``transfer_texts``, ``tokenizer`` as for :func:`convert_bert`, with plain blocks of tokens (no special tokens;
+    the eos token between texts). Returns ``(model, ConversionReport)``.
     """
+    _check_transfer_request(transfer, transfer_texts, tokenizer)
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     gpt2 = _load(source, "convert_gpt2", hub)
@@ -420,7 +520,30 @@ def convert_gpt2(
     )
     model = _new_model(target, head, fields, gc.n_positions, config_overrides)
     # lm_head.weight is GPT-2's copy of the tied word embeddings
-    return _copy_weights(model, gpt2, _gpt2_copies(gc.n_layer), tied=("lm_head.weight",))
+    model, report = _copy_weights(model, gpt2, _gpt2_copies(gc.n_layer), tied=("lm_head.weight",))
+    _transfer(model, gpt2, source, report, transfer, transfer_texts, tokenizer, hub, wrap=False)
+    return model, report
+
+
+# CLI flags that set config fields when given: Performer's, then Linformer's (a flag of the other family raises)
+CONFIG_FLAGS = {
+    "num_random_features": int,
+    "kernel": str,
+    "hybrid_window": int,
+    "projected_length": int,
+    "max_seq_length": int,
+}
+# CLI flags of attention transfer -> TransferArguments fields
+TRANSFER_FLAGS = {
+    "transfer_steps": ("steps", int),
+    "transfer_lr": ("learning_rate", float),
+    "transfer_batch_size": ("batch_size", int),
+    "transfer_length": ("max_length", int),
+    "finetune_steps": ("finetune_steps", int),
+    "finetune": ("finetune", str),
+    "finetune_lr": ("finetune_learning_rate", float),
+    "lora_r": ("lora_r", int),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -428,32 +551,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", help="folder or Hub id of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
     parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
-    parser.add_argument("--num_random_features", type=int)
-    parser.add_argument("--projected_length", type=int)
-    parser.add_argument("--max_seq_length", type=int)
+    for name, kind in CONFIG_FLAGS.items():
+        parser.add_argument(f"--{name}", type=kind, help=f"the config's {name} (default: the family's)")
     parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
     parser.add_argument("--cache_dir", help="Hugging Face cache folder (default: the usual HF cache)")
+    group = parser.add_argument_group(
+        "attention transfer", "fit the new attention parameters to the original's attention before saving"
+    )
+    group.add_argument("--transfer_file", help="UTF-8 text file to fit on; needs a tokenizer saved with the source")
+    for flag, (name, kind) in TRANSFER_FLAGS.items():
+        choices = FINETUNE_MODES if name == "finetune" else None
+        default = getattr(TransferArguments, name)
+        group.add_argument(f"--{flag}", type=kind, choices=choices, help=f"TransferArguments.{name} ({default})")
     args = parser.parse_args(argv)
     hub = dict(revision=args.revision, cache_dir=args.cache_dir)
+    given = {flag: getattr(args, flag) for flag in TRANSFER_FLAGS if getattr(args, flag) is not None}
+    transfer = None
+    if args.transfer_file is not None:
+        try:
+            transfer = TransferArguments(**{TRANSFER_FLAGS[flag][0]: value for flag, value in given.items()})
+        except (TypeError, ValueError) as error:
+            parser.error(str(error))
+    elif given:
+        parser.error(f"--{next(iter(given))} is a setting of attention transfer, which needs --transfer_file")
     convert = convert_gpt2 if _config_dict(args.source, hub).get("model_type") == "gpt2" else convert_bert
-    names = ("num_random_features",) if args.family == "performer" else ("projected_length", "max_seq_length")
-    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}  # None: not given
-    model, report = convert(args.source, args.family, **hub, **overrides)
-    model.save_pretrained(args.output)
+    overrides = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k) is not None}  # None: not given
     # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
     # builds an empty tokenizer of the model type, which would be saved as if it were real
-    tokenizer_files = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
-    found = (
-        cached_file(args.source, name, _raise_exceptions_for_missing_entries=False, **hub) for name in tokenizer_files
-    )
-    if any(found):
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(args.source, **hub).save_pretrained(args.output)
+    tokenizer = _source_tokenizer(args.source, **hub)
+    if transfer is not None:
+        overrides.update(transfer=transfer, transfer_texts=args.transfer_file, tokenizer=tokenizer)
+    # the transfer runs inside convert, before anything is written: a failed run leaves no half-made folder
+    model, report = convert(args.source, args.family, **hub, **overrides)
+    model.save_pretrained(args.output)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.output)
     print(report)
 
 
-__all__ = ["ConversionReport", "convert_bert", "convert_gpt2"]
+__all__ = ["ConversionReport", "TransferArguments", "convert_bert", "convert_gpt2"]
 
 if __name__ == "__main__":
     main()

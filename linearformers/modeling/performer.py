@@ -9,6 +9,8 @@ GPT-2-style decoder (config.is_decoder=True): PerformerForCausalLM.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import GenerationMixin
@@ -19,10 +21,15 @@ from .attention import (
     HedgehogFeatureMap,
     draw_random_features,
     favor_attention,
+    favor_positive,
     favor_step,
+    hybrid_attention,
+    hybrid_step,
     linear_attention,
     linear_step,
+    relu_features,
 )
+from .attention.feature_maps import favor_exponents
 from .attention.seeds import mix_seed
 from .base import (
     LinearAttentionForCausalLM,
@@ -46,7 +53,12 @@ class PerformerAttention(LinearAttention):
     :class:`HedgehogFeatureMap` over the global heads with ``num_random_features`` features, whose parameters
     (``feature_map.weight``, ``feature_map.bias``, ``feature_map.key_weight``, ``feature_map.key_bias``) train and
     save with the layer. Such a layer has no random features (``random_features`` is None, not in the state dict),
-    is never redrawn, and its decoding state is (S, z) (plain linear attention, see ``attention.linear``)."""
+    is never redrawn, and its decoding state is (S, z) (plain linear attention, see ``attention.linear``).
+
+    With ``config.hybrid_window`` w set, each global head is the hybrid of ``attention.hybrid`` (LoLCATs): exact
+    softmax on its window of w keys, the layer's feature map (random or learned) on the others, balanced by
+    gamma = exp(``window_balance``), a parameter (global heads,) that starts at 0; its decoding state is the
+    six-tensor ``HybridState``. Without a hybrid_window the layer has no ``window_balance``."""
 
     kernel_name = "FAVOR+ (Performer)"
 
@@ -63,12 +75,16 @@ class PerformerAttention(LinearAttention):
                 if self.num_global
                 else None
             )
+        self.window_balance = (
+            nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
+        )
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
             f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
+            f"{f', hybrid_window={c.hybrid_window}' if c.hybrid_window else ''}"
         )
 
     def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
@@ -91,9 +107,14 @@ class PerformerAttention(LinearAttention):
         past_key_values: LinearAttentionCache | None,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        # the random FAVOR+ map is fused into its kernels (q, k in); a learned map's features go to linear attention
-        if self.feature_map is None:
-            x, y = q, k
+        # the op pair and what goes in: the hybrid takes q, k and the map's features; the random FAVOR+ map is fused
+        # into its kernels (q, k in); a learned map's features go to linear attention
+        if self.window_balance is not None:
+            phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
+            inputs = (q, k, v, phi_q, phi_k, torch.exp(self.window_balance), self.config.hybrid_window)
+            attend, step, fixed = hybrid_attention, hybrid_step, {"query_log_scale": log_scale}
+        elif self.feature_map is None:
+            inputs = (q, k, v)
             attend, step = favor_attention, favor_step
             fixed = {
                 "projection": self.random_features,
@@ -101,30 +122,52 @@ class PerformerAttention(LinearAttention):
                 "kernel_eps": self.config.kernel_eps,
             }
         else:
-            x, y = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+            inputs = (self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), v)
             attend, step, fixed = linear_attention, linear_step, {}
         if not self.causal:
-            return attend(x, y, v, key_padding_mask=attention_mask, **fixed)
-        chunk = self.config.causal_chunk_size
+            return attend(*inputs, causal=False, key_padding_mask=attention_mask, **fixed)
+        # the causal linear ops' chunk; the hybrid works by blocks of its window
+        chunked = {} if attend is hybrid_attention else {"chunk_size": self.config.causal_chunk_size}
         if past_key_values is None:
-            return attend(x, y, v, causal=True, key_padding_mask=attention_mask, chunk_size=chunk, **fixed)
+            return attend(*inputs, causal=True, key_padding_mask=attention_mask, **chunked, **fixed)
         state = past_key_values.get_state(self.layer_idx)
         if q.shape[2] == 1 and state is not None:
-            out, state = step(x, y, v, state=state, key_padding_mask=attention_mask, **fixed)
+            out, state = step(*inputs, state=state, key_padding_mask=attention_mask, **fixed)
         else:  # a prefill, or a prompt fed in pieces
             out, state = attend(
-                x,
-                y,
-                v,
+                *inputs,
                 causal=True,
                 key_padding_mask=attention_mask,
-                chunk_size=chunk,
                 initial_state=state,
                 return_state=True,
+                **chunked,
                 **fixed,
             )
         past_key_values.set_state(self.layer_idx, state)
         return out
+
+    def hybrid_features(
+        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The linear part's features of the hybrid: phi_q, phi_k (batch, global heads, n, m), float32, and the
+        queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes (None but for FAVOR+).
+
+        The random "softmax" map: the positive features of ``favor_positive``, whose query features have their row
+        maximum u_t taken off (detached: it cancels against ℓ) and lack the estimator's 1/m, so
+        phi_q·phi_k = m exp(scale q·k - u_t) in expectation (Lemma 1); ℓ_t = u_t - log m puts them back on the
+        softmax's scale, and the window's exact scores and the FAVOR+ estimate elsewhere then add up to an estimate
+        of softmax attention at gamma = 1. "relu" and the learned map are attentions of their own, whose scale
+        gamma learns against: ℓ = None, LoLCATs' form."""
+        if self.feature_map is not None:
+            return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None
+        projection, c = self.random_features, self.config
+        if c.kernel == "relu":
+            phi_q = relu_features(q, projection, eps=c.kernel_eps)
+            return phi_q, relu_features(k, projection, eps=c.kernel_eps, key_padding_mask=attention_mask), None
+        u = favor_exponents(q, projection, is_query=True)
+        top = u.amax(dim=-1, keepdim=True).detach()
+        phi_k = favor_positive(k, projection, is_query=False, key_padding_mask=attention_mask)
+        return torch.exp(u - top), phi_k, top.squeeze(-1) - math.log(projection.shape[0])
 
 
 def _redraw_step(
@@ -175,6 +218,8 @@ class PerformerPreTrainedModel(LinearAttentionPreTrainedModel):
                     continue
                 init.copy_(weight, module.initial_weight(weight))
                 init.zeros_(bias)
+        if isinstance(module, PerformerAttention) and module.window_balance is not None:
+            init.zeros_(module.window_balance)  # gamma = 1: the window and the linear part on an equal footing
         if isinstance(module, PerformerModel):
             init.zeros_(module.feature_redraws)
 

@@ -92,6 +92,8 @@ def _refused(cls, kwargs, cause):
         (PerformerConfig, dict(hidden_dropout_prob=float("nan"))),
         (PerformerConfig, dict(classifier_dropout=1.0)),
         (PerformerConfig, dict(kernel_eps=-1e-3)),
+        (PerformerConfig, dict(hybrid_window=0)),
+        (PerformerConfig, dict(hybrid_window=-1)),
     ],
 )
 def test_a_value_out_of_its_field_range_is_refused_naming_the_field_and_the_value(cls, kwargs):
@@ -134,10 +136,11 @@ def test_configs_round_trip_through_json(tmp_path):
     cfg.save_pretrained(tmp_path)
     again = LinformerConfig.from_pretrained(tmp_path)
     assert (again.projected_length, again.sharing, again.max_seq_length) == (64, "key_value", 512)
-    pc = PerformerConfig(num_random_features=64, kernel="relu", feature_seed=7)
+    pc = PerformerConfig(num_random_features=64, kernel="relu", feature_seed=7, hybrid_window=64)
     pc.save_pretrained(tmp_path / "p")
     again = PerformerConfig.from_pretrained(tmp_path / "p")
-    assert (again.num_random_features, again.kernel, again.feature_seed) == (64, "relu", 7)
+    assert (again.num_random_features, again.kernel, again.feature_seed, again.hybrid_window) == (64, "relu", 7, 64)
+    assert PerformerConfig().hybrid_window is None
 
 
 def test_max_seq_length_defaults_to_max_position_embeddings():
@@ -152,6 +155,8 @@ def test_max_seq_length_defaults_to_max_position_embeddings():
         (PerformerConfig, dict(is_decoder="yes"), "expected bool, got str (value: 'yes')"),
         (PerformerConfig, dict(num_random_features=True), "expected int, got bool (value: True)"),
         (PerformerConfig, dict(feature_redraw_interval=2.5), "expected int, got float (value: 2.5)"),
+        (PerformerConfig, dict(hybrid_window=2.5), "expected int, got float (value: 2.5)"),
+        (PerformerConfig, dict(hybrid_window=True), "expected int, got bool (value: True)"),
         (PerformerConfig, dict(kernel=3), "got 3"),
         (LinformerConfig, dict(sharing=None), "got None"),
         (

@@ -282,3 +282,85 @@ def test_converters_take_hub_ids_resolved_through_the_cache(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GPT2LMHeadModel -> LinformerForCausalLM" in done.stdout
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_hedgehog_conversion_maps_every_weight_and_starts_the_maps_at_their_init(convert):
+    torch.manual_seed(0)
+    if convert == "bert":
+        source = BertModel(BertConfig(**SMALL_BERT))
+        model, report = convert_bert(source, "performer", kernel="hedgehog", num_random_features=16)
+    else:
+        source = GPT2LMHeadModel(
+            GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+        )
+        model, report = convert_gpt2(source, "performer", kernel="hedgehog", num_random_features=16)
+    maps = [name for name in model.state_dict() if ".feature_map." in name]
+    assert len(maps) == 2 * 4 and set(maps) <= set(report.initialized)
+    fresh = type(model)(model.config)
+    for name in maps:  # head_dim 8 and m / 2 = 8: the identity, whatever the seed
+        torch.testing.assert_close(model.state_dict()[name], fresh.state_dict()[name], rtol=0, atol=0)
+
+
+def test_transfer_requests_of_the_converters_are_checked_before_converting(tokenizer_dir):
+    from linearformers.modeling.transfer import TransferArguments
+
+    bert = BertModel(BertConfig(**SMALL_BERT))
+    with pytest.raises(ValueError, match=r"transfer_texts and tokenizer are for attention transfer"):
+        convert_bert(bert, "performer", transfer_texts=["some text"])
+    with pytest.raises(ValueError, match=r"needs transfer_texts"):
+        convert_bert(bert, "performer", kernel="hedgehog", transfer=TransferArguments())
+    with pytest.raises(TypeError, match=r"transfer must be TransferArguments, got dict"):
+        convert_bert(bert, "performer", transfer={"steps": 5}, transfer_texts=["some text"])
+    with pytest.raises(ValueError, match=r"comes with no tokenizer.*pass tokenizer="):
+        convert_bert(bert, "performer", kernel="hedgehog", transfer=TransferArguments(), transfer_texts=["text"])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with pytest.raises(ValueError, match=r"input_ids hold \d+, outside 0 \.\. 59 of the vocabulary"):
+        convert_bert(
+            bert,
+            "performer",
+            kernel="hedgehog",
+            num_random_features=16,
+            transfer=TransferArguments(max_length=16, batch_size=2, progress=False),
+            transfer_texts=["Linear attention lets transformers read long documents."] * 20,
+            tokenizer=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, convert):
+    from linearformers.modeling.transfer import TransferArguments, TransferReport
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if convert == "bert":
+        source = BertModel(BertConfig(**{**SMALL_BERT, "vocab_size": tokenizer.vocab_size}))
+    else:
+        small = dict(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        source = GPT2LMHeadModel(GPT2Config(**small, bos_token_id=0, eos_token_id=0))
+    args = TransferArguments(steps=3, batch_size=2, max_length=16, progress=False)
+    texts = ["Performers approximate softmax attention with positive random features."] * 12
+    model, report = (convert_bert if convert == "bert" else convert_gpt2)(
+        source,
+        "performer",
+        kernel="hedgehog",
+        num_random_features=16,
+        transfer=args,
+        transfer_texts=texts,
+        tokenizer=tokenizer,
+    )
+    assert isinstance(report.transfer, TransferReport) and report.transfer.steps == 3
+    assert len(report.transfer.error_after) == 2 and str(report.transfer) in str(report)
+    name = ("model." if convert == "gpt2" else "") + "layers.0.attention.feature_map.weight"
+    start = type(model)(model.config).state_dict()[name]  # the map's init, which the returned model has left
+    assert not torch.equal(model.state_dict()[name], start)
+
+
+def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
+    from linearformers.modeling.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "hedgehog", "--num_random_features", "16"])
+    assert AutoModel.from_pretrained(tmp_path / "out").config.kernel == "hedgehog"
+    with pytest.raises(ValueError, match=r"projected_length.*LinformerConfig field.*family='linformer'"):
+        main([str(tmp_path / "bert"), str(tmp_path / "other"), "--projected_length", "16"])

@@ -13,6 +13,20 @@ keeps every a_ts in (0, gamma_h], and, as in the paper, it makes gamma's effecti
 query-dependent (the window part is gamma exp(-c_t) times the unstabilized scores). Padded keys leave both parts;
 a query with no real key outputs 0. :func:`reference.hybrid_reference` is the (n x n) definition.
 
+Features on the softmax's own scale (``query_log_scale`` ℓ, (b, h, n)): the linear scores become
+
+    b_ts = exp(ℓ_t - c_t) phi_q,t · phi_k,s
+
+so that exp(ℓ_t) phi_q,t · phi_k,s estimates exp(scale q_t·k_s) and both parts carry the same exp(-c_t): with
+gamma = 1 the hybrid then estimates softmax attention over all the keys. For FAVOR+'s positive features
+(:func:`feature_maps.favor_positive`), whose query features have their row maximum u_t taken off and which lack
+the estimator's 1/m, ℓ_t = u_t - log m. A learned map's scores are taken as they are (ℓ = None): the paper's form.
+The computation takes c'_t = max(c_t, ℓ_t - R), R = 50, off both parts instead of c_t, a factor per query that
+cancels in the normalization, with exp(ℓ_t - c'_t) formed from the logs in float32: every window score stays at
+most gamma_h and the linear factor at most e^R (5e21), so nothing overflows however far ℓ_t lies above the window
+logits, while the window part underflows only where ℓ_t passes them by more than R + 87 (float32's smallest
+normal is e^-87). Where ℓ_t - c_t <= R, this is exactly the definition above.
+
 Computed by blocks of B = w queries. In the frame of keys [(c - 1) B, (c + 1) B) (causal) or [(c - 1) B, (c + 2) B)
 (bidirectional) around query block c, every key is either in the query's window or a linear key, and all keys
 outside the frame are linear keys: they come in through block states, the per-block sums phi_kᵀ [v, 1] summed over
@@ -35,6 +49,10 @@ import torch.nn.functional as F
 from ._checks import check_mask, check_qkv
 from ._precision import outside_autocast
 
+# R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
+# times sums over a million keys of features up to a thousand
+_LOG_SCALE_HEADROOM = 50.0
+
 
 class HybridState(NamedTuple):
     """Decoding state after a causal pass. ``s`` (b, h, m, d) and ``z`` (b, h, m): Σ phi_k vᵀ and Σ phi_k over the
@@ -54,7 +72,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_inputs(q, k, v, phi_q, phi_k, gamma, window):
+def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale):
     check_qkv(q, k, v, same_length=True)
     for name, t in (("phi_q", phi_q), ("phi_k", phi_k)):
         if not isinstance(t, torch.Tensor):
@@ -78,8 +96,22 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window):
         raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
     if tuple(gamma.shape) != (q.shape[1],):
         raise ValueError(f"gamma must be shaped (heads,) = ({q.shape[1]},), got {tuple(gamma.shape)}")
+    if query_log_scale is not None:
+        if not isinstance(query_log_scale, torch.Tensor):
+            raise TypeError(f"query_log_scale must be a torch.Tensor or None, got {type(query_log_scale).__name__}")
+        if not query_log_scale.is_floating_point():
+            raise TypeError(f"query_log_scale must be a floating-point tensor, got {query_log_scale.dtype}")
+        if tuple(query_log_scale.shape) != tuple(q.shape[:3]):
+            raise ValueError(
+                f"query_log_scale must be shaped (batch, heads, length) = {tuple(q.shape[:3])}, got "
+                f"{tuple(query_log_scale.shape)}"
+            )
+    if torch.compiler.is_compiling():
+        return  # reading the values back would sync the host and break the compiled graph
     if bool(((gamma < 0) | ~torch.isfinite(gamma)).any()):
         raise ValueError("gamma must be finite and nonnegative (keep it positive, e.g. the exp of a parameter)")
+    if query_log_scale is not None and not bool(torch.isfinite(query_log_scale).all()):
+        raise ValueError("query_log_scale must be finite")
 
 
 def _check_state(state, b, h, w, d, m, dv, dtype, device) -> HybridState:
@@ -120,9 +152,9 @@ def _blocks_before_after(block_sums: torch.Tensor, causal: bool) -> torch.Tensor
     return out
 
 
-def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base):
+def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base, log_scale):
     """All inputs in the compute dtype; valid (b, n) bool; base (b, h, m, d + 1) added to every block's state, or
-    None. Returns (b, h, n, d)."""
+    None; log_scale (b, h, n), the queries' ℓ, or None. Returns (b, h, n, d)."""
     b, h, n, d = q.shape
     blk = window
     pad_end = (-n) % blk
@@ -155,6 +187,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base):
     logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
+    if log_scale is not None:
+        ell = blocks(log_scale[..., None])  # (b, h, nb, blk, 1)
+        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, which cancels
+        pqb = pqb * torch.exp(ell - c)  # <= e^R: scales the in-frame linear scores and the block states alike
     scores = gamma.to(q.dtype)[None, :, None, None, None] * torch.exp(logits - c)
     scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
     acc = scores @ vf  # (b, h, nb, blk, d + 1)
@@ -185,6 +221,7 @@ def hybrid_attention(
     scale: float | None = None,
     initial_state: HybridState | None = None,
     return_state: bool = False,
+    query_log_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridState]:
     """Sliding-window softmax + linear attention (module docstring).
 
@@ -198,10 +235,14 @@ def hybrid_attention(
         scale: softmax logit scale, head_dim ** -0.5 by default.
         initial_state: causal only, the state of an earlier call (continued prefill / decoding).
         return_state: causal only, also return the :class:`HybridState` after these tokens.
+        query_log_scale: (batch, heads, n) finite ℓ_t, or None: the linear scores of query t are multiplied by
+            exp(ℓ_t - c_t), which puts features on the softmax's scale (FAVOR+: ℓ_t = u_t - log m, module
+            docstring). Per query, so a state carries nothing of it: pass each call its own queries' ℓ.
 
-    Gradients reach q, k, v, phi_q, phi_k and gamma. Returns (batch, heads, n, d_v) in v's dtype (and the state).
+    Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
+    (and the state).
     """
-    _check_inputs(q, k, v, phi_q, phi_k, gamma, window)
+    _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
     b, h, n, d = q.shape
@@ -211,6 +252,7 @@ def hybrid_attention(
     dtype = _compute_dtype(q, k, v, phi_q, phi_k)
     scale = d**-0.5 if scale is None else scale
     qc, kc, vc, pqc, pkc = (x.to(dtype) for x in (q, k, v, phi_q, phi_k))
+    ell = None if query_log_scale is None else query_log_scale.to(dtype)
     base = None
     p = 0
     past = None
@@ -221,11 +263,12 @@ def hybrid_attention(
         # the kept window's keys come first, with zero queries whose rows are dropped below
         qc = torch.cat([qc.new_zeros(b, h, p, d), qc], 2)
         pqc = torch.cat([pqc.new_zeros(b, h, p, m), pqc], 2)
+        ell = None if ell is None else torch.cat([ell.new_zeros(b, h, p), ell], 2)
         kc = torch.cat([past.k.to(dtype), kc], 2)
         vc = torch.cat([past.v.to(dtype), vc], 2)
         pkc = torch.cat([past.phi_k.to(dtype), pkc], 2)
         valid = torch.cat([past.valid, valid], 1)
-    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, scale, base)[:, :, p:].to(v.dtype)
+    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, scale, base, ell)[:, :, p:].to(v.dtype)
     if not return_state:
         return out
     # the state: keys before the last w - 1 positions join (S, z); the last w - 1 stay (invalid places in front
@@ -259,9 +302,11 @@ def hybrid_step(
     *,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    query_log_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
     """One causal decoding step (tokens of length 1) from the state of a prefill or of earlier steps (None: the
     first token). Reads the w - 1 kept keys, the new one and (S, z): constant memory and time in the context length.
+    ``query_log_scale`` (batch, heads, 1): the new query's ℓ, as in :func:`hybrid_attention`.
     Returns (out (batch, heads, 1, d_v) in v's dtype, the new state)."""
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"hybrid_step takes one new token, got length {q.shape[2]}; use hybrid_attention to prefill")
@@ -278,4 +323,5 @@ def hybrid_step(
         scale=scale,
         initial_state=state,
         return_state=True,
+        query_log_scale=query_log_scale,
     )

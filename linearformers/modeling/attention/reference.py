@@ -283,6 +283,7 @@ def hybrid_reference(
     causal: bool,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    query_log_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window softmax + linear attention inside a head (LoLCATs, Zhang et al. 2024), as (n x n) matrices.
 
@@ -292,8 +293,9 @@ def hybrid_reference(
         a_ts = gamma_h exp(scale q_t·k_s - c_t)  (s in W(t)),   b_ts = phi_q,t · phi_k,s  (s outside W(t))
         out_t = Σ_s (a_ts + b_ts) v_s / Σ_s (a_ts + b_ts)
 
-    c_t is the largest window logit over real keys. Padded keys leave both parts; a query with no real key outputs
-    0. Computed in the inputs' (promoted) dtype; returns v's dtype.
+    c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ (batch, heads, n), b_ts is
+    multiplied by exp(ℓ_t - c_t) (features on the softmax's scale, see :mod:`hybrid`). Padded keys leave both parts;
+    a query with no real key outputs 0. Computed in the inputs' (promoted) dtype; returns v's dtype.
     """
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), phi_q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -310,6 +312,8 @@ def hybrid_reference(
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     a = gamma.to(dtype)[None, :, None, None] * torch.exp(logits - c)
     b = (phi_q.to(dtype) @ phi_k.to(dtype).transpose(-1, -2)) * lin
+    if query_log_scale is not None:
+        b = b * torch.exp(query_log_scale.to(dtype)[..., None] - c)
     scores = a + b
     den = scores.sum(-1, keepdim=True)
     safe = torch.where(den > 0, den, torch.ones_like(den))

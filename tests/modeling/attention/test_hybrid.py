@@ -1,6 +1,10 @@
+import math
+
 import pytest
 import torch
 
+from linearformers.modeling.attention import draw_random_features, favor_positive
+from linearformers.modeling.attention.feature_maps import favor_exponents
 from linearformers.modeling.attention.hybrid import HybridState, hybrid_attention, hybrid_step
 from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
 
@@ -198,3 +202,118 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="the state's k must be shaped"):
         one = slice(0, 1)
         hybrid_step(q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, 4, state)
+
+
+def _log_scale(n, dtype=torch.float64, seed=5, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return offset + 2.0 * torch.randn(B, H, n, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_log_scale_equals_the_reference(causal, window, padding):
+    n = 11
+    x = _inputs(n)
+    mask = _mask(n, padding)
+    ell = _log_scale(n)
+    out = hybrid_attention(*x, window, causal=causal, key_padding_mask=mask, query_log_scale=ell)
+    ref = hybrid_reference(*x, window, causal=causal, key_padding_mask=mask, query_log_scale=ell)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    # the scale moves the balance between the two parts: the output is not the one without it
+    assert not torch.allclose(out, hybrid_attention(*x, window, causal=causal, key_padding_mask=mask))
+
+
+@pytest.mark.parametrize("offset", [-100.0, 100.0])
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_log_scale_far_from_the_window_logits_neither_overflows_nor_loses_the_reference(causal, offset):
+    # exp(±100) is past float32's range: the op must not form it. Far above, the first causal queries (no linear key)
+    # still need their window part, which a stabilizer of ℓ_t alone would send to 0.
+    x32 = [t.float() for t in _inputs(9)]
+    ell = _log_scale(9, offset=offset)
+    out = hybrid_attention(*x32, 3, causal=causal, query_log_scale=ell.float())
+    ref = hybrid_reference(*(t.double() for t in x32), 3, causal=causal, query_log_scale=ell)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_with_a_query_log_scale_equal_the_reference(causal):
+    mask = _mask(9, "left")
+    grads = []
+    for fn in (hybrid_attention, hybrid_reference):
+        x = [t.clone().requires_grad_(True) for t in (*_inputs(9), _log_scale(9))]
+        out = fn(*x[:6], 3, causal=causal, key_padding_mask=mask, query_log_scale=x[6])
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append([t.grad for t in x])
+    for name, got, want in zip(("q", "k", "v", "phi_q", "phi_k", "gamma", "query_log_scale"), *grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+    assert grads[0][6].abs().sum() > 0
+
+
+def test_prefill_then_steps_with_a_query_log_scale_equal_the_causal_pass():
+    n, window, prefill = 10, 3, 4
+    x = _inputs(n)
+    ell = _log_scale(n)
+    mask = _mask(n, "left")
+    full = hybrid_attention(*x, window, causal=True, key_padding_mask=mask, query_log_scale=ell)
+    q, k, v, phi_q, phi_k, gamma = x
+    cut = slice(0, prefill)
+    out, state = hybrid_attention(
+        q[:, :, cut], k[:, :, cut], v[:, :, cut], phi_q[:, :, cut], phi_k[:, :, cut], gamma, window,
+        causal=True, key_padding_mask=mask[:, cut], return_state=True, query_log_scale=ell[:, :, cut],
+    )  # fmt: skip
+    torch.testing.assert_close(out, full[:, :, cut], rtol=1e-10, atol=1e-12)
+    for t in range(prefill, n):
+        one = slice(t, t + 1)
+        out, state = hybrid_step(
+            q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, window, state,
+            key_padding_mask=mask[:, one], query_log_scale=ell[:, :, one],
+        )  # fmt: skip
+        torch.testing.assert_close(out, full[:, :, one], rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def many_orthogonal_features():
+    return draw_random_features(4096, 8, seed=0, step=0, orthogonal=True).double()  # seconds: drawn once
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_favor_features_on_the_softmax_scale_estimate_softmax_attention(causal, many_orthogonal_features):
+    """FAVOR+ features with ℓ = u - log m and gamma = 1: exact softmax on the window plus the FAVOR+ estimate
+    elsewhere, so with many features the hybrid is close to softmax attention over all keys; without ℓ the linear
+    part is off by a factor m exp(c_t - u_t) per query, and so is the result."""
+    projection = many_orthogonal_features
+    (m, d), n = projection.shape, 12
+    g = torch.Generator().manual_seed(0)
+    # moderate logits: FAVOR+'s variance grows as exp(|q' + k'|²), and m = 4096 keeps it small for these
+    q, k = (0.5 * torch.randn(B, 2, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, 2, n, d, generator=g, dtype=torch.float64)
+    u = favor_exponents(q, projection, is_query=True)
+    top = u.amax(-1, keepdim=True)
+    phi_q, phi_k = torch.exp(u - top), favor_positive(k, projection, is_query=False)
+    ell = top.squeeze(-1) - math.log(m)
+    gamma = torch.ones(2, dtype=torch.float64)
+    exact = softmax_reference(q, k, v, causal=causal)
+    out = hybrid_attention(q, k, v, phi_q, phi_k, gamma, 3, causal=causal, query_log_scale=ell)
+    ref = hybrid_reference(q, k, v, phi_q, phi_k, gamma, 3, causal=causal, query_log_scale=ell)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    err = (out - exact).abs().max()
+    err_unscaled = (hybrid_attention(q, k, v, phi_q, phi_k, gamma, 3, causal=causal) - exact).abs().max()
+    assert err < 0.1, err  # 0.033 causal, 0.026 bidirectional measured
+    assert err_unscaled > 10 * err, (err_unscaled, err)
+
+
+def test_a_bad_query_log_scale_is_named():
+    x = _inputs(6)
+    with pytest.raises(ValueError, match=r"query_log_scale must be shaped \(batch, heads, length\)"):
+        hybrid_attention(*x, 2, causal=True, query_log_scale=_log_scale(5))
+    with pytest.raises(TypeError, match="query_log_scale must be a torch.Tensor"):
+        hybrid_attention(*x, 2, causal=True, query_log_scale=1.0)
+    with pytest.raises(TypeError, match="query_log_scale must be a floating-point"):
+        hybrid_attention(*x, 2, causal=True, query_log_scale=torch.zeros(B, H, 6, dtype=torch.long))
+    bad = _log_scale(6)
+    bad[0, 1, 2] = float("inf")
+    with pytest.raises(ValueError, match="query_log_scale must be finite"):
+        hybrid_attention(*x, 2, causal=False, query_log_scale=bad)

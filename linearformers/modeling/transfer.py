@@ -1,0 +1,590 @@
+"""Attention transfer: fit a converted model's new attention parameters to the softmax attention it replaces.
+
+LoLCATs (Zhang et al. 2024, arXiv 2410.10254), stage 1: with every pretrained weight frozen, train only what the
+conversion added (learned feature maps, window balances, Linformer's E / F, local-head biases) so that each layer's
+attention output matches the original's,
+
+    min  1/L Σ_i  MSE( attn_i(x_i),  softmax(q_i k_iᵀ / sqrt(d)) v_i W_o )        over the real tokens,
+
+where x_i is the input the *original* model gives layer i (its own hidden states, so every layer trains on the
+inputs it will see and no gradient crosses layers), and q_i, k_i, v_i, W_o are the layer's frozen projections. A
+converted model copies the original's q / k / v / o and norms, so that softmax term is the original's attention
+output, computed here from our layer (:func:`softmax_attention_output`) without reading the source's internals.
+
+Stage 2 (optional) fine-tunes the whole model against the original: the MSE of the last hidden states for an
+encoder, the KL divergence from the original's next-token distribution for a decoder; all weights (``"full"``), or
+LoRA on q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merged back into plain weights.
+
+    model, _ = convert_bert("bert-base-uncased", "performer", kernel="hedgehog")
+    report = attention_transfer(model, bert, text_blocks(tokenizer, texts, 512, wrap=True))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from .attention import softmax_attention
+from .base import LinearAttentionPreTrainedModel
+from .layers import LinearAttention
+
+# a parameter is new to a converted model (and trained by attention transfer) if a part of its name is one of these
+TRANSFER_NAMES = ("feature_map", "window_balance", "e_proj", "f_proj", "shared_projection", "relative_bias")
+FINETUNE_MODES = ("full", "lora")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DEFAULT_MAX_LENGTH = 512  # block length when neither the arguments nor the model's limit ask for less
+
+
+@dataclass
+class TransferArguments:
+    """Settings of :func:`attention_transfer`; each is checked at construction (a ValueError names the field).
+
+    Args:
+        steps: optimizer steps of stage 1, attention transfer (default 200).
+        learning_rate: AdamW learning rate of stage 1 (default 1e-2, as LoLCATs).
+        batch_size: blocks per step, both stages (default 8).
+        max_length: tokens per block when texts are tokenized for you (convert_bert / convert_gpt2, the CLI);
+            None: the model's longest input, at most 512 (default None).
+        eval_batches: batches of blocks held out from training to measure the errors and losses before and after,
+            when no evaluation blocks are given (default 1).
+        finetune_steps: optimizer steps of stage 2, distillation from the original; 0 skips it (default 0).
+        finetune: "full" (every weight trains) or "lora" (LoRA on q_proj, k_proj, v_proj, o_proj through PEFT, and
+            the new attention parameters, merged into plain weights afterwards) (default "full").
+        finetune_learning_rate: AdamW learning rate of stage 2 (default 1e-4).
+        lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
+        seed: seed of the block order and of LoRA's initialization; the global RNG is left as it was (default 0).
+        progress: show tqdm progress bars (default True).
+    """
+
+    steps: int = 200
+    learning_rate: float = 1e-2
+    batch_size: int = 8
+    max_length: int | None = None
+    eval_batches: int = 1
+    finetune_steps: int = 0
+    finetune: str = "full"
+    finetune_learning_rate: float = 1e-4
+    lora_r: int = 8
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("batch_size", 1), ("eval_batches", 1), ("finetune_steps", 0), ("lora_r", 1)):
+            _check_int(name, getattr(self, name), low)
+        if self.max_length is not None:
+            _check_int("max_length", self.max_length, 1)
+        _check_int("seed", self.seed, None)
+        for name in ("learning_rate", "finetune_learning_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"TransferArguments.{name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"TransferArguments.{name} must be a finite number > 0, got {value}")
+        if self.finetune not in FINETUNE_MODES:
+            raise ValueError(
+                f"TransferArguments.finetune must be one of {', '.join(map(repr, FINETUNE_MODES))}, got "
+                f"{self.finetune!r}"
+            )
+        if not isinstance(self.progress, bool):
+            raise TypeError(f"TransferArguments.progress must be True or False, got {self.progress!r}")
+
+
+def _check_int(name: str, value: object, low: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TransferArguments.{name} must be an int, got {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"TransferArguments.{name} must be >= {low}, got {value}")
+
+
+@dataclass
+class TransferReport:
+    """What :func:`attention_transfer` did. ``error_before`` / ``error_after``: per layer, the relative error
+    ||attn_i(x_i) - target_i||_F / ||target_i||_F over the real tokens of the evaluation blocks, before and after
+    stage 1 (after stage 2 the targets themselves have moved with q / k / v / o, so stage 2 reports its loss)."""
+
+    parameters: list[str]
+    error_before: list[float]
+    error_after: list[float]
+    steps: int
+    seconds: float
+    loss_first: float
+    loss_last: float
+    eval_blocks: int
+    finetune: str | None = None
+    finetune_loss: str | None = None
+    finetune_steps: int = 0
+    finetune_seconds: float = 0.0
+    finetune_loss_before: float | None = None
+    finetune_loss_after: float | None = None
+    layers: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [
+            f"attention transfer: {len(self.parameters)} new attention tensors trained, {self.steps} steps in "
+            f"{self.seconds:.1f} s (training loss {self.loss_first:.4g} -> {self.loss_last:.4g})",
+            f"  relative error of each layer's attention output on {self.eval_blocks} held-out blocks:",
+            "    layer    before     after",
+        ]
+        for layer, before, after in zip(self.layers, self.error_before, self.error_after):
+            lines.append(f"    {layer:5d}  {before:8.4f}  {after:8.4f}")
+        mean_before = sum(self.error_before) / len(self.error_before)
+        mean_after = sum(self.error_after) / len(self.error_after)
+        lines.append(f"     mean  {mean_before:8.4f}  {mean_after:8.4f}")
+        if self.finetune is not None:
+            lines.append(
+                f"  fine-tune ({self.finetune}): {self.finetune_loss} {self.finetune_loss_before:.4g} -> "
+                f"{self.finetune_loss_after:.4g} on the held-out blocks, {self.finetune_steps} steps in "
+                f"{self.finetune_seconds:.1f} s"
+            )
+        return "\n".join(lines)
+
+
+def _is_transfer_name(name: str) -> bool:
+    return any(part in TRANSFER_NAMES for part in name.split("."))
+
+
+def transfer_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters attention transfer trains: those whose name has a part in ``TRANSFER_NAMES`` (learned feature
+    maps, window balances, Linformer's E / F and shared projection, local-head relative biases), shared ones once.
+    A ValueError says how to get some when the model has none (a random-feature Performer, a pooling Linformer)."""
+    found = [(name, param) for name, param in model.named_parameters() if _is_transfer_name(name)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no new attention parameters for attention transfer to train: its "
+            "attention is fixed once converted (random FAVOR+ features, or pooling E / F). Convert with "
+            "kernel='hedgehog' (a learned feature map), with hybrid_window=... (sliding-window softmax plus linear "
+            "attention, with learned per-head balances), or with family='linformer' (learned E / F)"
+        )
+    return found
+
+
+def softmax_attention_output(
+    attention: LinearAttention, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The layer's attention with exact softmax on every head (global and local), through its own projections:
+
+        o_proj( softmax(Q Kᵀ / sqrt(head_dim)) V ),   Q, K, V = q_proj(x), k_proj(x), v_proj(x) split into heads,
+
+    causal for a decoder. For a converted model this is the original BERT / GPT-2 attention output of that layer.
+
+    hidden_states: (batch, n, hidden_size), the attention's input (after attention_norm in a pre-LN decoder).
+    attention_mask: (batch, n) bool, True for real tokens; None: no padding. Returns (batch, n, hidden_size).
+    """
+    if attention.config.position_embedding_type == "rotary":
+        raise ValueError(
+            "softmax_attention_output needs absolute or sinusoidal positions: this model rotates q and k "
+            "(position_embedding_type='rotary'), which a converted BERT / GPT-2 never does; attention transfer is "
+            "for models made by convert_bert / convert_gpt2"
+        )
+    b, n, _ = hidden_states.shape
+    q, k, v = (attention._split(proj(hidden_states)) for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+    out = softmax_attention(q, k, v, causal=attention.causal, key_padding_mask=attention_mask)
+    return attention.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def text_blocks(
+    tokenizer: PreTrainedTokenizerBase, texts: str | Path | Sequence[str], length: int, *, wrap: bool
+) -> torch.Tensor:
+    """Token blocks of ``texts`` for :func:`attention_transfer`, (num_blocks, length) int64.
+
+    ``texts``: the path of a UTF-8 text file, or a list of strings. The texts are tokenized without special tokens
+    and concatenated (with the tokenizer's eos token between texts when it has one and ``wrap`` is False), then cut
+    into blocks; the incomplete last block is dropped. ``wrap=True`` (BERT): each block is [CLS] + length - 2
+    tokens + [SEP], the input BERT was trained on; ``wrap=False`` (GPT-2): plain runs of ``length`` tokens.
+    """
+    if isinstance(texts, str | Path):
+        path = Path(texts)
+        if not path.is_file():
+            raise ValueError(f"{str(texts)!r} is not a file; pass the path of a text file, or a list of strings")
+        texts = [path.read_text(encoding="utf-8")]
+    elif not (isinstance(texts, Sequence) and all(isinstance(text, str) for text in texts)):
+        raise TypeError(f"texts must be a file path or a list of strings, got {type(texts).__name__}")
+    if isinstance(length, bool) or not isinstance(length, int) or length < (3 if wrap else 1):
+        raise ValueError(f"block length must be an int >= {3 if wrap else 1}, got {length!r}")
+    if wrap and (tokenizer.cls_token_id is None or tokenizer.sep_token_id is None):
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no [CLS] / [SEP] tokens to wrap BERT blocks with; pass the tokenizer of "
+            "the BERT checkpoint"
+        )
+    ids: list[int] = []
+    separator = [] if wrap or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    for index, row in enumerate(tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]):
+        ids += (separator if index else []) + row
+    body = length - 2 if wrap else length
+    count = len(ids) // body
+    if count == 0:
+        raise ValueError(
+            f"the texts give {len(ids)} tokens, fewer than one block of {body} (length {length}); give more text "
+            "or a shorter block length"
+        )
+    blocks = torch.tensor(ids[: count * body], dtype=torch.long).view(count, body)
+    if wrap:
+        cls = torch.full((count, 1), tokenizer.cls_token_id, dtype=torch.long)
+        sep = torch.full((count, 1), tokenizer.sep_token_id, dtype=torch.long)
+        blocks = torch.cat([cls, blocks, sep], dim=1)
+    return blocks
+
+
+def default_block_length(model: LinearAttentionPreTrainedModel) -> int:
+    """The block length used when ``TransferArguments.max_length`` is None: the model's longest input, at most 512."""
+    limit = model.config.sequence_limit()
+    return DEFAULT_MAX_LENGTH if limit is None else min(DEFAULT_MAX_LENGTH, limit[0])
+
+
+def _check_pair(model: PreTrainedModel, source: PreTrainedModel) -> None:
+    if not isinstance(model, LinearAttentionPreTrainedModel):
+        raise TypeError(f"model must be a linearformers model (from convert_bert / convert_gpt2), got {type(model)}")
+    if not isinstance(source, PreTrainedModel):
+        raise TypeError(f"source must be the transformers model the model was converted from, got {type(source)}")
+    if model.config.position_embedding_type == "rotary":
+        raise ValueError(
+            f"{type(model).__name__} uses rotary positions; attention transfer fits models made by convert_bert / "
+            "convert_gpt2, which keep the original's learned absolute positions"
+        )
+    layers = len(model.base_model.layers)
+    theirs = getattr(source.config, "num_hidden_layers", None)
+    if theirs != layers:
+        raise ValueError(
+            f"{type(model).__name__} has {layers} layers but the source {type(source).__name__} has {theirs}; pass "
+            "the model it was converted from"
+        )
+
+
+def _check_blocks(
+    name: str, ids: torch.Tensor, mask: torch.Tensor | None, model: PreTrainedModel, source: PreTrainedModel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked (N, L) ids and their (N, L) bool mask (all True when None)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer torch.Tensor of token ids (torch.long), got {got}")
+    if ids.dim() != 2 or 0 in ids.shape:
+        raise ValueError(f"{name} must be shaped (blocks, length) with at least one of each, got {tuple(ids.shape)}")
+    model.config.check_input_length(ids.shape[1])
+    vocab = min(model.get_input_embeddings().num_embeddings, source.get_input_embeddings().num_embeddings)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"{name} hold {low if low < 0 else high}, outside 0 .. {vocab - 1} of the vocabulary; tokenize with the "
+            "tokenizer of the source checkpoint"
+        )
+    if mask is None:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"the attention mask of {name} must be a tensor of its shape {tuple(ids.shape)}, got {got}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"the attention mask of {name} must hold 0 (padding) and 1 (token)")
+    mask = mask.bool()
+    empty = (~mask.any(-1)).nonzero().flatten().tolist()
+    if empty:  # a batch of such rows would have no token to average the loss over
+        raise ValueError(
+            f"the attention mask of {name} marks every token of block(s) {empty[:5]} as padding; leave them out"
+        )
+    return ids, mask
+
+
+def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Indices of batches of ``batch_size`` blocks, a fresh shuffle each pass over the ``count`` blocks."""
+    while True:
+        order = torch.randperm(count, generator=generator)
+        yield from order.split(batch_size)
+
+
+def _masked_mse(output: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over the real tokens (mask (batch, n) bool), in float32."""
+    return (output.float() - target.float())[mask].pow(2).mean()
+
+
+def _key_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    return None if bool(mask.all()) else mask  # as the model passes it: None when nothing is padded
+
+
+class _Batch:
+    """One batch's per-layer attention inputs x_i and softmax targets, from the original's hidden states."""
+
+    def __init__(self, model: PreTrainedModel, source: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor):
+        layers = model.base_model.layers
+        param = next(model.parameters())
+        self.mask = mask.to(param.device)
+        self.key_mask = _key_mask(self.mask)
+        with torch.no_grad():
+            out = source.base_model(
+                input_ids=ids.to(source.device), attention_mask=mask.to(source.device).long(), output_hidden_states=True
+            )
+            hidden = out.hidden_states
+            if hidden is None or len(hidden) != len(layers) + 1:
+                raise ValueError(
+                    f"{type(source).__name__} returned {0 if hidden is None else len(hidden)} hidden states for "
+                    f"{len(layers)} layers; pass the BERT / GPT-2 model the model was converted from"
+                )
+            self.inputs, self.targets = [], []
+            for layer, states in zip(layers, hidden):
+                x = states.to(device=param.device, dtype=param.dtype)
+                if layer.pre_norm:  # GPT-2: the attention reads ln_1(h), our attention_norm
+                    x = layer.attention_norm(x)
+                self.inputs.append(x)
+                self.targets.append(softmax_attention_output(layer.attention, x, self.key_mask))
+
+    def outputs(self, model: PreTrainedModel) -> list[torch.Tensor]:
+        return [layer.attention(x, self.key_mask) for layer, x in zip(model.base_model.layers, self.inputs)]
+
+
+@torch.no_grad()
+def _relative_errors(model: PreTrainedModel, batches: list[_Batch]) -> list[float]:
+    diff = torch.zeros(len(model.base_model.layers), dtype=torch.float64)
+    norm = torch.zeros_like(diff)
+    for batch in batches:
+        for i, (output, target) in enumerate(zip(batch.outputs(model), batch.targets)):
+            diff[i] += (output.float() - target.float())[batch.mask].pow(2).sum().item()
+            norm[i] += target.float()[batch.mask].pow(2).sum().item()
+    return (diff.sqrt() / norm.sqrt().clamp_min(1e-30)).tolist()
+
+
+def _distillation_loss(
+    model: PreTrainedModel, source: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Stage 2: the MSE of the last hidden states (encoder), or KL(original || model) of the next-token
+    distributions (decoder), over the real tokens."""
+    device = next(model.parameters()).device
+    theirs = dict(input_ids=ids.to(source.device), attention_mask=mask.to(source.device).long())
+    ours = dict(input_ids=ids.to(device), attention_mask=mask.to(device).long())
+    mask = mask.to(device)
+    if model.config.is_decoder:
+        with torch.no_grad():
+            target = source(**theirs).logits.to(device).float().log_softmax(-1)
+        output = model(**ours, use_cache=False).logits.float().log_softmax(-1)
+        kl = F.kl_div(output, target, log_target=True, reduction="none").sum(-1)
+        return kl[mask].mean()
+    with torch.no_grad():
+        target = source.base_model(**theirs).last_hidden_state.to(device)
+    return _masked_mse(model.base_model(**ours).last_hidden_state, target, mask)
+
+
+def _mean_distillation_loss(model, source, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    with torch.no_grad():
+        return sum(_distillation_loss(model, source, ids, mask).item() for ids, mask in blocks) / len(blocks)
+
+
+def _train(
+    params: list[nn.Parameter], steps: int, lr: float, loss_of_step, description: str, progress: bool
+) -> tuple[list[float], float]:
+    """AdamW (no weight decay) over ``params`` for ``steps`` steps of ``loss_of_step(step)``; the losses, seconds."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
+    losses = []
+    start = time.perf_counter()
+    with tqdm(total=steps, desc=description, disable=not progress) as bar:
+        for step in range(steps):
+            loss = loss_of_step(step)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+            bar.update()
+    return losses, time.perf_counter() - start
+
+
+def attention_transfer(
+    model: PreTrainedModel,
+    source: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    args: TransferArguments | None = None,
+    *,
+    eval_input_ids: torch.Tensor | None = None,
+    eval_attention_mask: torch.Tensor | None = None,
+) -> TransferReport:
+    """Fit ``model``'s new attention parameters to the attention of ``source``, the model it was converted from
+    (see the module docstring), in place; then, with ``args.finetune_steps``, distill the whole model from it.
+
+    model: a linearformers model from convert_bert / convert_gpt2 (any head); source: the BertModel / BertFor* /
+    GPT2LMHeadModel it came from, on any device. input_ids: (blocks, length) token blocks (:func:`text_blocks`),
+    attention_mask: (blocks, length) 1 for real tokens (None: none padded). Without ``eval_input_ids`` the first
+    ``args.eval_batches * args.batch_size`` blocks are held out to measure the errors before and after.
+
+    Stage 1 trains :func:`transfer_parameters` only; every other weight and buffer stays bit-identical. Dropout is
+    off in both stages (the targets are the original's deterministic outputs). ``requires_grad`` flags and the
+    train / eval modes of both models are restored afterwards, and the global RNG is left as it was. With
+    ``finetune="lora"`` the LoRA weights are merged: the model keeps its plain modules and state-dict keys.
+    """
+    args = TransferArguments() if args is None else args
+    if not isinstance(args, TransferArguments):
+        raise TypeError(f"args must be TransferArguments, got {type(args).__name__}")
+    _check_pair(model, source)
+    trained = transfer_parameters(model)
+    ids, mask = _check_blocks("input_ids", input_ids, attention_mask, model, source)
+    if eval_input_ids is None:
+        if eval_attention_mask is not None:
+            raise ValueError("eval_attention_mask was given without eval_input_ids")
+        held_out = args.eval_batches * args.batch_size
+        if ids.shape[0] <= held_out:
+            raise ValueError(
+                f"input_ids holds {ids.shape[0]} blocks; {held_out} are held out for evaluation (eval_batches="
+                f"{args.eval_batches} x batch_size={args.batch_size}), which leaves none to train on. Give more "
+                "blocks (more text), a smaller batch_size, or eval_input_ids"
+            )
+        eval_ids, eval_mask, ids, mask = ids[:held_out], mask[:held_out], ids[held_out:], mask[held_out:]
+    else:
+        eval_ids, eval_mask = _check_blocks("eval_input_ids", eval_input_ids, eval_attention_mask, model, source)
+    if args.finetune_steps and model.config.is_decoder:
+        for name, m in (("model", model), ("source", source)):
+            if m.get_output_embeddings() is None:
+                raise ValueError(
+                    f"stage 2 distills next-token distributions, and the {name} {type(m).__name__} has no LM head; "
+                    "pass the causal LMs (GPT2LMHeadModel and its converted ForCausalLM), or finetune_steps=0"
+                )
+    eval_blocks = list(zip(eval_ids.split(args.batch_size), eval_mask.split(args.batch_size)))
+    flags = {name: param.requires_grad for name, param in model.named_parameters()}
+    modes = model.training, source.training
+    device = next(model.parameters()).device
+    # LoRA's initialization draws from the global RNGs of the CPU and the model's GPU: seeded here, restored after
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            torch.random.default_generator.manual_seed(args.seed)
+            for index in cuda:
+                torch.cuda.default_generators[index].manual_seed(args.seed)
+            generator = torch.Generator().manual_seed(args.seed)
+            model.eval()
+            source.eval()
+            return _run(model, source, trained, ids, mask, eval_blocks, args, generator)
+    finally:
+        for name, param in model.named_parameters():
+            param.requires_grad_(flags[name])
+        model.train(modes[0])
+        source.train(modes[1])
+
+
+def _keep_causal_slots(model: PreTrainedModel, trained: list[tuple[str, nn.Parameter]]) -> list:
+    """Hooks that train a causal Linformer's E / F on their nonzero entries only.
+
+    Causal Linformer slot j takes part in query t's softmax once some s <= t wrote to it (E[j, s] != 0). Making a
+    zero entry nonzero, which any optimizer step does, switches the slot on early: a jump in the output that the
+    gradient does not see (window-mean E, k = 8 of n = 32, random q, k, v: noise of std 1e-3 on E took the
+    output's squared norm from 70 to 17). Keeping
+    the zeros keeps each slot's first position, and the function is smooth in the rest."""
+    if not model.config.is_decoder:
+        return []
+    hooks = []
+    for name, param in trained:
+        if name.rpartition(".")[-1] in ("e_proj", "f_proj", "shared_projection"):
+            support = (param.detach() != 0).to(param.dtype)
+            hooks.append(param.register_hook(lambda grad, support=support: grad * support))
+    return hooks
+
+
+def _run(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator) -> TransferReport:
+    """Both stages, on checked inputs (see attention_transfer)."""
+    hooks = _keep_causal_slots(model, trained)
+    try:
+        return _stages(model, source, trained, ids, mask, eval_blocks, args, generator)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator) -> TransferReport:
+    eval_batches = [_Batch(model, source, *block) for block in eval_blocks]
+    before = _relative_errors(model, eval_batches)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for _, param in trained:
+        param.requires_grad_(True)
+    order = _batches(ids.shape[0], args.batch_size, generator)
+
+    def transfer_loss(step):
+        index = next(order)
+        batch = _Batch(model, source, ids[index], mask[index])
+        per_layer = [_masked_mse(out, target, batch.mask) for out, target in zip(batch.outputs(model), batch.targets)]
+        return torch.stack(per_layer).mean()
+
+    losses, seconds = _train(
+        [p for _, p in trained], args.steps, args.learning_rate, transfer_loss, "attention transfer", args.progress
+    )
+    report = TransferReport(
+        parameters=[name for name, _ in trained],
+        error_before=before,
+        error_after=_relative_errors(model, eval_batches),
+        steps=args.steps,
+        seconds=seconds,
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        eval_blocks=sum(block[0].shape[0] for block in eval_blocks),
+        layers=list(range(len(before))),
+    )
+    if args.finetune_steps:
+        _finetune(model, source, trained, ids, mask, eval_blocks, args, generator, report)
+    return report
+
+
+def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator, report) -> None:
+    """Stage 2: distill the model from ``source``, all weights or LoRA + the new attention parameters."""
+    report.finetune = args.finetune
+    report.finetune_loss = "next-token KL" if model.config.is_decoder else "last hidden state MSE"
+    report.finetune_loss_before = _mean_distillation_loss(model, source, eval_blocks)
+    order = _batches(ids.shape[0], args.batch_size, generator)
+
+    def distillation_loss(step):
+        index = next(order)
+        return _distillation_loss(model, source, ids[index], mask[index])
+
+    description = f"fine-tune ({args.finetune})"
+    if args.finetune == "full":
+        for param in model.parameters():
+            param.requires_grad_(True)
+        _, report.finetune_seconds = _train(
+            list(model.parameters()),
+            args.finetune_steps,
+            args.finetune_learning_rate,
+            distillation_loss,
+            description,
+            args.progress,
+        )
+    else:
+        try:
+            import peft
+        except ImportError as error:
+            raise ImportError(
+                "finetune='lora' needs PEFT: pip install peft (or finetune='full', which needs nothing)"
+            ) from error
+        lora = peft.LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        # LoRA is injected into model's own modules (the PeftModel wraps the same object): model's forward trains it
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = peft.get_peft_model(model, lora)
+        try:
+            for _, param in trained:  # peft froze everything but the LoRA weights
+                param.requires_grad_(True)
+            params = [param for param in wrapped.parameters() if param.requires_grad]
+            _, report.finetune_seconds = _train(
+                params, args.finetune_steps, args.finetune_learning_rate, distillation_loss, description, args.progress
+            )
+        except BaseException:
+            wrapped.unload()  # leave the model as it was given, without LoRA layers
+            raise
+        wrapped.merge_and_unload()
+    report.finetune_steps = args.finetune_steps
+    report.finetune_loss_after = _mean_distillation_loss(model, source, eval_blocks)
+
+
+__all__ = [
+    "TransferArguments",
+    "TransferReport",
+    "attention_transfer",
+    "default_block_length",
+    "softmax_attention_output",
+    "text_blocks",
+    "transfer_parameters",
+]

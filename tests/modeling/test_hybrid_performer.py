@@ -1,0 +1,367 @@
+"""PerformerConfig(hybrid_window=w): sliding-window softmax + linear attention (LoLCATs) in the Performer's heads."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch._dynamo
+from huggingface_hub.errors import StrictDataclassFieldValidationError
+from transformers import AutoModel, AutoModelForCausalLM
+
+from linearformers import LinearAttentionCache, PerformerConfig
+from linearformers.modeling.attention import favor_positive, relu_features
+from linearformers.modeling.attention.feature_maps import favor_exponents
+from linearformers.modeling.attention.reference import hybrid_reference, local_reference, softmax_reference
+from tests.conftest import tiny_config
+
+KERNELS = ("softmax", "hedgehog")  # the random map, which takes the softmax's scale, and a learned one
+ALL_KERNELS = ("softmax", "relu", "hedgehog")
+WINDOW = 3
+
+
+def _config(kernel, decoder, **overrides):
+    overrides.setdefault("hybrid_window", WINDOW)
+    if decoder:
+        overrides.setdefault("max_position_embeddings", 128)
+    return tiny_config("performer", kernel=kernel, is_decoder=decoder, **overrides)
+
+
+def _model(kernel="softmax", decoder=False, **overrides):
+    torch.manual_seed(0)
+    cls = AutoModelForCausalLM if decoder else AutoModel
+    return cls.from_config(_config(kernel, decoder, **overrides)).eval()
+
+
+def _layers(model):
+    return model.model.layers if hasattr(model, "model") else model.layers
+
+
+def _move_balance(model):
+    """Window balances away from their init and different per head, so that a reload that re-initialized them,
+    or a wiring that ignored them, would show."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in _layers(model):
+            balance = layer.attention.window_balance
+            balance.copy_(torch.randn(balance.shape, generator=g))
+
+
+def _left_padded(n=11, pad=3, batch=2, seed=1):
+    ids = torch.randint(1, 99, (batch, n), generator=torch.Generator().manual_seed(seed))
+    ids[1, :pad] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+def _output(model, *args, **kwargs):
+    out = model(*args, **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def test_layers_own_a_window_balance_at_zero_only_with_a_hybrid_window():
+    model = _model(num_local_heads=1, local_window=4)
+    for layer in model.layers:
+        balance = layer.attention.window_balance
+        assert isinstance(balance, torch.nn.Parameter) and balance.shape == (3,)  # the global heads
+        assert not balance.any()  # gamma = 1
+    keys = model.state_dict().keys()
+    assert [k for k in keys if k.endswith("attention.window_balance")]
+    plain = AutoModel.from_config(tiny_config("performer"))
+    assert all(layer.attention.window_balance is None for layer in plain.layers)
+    assert not [k for k in plain.state_dict() if "window_balance" in k]  # old checkpoints are unchanged
+    assert "hybrid_window=3" in repr(model.layers[0].attention)
+
+
+def _reference_features(attention, q, k):
+    """The linear part's features, computed here from the feature-map functions (not through the layer)."""
+    projection, config = attention.random_features, attention.config
+    if config.kernel == "hedgehog":
+        return attention.feature_map(q, is_query=True), attention.feature_map(k, is_query=False), None
+    if config.kernel == "relu":
+        eps = config.kernel_eps
+        return relu_features(q, projection, eps=eps), relu_features(k, projection, eps=eps), None
+    log_scale = favor_exponents(q, projection, is_query=True).amax(-1) - math.log(projection.shape[0])
+    return favor_positive(q, projection, is_query=True), favor_positive(k, projection, is_query=False), log_scale
+
+
+@pytest.mark.parametrize("kernel", ALL_KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_global_heads_equal_the_hybrid_reference(kernel, decoder):
+    model = _model(kernel, decoder)
+    _move_balance(model)
+    attention = _layers(model)[0].attention
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :2] = False
+    with torch.no_grad():
+        out = attention.global_attention(q, k, v, mask, None, None)
+        phi_q, phi_k, log_scale = _reference_features(attention, q, k)
+        gamma = attention.window_balance.exp()
+        want = hybrid_reference(
+            *(t.double() for t in (q, k, v, phi_q, phi_k, gamma)), WINDOW, causal=decoder, key_padding_mask=mask,
+            query_log_scale=None if log_scale is None else log_scale.double(),
+        )  # fmt: skip
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _projected(attention, x):
+    return [attention._split(p(x)) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_a_window_covering_the_sequence_is_exact_softmax_attention(kernel, decoder):
+    n = 9
+    model = _model(kernel, decoder, hybrid_window=n, initializer_range=0.2)
+    _move_balance(model)  # gamma cancels when the linear part is empty
+    attention = _layers(model)[0].attention
+    x = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.no_grad():
+        got = attention(x, mask)
+        q, k, v = _projected(attention, x)
+        heads = softmax_reference(q, k, v, causal=decoder, key_padding_mask=mask)
+        want = attention.o_proj(heads.transpose(1, 2).reshape(2, n, 32))
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-6)  # rows of padding: no real key
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
+    """gamma = e^30: the linear part vanishes next to the window's, which is local softmax attention over the
+    last w keys (causal) or |s - t| < w (bidirectional: local_reference's window 2w - 1)."""
+    model = _model(kernel, decoder, initializer_range=0.2)
+    attention = _layers(model)[0].attention
+    with torch.no_grad():
+        attention.window_balance.fill_(30.0)
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(2, 4, 10, 8, generator=g) for _ in range(3))
+        got = attention.global_attention(q, k, v, None, None, None)
+        band = WINDOW if decoder else 2 * WINDOW - 1
+        local = local_reference(q, k, v, band, causal=decoder)
+        attention.window_balance.fill_(0.0)
+        balanced = attention.global_attention(q, k, v, None, None, None)
+    torch.testing.assert_close(got, local, rtol=1e-4, atol=1e-5)
+    assert (balanced - local).abs().max() > 1e-2  # at gamma = 1 the linear part counts
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side):
+    model = _model(kernel, decoder, initializer_range=0.2)
+    _move_balance(model)
+    n, pad = 8, 4
+    ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
+    junk = torch.randint(1, 99, (1, pad), generator=torch.Generator().manual_seed(3))  # padding of real ids
+    real, fake = torch.ones(1, n, dtype=torch.long), torch.zeros(1, pad, dtype=torch.long)
+    padded = torch.cat([junk, ids] if side == "left" else [ids, junk], 1)
+    mask = torch.cat([fake, real] if side == "left" else [real, fake], 1)
+    with torch.no_grad():
+        alone = _output(model, ids)
+        both = _output(model, padded, attention_mask=mask)
+    torch.testing.assert_close(both[:, pad:] if side == "left" else both[:, :n], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_causal_outputs_never_read_the_future(kernel):
+    model = _model(kernel, True, initializer_range=0.2)
+    _move_balance(model)
+    ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(4))
+    changed = ids.clone()
+    changed[:, 7:] = torch.randint(1, 99, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = _output(model, ids, use_cache=False), _output(model, changed, use_cache=False)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("kernel", ALL_KERNELS)
+@pytest.mark.parametrize("window", [1, WINDOW])
+def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window):
+    """A left-padded batch fed as 2 tokens (fewer than the window), 3 more (a continued prefill), then one at a
+    time (decoding steps): the same logits as one uncached forward."""
+    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2)
+    _move_balance(model)
+    ids, mask = _left_padded()
+    cuts = [0, 2, 5, *range(6, ids.shape[1] + 1)]
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    pieces = []
+    with torch.no_grad():
+        full = _output(model, ids, attention_mask=mask, use_cache=False)
+        for start, end in itertools.pairwise(cuts):
+            out = model(ids[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
+            pieces.append(out.logits)
+    assert len(cache.get_state(0)) == 6
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cached_greedy_generation_equals_uncached(kernel):
+    model = _model(kernel, True, initializer_range=0.2)
+    _move_balance(model)
+    ids, mask = _left_padded(n=6, pad=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, **kwargs)
+    assert cached.shape == (2, 16)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_the_cache_does_not_grow_with_the_context():
+    model = _model("softmax", True)
+    ids = torch.randint(1, 99, (2, 60), generator=torch.Generator().manual_seed(6))
+
+    def state_after(n):
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        with torch.no_grad():
+            model(ids[:, : n - 3], past_key_values=cache, use_cache=True)
+            for t in range(n - 3, n):
+                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == n
+        return cache.get_state(0)
+
+    short, long = state_after(20), state_after(60)
+    assert len(short) == 6 and [t.shape for t in short] == [t.shape for t in long]
+    assert long[2].shape[2] == WINDOW - 1  # the kept keys: the window's, not the context's
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_save_and_reload_keeps_the_balance_and_the_outputs(kernel, decoder, tmp_path):
+    model = _model(kernel, decoder)
+    _move_balance(model)
+    ids, mask = _left_padded()
+    model.save_pretrained(tmp_path)
+    reloaded = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(tmp_path).eval()
+    assert reloaded.config.hybrid_window == WINDOW
+    for mine, theirs in zip(_layers(model), _layers(reloaded)):
+        assert torch.equal(mine.attention.window_balance, theirs.attention.window_balance)
+    with torch.no_grad():
+        assert torch.equal(_output(model, ids, attention_mask=mask), _output(reloaded, ids, attention_mask=mask))
+
+
+def test_a_plain_checkpoint_loads_into_a_hybrid_with_the_balance_at_its_init(tmp_path):
+    plain = _model("softmax", hybrid_window=None)
+    plain.save_pretrained(tmp_path)
+    hybrid = AutoModel.from_pretrained(tmp_path, hybrid_window=WINDOW)
+    assert hybrid.config.hybrid_window == WINDOW
+    for mine, theirs in zip(plain.layers, hybrid.layers):
+        assert torch.equal(mine.attention.q_proj.weight, theirs.attention.q_proj.weight)
+        assert torch.equal(mine.attention.random_features, theirs.attention.random_features)
+        assert not theirs.attention.window_balance.any()
+
+
+def test_the_cache_refuses_more_states_than_it_holds():
+    cache = LinearAttentionCache(1)
+    with pytest.raises(ValueError, match="holds at most 6 states, got 7"):
+        cache.set_state(0, (torch.zeros(1, 2),) * 7)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_gradients_reach_the_balance_and_the_feature_map(kernel, decoder):
+    model = _model(kernel, decoder, initializer_range=0.2).train()
+    ids, mask = _left_padded()
+    _output(model, ids, attention_mask=mask).float().pow(2).mean().backward()
+    for layer in _layers(model):
+        attention = layer.attention
+        params = [attention.window_balance, attention.q_proj.weight, attention.k_proj.weight]
+        if attention.feature_map is not None:
+            params += list(attention.feature_map.parameters())
+        for p in params:
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_bf16_autocast_forward_is_finite(kernel, decoder):
+    model = _model(kernel, decoder)
+    _move_balance(model)
+    ids, mask = _left_padded()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _output(model, ids, attention_mask=mask)
+        if decoder:  # and a cached step after a prefill
+            cache = LinearAttentionCache(model.config.num_hidden_layers)
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            step = torch.ones(2, 1, dtype=mask.dtype)
+            out = model(ids[:, :1], attention_mask=torch.cat([mask, step], 1), past_key_values=cache).logits
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
+def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
+    """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
+    backward is traced too. aot_eager keeps the test quick; inductor compiles the same graph."""
+    eager = _model("softmax", decoder).train()
+    _move_balance(eager)
+    compiled_model = _model("softmax", decoder).train()
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    ids, mask = _left_padded()
+    torch._dynamo.reset()
+    kwargs = dict(attention_mask=mask, use_cache=False) if decoder else dict(attention_mask=mask)
+    want, got = _output(eager, ids, **kwargs), _output(compiled, ids, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want.pow(2).mean().backward()
+    got.pow(2).mean().backward()
+    for mine, theirs in zip(_layers(compiled_model), _layers(eager)):
+        torch.testing.assert_close(mine.attention.window_balance.grad, theirs.attention.window_balance.grad)
+
+
+@pytest.mark.parametrize("value", [None, 1, 64])
+def test_config_accepts_none_and_positive_windows(value):
+    assert PerformerConfig(hybrid_window=value).hybrid_window == value
+
+
+@pytest.mark.parametrize(("value", "cause"), [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_config_refuses_other_windows(value, cause):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_window'") as raised:
+        PerformerConfig(hybrid_window=value)
+    assert isinstance(raised.value.__cause__, cause)
+
+
+def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from linearformers.hub_cards import save_for_hub
+    from tests.hub_cards.test_export import LOADER, _isolated_python
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = _config(
+        "softmax", True, vocab_size=tokenizer.vocab_size, num_local_heads=1, local_window=4, initializer_range=0.2
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    _move_balance(model)  # a remote load that re-initialized the balance, or ignored the window, would show
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    done = _isolated_python(
+        script, str(folder), str(tmp_path / "cache"), "AutoModelForCausalLM", str(tmp_path / "out.pt"), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    with torch.no_grad():
+        local = model(remote["ids"], use_cache=False)
+    torch.testing.assert_close(remote["out"], local[0], rtol=1e-5, atol=1e-6)
+    assert remote["generated"] == model.generate(remote["ids"], max_new_tokens=8, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from linearformers.hub_cards import save_for_hub
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size))
+    card = (save_for_hub(model, tokenizer, tmp_path / "export", repo_id="me/tiny") / "README.md").read_text()
+    assert f"window of {WINDOW} tokens" in card and "LoLCATs" in card
+    plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
+    card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
+    assert "LoLCATs" not in card

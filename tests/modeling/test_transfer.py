@@ -1,0 +1,294 @@
+"""Attention transfer: the new attention parameters of a converted model fit to the original's softmax attention."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+from linearformers import PerformerConfig
+from linearformers.modeling.convert import convert_bert, convert_gpt2, main
+from linearformers.modeling.performer import PerformerModel
+from linearformers.modeling.transfer import (
+    TransferArguments,
+    attention_transfer,
+    softmax_attention_output,
+    text_blocks,
+    transfer_parameters,
+)
+
+TINY_BERT = dict(
+    vocab_size=60,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+TINY_GPT2 = dict(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+HEDGEHOG = dict(kernel="hedgehog", num_random_features=16)  # head_dim 8: the map starts at the identity
+
+
+def _sharpen(query: nn.Linear | torch.Tensor, key: nn.Linear | torch.Tensor) -> None:
+    """Scale q and k up 8x: a random model's attention is nearly uniform, which any kernel already matches."""
+    with torch.no_grad():
+        for weight in (query, key):
+            (weight.weight if isinstance(weight, nn.Linear) else weight).mul_(8)
+
+
+def tiny_bert() -> BertModel:
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(**TINY_BERT)).eval()
+    for layer in bert.encoder.layer:
+        _sharpen(layer.attention.self.query, layer.attention.self.key)
+    return bert
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(**TINY_GPT2)).eval()
+    for block in gpt2.transformer.h:
+        _sharpen(*block.attn.c_attn.weight.split(32, dim=1)[:2])  # Conv1D (in, 3 out): q and k columns
+    return gpt2
+
+
+def blocks(count: int = 16, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, 60, (count, length), generator=torch.Generator().manual_seed(1))
+
+
+def quick(**overrides) -> TransferArguments:
+    return TransferArguments(**{"steps": 40, "batch_size": 4, "progress": False, **overrides})
+
+
+def _use_softmax_twins(model) -> None:
+    for layer in model.base_model.layers:
+        layer.attention.forward = lambda x, mask=None, *rest, attention=layer.attention: softmax_attention_output(
+            attention, x, mask
+        )
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_softmax_twins_reproduce_the_originals_hidden_states(convert):
+    """The targets are the original's attention outputs: with every layer's attention replaced by its softmax twin,
+    the converted model gives the original's hidden states at every layer."""
+    source = tiny_bert() if convert == "bert" else tiny_gpt2()
+    model, _ = (convert_bert if convert == "bert" else convert_gpt2)(source, "performer", **HEDGEHOG)
+    ids = blocks(3, 24)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    keep = mask.bool()
+    extra = {"use_cache": False} if convert == "gpt2" else {}
+    with torch.no_grad():
+        theirs = source(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        linear = model(ids, attention_mask=mask, output_hidden_states=True, **extra).hidden_states
+        _use_softmax_twins(model)
+        ours = model(ids, attention_mask=mask, output_hidden_states=True, **extra).hidden_states
+    assert len(ours) == len(theirs) == 3
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine[keep], reference[keep], rtol=1e-5, atol=1e-5)
+    assert (linear[-1][keep] - theirs[-1][keep]).abs().max() > 1e-3  # the linear kernel itself differs
+
+
+@pytest.mark.parametrize(
+    "convert, family, overrides",
+    [
+        ("bert", "performer", HEDGEHOG),
+        ("gpt2", "performer", HEDGEHOG),
+        ("bert", "linformer", dict(max_seq_length=32, projected_length=8)),
+        ("gpt2", "linformer", dict(max_seq_length=32, projected_length=8)),
+        ("bert", "performer", dict(hybrid_window=4, **HEDGEHOG)),
+        ("gpt2", "performer", dict(hybrid_window=4, **HEDGEHOG)),
+    ],
+    ids=[
+        "hedgehog-encoder",
+        "hedgehog-causal-lm",
+        "linformer-encoder",
+        "linformer-causal-lm",
+        "hybrid-hedgehog-encoder",
+        "hybrid-hedgehog-causal-lm",
+    ],
+)
+def test_transfer_lowers_every_layers_attention_error(convert, family, overrides):
+    source = tiny_bert() if convert == "bert" else tiny_gpt2()
+    model, _ = (convert_bert if convert == "bert" else convert_gpt2)(source, family, **overrides)
+    report = attention_transfer(model, source, blocks(), args=quick(steps=60))
+    assert len(report.error_before) == len(report.error_after) == 2
+    for before, after in zip(report.error_before, report.error_after):
+        assert after < 0.97 * before
+    assert report.eval_blocks == 4 and report.steps == 60
+    text = str(report)
+    assert "relative error" in text and f"{report.error_after[1]:8.4f}" in text
+
+
+def test_a_random_feature_hybrid_trains_its_window_balances_alone():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", hybrid_window=4, num_random_features=16)
+    features = [layer.attention.random_features.clone() for layer in model.layers]
+    report = attention_transfer(model, bert, blocks(), args=quick(steps=60))
+    assert report.parameters == ["layers.0.attention.window_balance", "layers.1.attention.window_balance"]
+    assert all(after < before for before, after in zip(report.error_before, report.error_after))
+    assert all(torch.equal(layer.attention.random_features, f) for layer, f in zip(model.layers, features))
+
+
+def test_only_the_new_parameters_change_and_flags_modes_and_rng_are_restored():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    model.embeddings.word_embeddings.weight.requires_grad_(False)
+    model.train()
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    new = {name for name, _ in transfer_parameters(model)}
+    rng = torch.get_rng_state()
+    attention_transfer(model, bert, blocks(), args=quick(steps=5))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and not bert.training
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    after = model.state_dict()
+    assert new == {
+        f"layers.{i}.attention.feature_map.{p}" for i in range(2) for p in ("weight", "bias", "key_weight", "key_bias")
+    }
+    for name, tensor in after.items():
+        if name in new:
+            assert not torch.equal(tensor, before[name]), name
+        else:
+            assert torch.equal(tensor, before[name]), name
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_padded_positions_do_not_change_what_is_learned(convert):
+    source = tiny_bert() if convert == "bert" else tiny_gpt2()
+    ids = blocks()
+    mask = torch.ones_like(ids)
+    mask[::3, 20:] = 0
+    trained = []
+    for pad in (0, 17):  # the same real tokens, different ids at the padded places
+        model, _ = (convert_bert if convert == "bert" else convert_gpt2)(source, "performer", **HEDGEHOG)
+        report = attention_transfer(model, source, ids.masked_fill(mask == 0, pad), mask, args=quick(steps=5))
+        trained.append((report, [p.detach().clone() for _, p in transfer_parameters(model)]))
+    (first, params), (second, others) = trained
+    assert first.error_before == pytest.approx(second.error_before, rel=1e-5)
+    for a, b in zip(params, others):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_finetune_full_lowers_the_next_token_kl():
+    gpt2 = tiny_gpt2()
+    model, _ = convert_gpt2(gpt2, "performer", **HEDGEHOG)
+    report = attention_transfer(
+        model, gpt2, blocks(), args=quick(steps=10, finetune_steps=30, finetune_learning_rate=1e-4)
+    )
+    assert report.finetune == "full" and report.finetune_loss == "next-token KL"
+    assert report.finetune_loss_after < 0.9 * report.finetune_loss_before
+    assert "fine-tune (full)" in str(report)
+
+
+def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(tmp_path):
+    pytest.importorskip("peft")
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    keys = set(model.state_dict())
+    args = quick(steps=10, finetune_steps=30, finetune="lora", finetune_learning_rate=1e-3, lora_r=4)
+    report = attention_transfer(model, bert, blocks(), args=args)
+    assert report.finetune_loss == "last hidden state MSE"
+    assert report.finetune_loss_after < 0.95 * report.finetune_loss_before
+    assert set(model.state_dict()) == keys
+    assert type(model.layers[0].attention.q_proj) is nn.Linear
+    ids = blocks(2, 20)
+    model.save_pretrained(tmp_path / "lora")
+    loaded = AutoModel.from_pretrained(tmp_path / "lora").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+def test_bad_arguments_raise_naming_the_problem():
+    with pytest.raises(ValueError, match=r"TransferArguments.steps must be >= 1, got 0"):
+        TransferArguments(steps=0)
+    with pytest.raises(ValueError, match=r"TransferArguments.finetune must be one of 'full', 'lora', got 'qlora'"):
+        TransferArguments(finetune="qlora")
+    with pytest.raises(ValueError, match=r"learning_rate must be a finite number > 0"):
+        TransferArguments(learning_rate=-1.0)
+    with pytest.raises(TypeError, match=r"batch_size must be an int"):
+        TransferArguments(batch_size=2.5)
+
+
+def test_nothing_to_train_names_the_ways_to_get_new_parameters():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", num_random_features=16)
+    with pytest.raises(ValueError, match=r"no new attention parameters.*kernel='hedgehog'.*hybrid_window.*linformer"):
+        attention_transfer(model, bert, blocks(), args=quick())
+
+
+def test_bad_blocks_and_models_raise_clear_errors():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    ids = blocks()
+    with pytest.raises(ValueError, match=r"input_ids hold 60, outside 0 \.\. 59"):
+        attention_transfer(model, bert, ids + 1, args=quick())
+    with pytest.raises(TypeError, match=r"integer torch.Tensor"):
+        attention_transfer(model, bert, ids.float(), args=quick())
+    empty = torch.ones_like(ids)
+    empty[6] = 0
+    with pytest.raises(ValueError, match=r"marks every token of block\(s\) \[6\] as padding"):
+        attention_transfer(model, bert, ids, empty, args=quick())
+    with pytest.raises(ValueError, match=r"4 blocks; 4 are held out.*leaves none to train on"):
+        attention_transfer(model, bert, ids[:4], args=quick())
+    with pytest.raises(ValueError, match=r"exceeds max_position_embeddings=64"):
+        attention_transfer(model, bert, torch.zeros(8, 65, dtype=torch.long), args=quick())
+    rotary = PerformerModel(
+        PerformerConfig(**TINY_BERT, position_embedding_type="rotary", **HEDGEHOG, feature_redraw_interval=None)
+    )
+    with pytest.raises(ValueError, match=r"rotary positions"):
+        attention_transfer(rotary, bert, ids, args=quick())
+    with pytest.raises(ValueError, match=r"position_embedding_type='rotary'"):
+        softmax_attention_output(rotary.layers[0].attention, torch.zeros(1, 4, 32))
+    gpt2_model, _ = convert_gpt2(tiny_gpt2(), "performer", **HEDGEHOG)
+    with pytest.raises(ValueError, match=r"stage 2 distills next-token distributions.*PerformerModel has no LM head"):
+        attention_transfer(gpt2_model.model, tiny_gpt2(), ids, args=quick(finetune_steps=1))
+
+
+def test_text_blocks_wrap_bert_blocks_in_cls_and_sep(tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = ["linear attention reads long documents in linear time."] * 6
+    tokens = tokenizer(texts[0], add_special_tokens=False).input_ids
+    wrapped = text_blocks(tokenizer, texts, 10, wrap=True)
+    assert wrapped.shape == (6 * len(tokens) // 8, 10)
+    assert (wrapped[:, 0] == tokenizer.cls_token_id).all() and (wrapped[:, -1] == tokenizer.sep_token_id).all()
+    assert wrapped[0, 1:9].tolist() == (tokens * 2)[:8]
+    plain = text_blocks(tokenizer, texts, 10, wrap=False)
+    assert plain.shape == (6 * len(tokens) // 10, 10)
+    assert plain.flatten().tolist() == (tokens * 6)[: plain.numel()]
+    (tmp_path / "text.txt").write_text(" ".join(texts), encoding="utf-8")
+    assert text_blocks(tokenizer, tmp_path / "text.txt", 10, wrap=True).shape[0] >= 1
+    with pytest.raises(ValueError, match=r"fewer than one block of 98"):
+        text_blocks(tokenizer, texts[:1], 100, wrap=True)
+    with pytest.raises(ValueError, match=r"is not a file"):
+        text_blocks(tokenizer, str(tmp_path / "missing.txt"), 10, wrap=True)
+
+
+def _saved_bert_with_a_tokenizer(tokenizer_dir, folder):
+    """A tiny random BertModel with all-MiniLM-L6-v2's WordPiece vocabulary, saved with that tokenizer."""
+    torch.manual_seed(0)
+    config = BertConfig(**{**TINY_BERT, "vocab_size": 30522, "hidden_size": 16, "num_attention_heads": 2})
+    BertModel(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+
+
+def test_the_cli_runs_the_transfer_before_saving(tokenizer_dir, tmp_path, capsys):
+    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
+    text = tmp_path / "text.txt"
+    text.write_text("Performers approximate softmax attention with positive random features. " * 60)
+    source, out = str(tmp_path / "bert"), str(tmp_path / "out")
+    common = ["--transfer_file", str(text), "--transfer_steps", "5", "--transfer_batch_size", "2"]
+    main([source, out, "--kernel", "hedgehog", "--num_random_features", "16", *common, "--transfer_length", "32"])
+    printed = capsys.readouterr().out
+    assert "BertModel -> PerformerModel" in printed and "relative error of each layer's attention output" in printed
+    import linearformers  # noqa: F401
+
+    loaded = AutoModel.from_pretrained(out)
+    assert loaded.config.kernel == "hedgehog" and type(loaded).__name__ == "PerformerModel"
+    assert AutoTokenizer.from_pretrained(out).cls_token_id == 101
+    with pytest.raises(ValueError, match=r"no new attention parameters"):
+        main([source, str(tmp_path / "failed"), "--num_random_features", "16", *common])
+    assert not (tmp_path / "failed").exists()  # nothing written when the transfer fails
+    with pytest.raises(SystemExit):
+        main([source, str(tmp_path / "flags"), "--transfer_steps", "5"])
+    assert "needs --transfer_file" in capsys.readouterr().err
