@@ -4,16 +4,24 @@ Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
   SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal; causal
   also through the chunked backend, `performer_causal_chunked` (`backend="chunked"`), the portable form GPUs run,
   which the native walk replaces on x86-64 CPUs), performer-pytorch FastAttention (bidirectional, causal).
-Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, and lucidrains'
-  `linformer` LinformerSelfAttention.
+  The learned map: `hedgehog` (bidirectional, causal), a HedgehogFeatureMap of m = 2 head_dim = 128 features
+  (phi(x) = [softmax(xW + b), softmax(-(xW + b))], Zhang et al. 2024) computed inside the timed region, then
+  `linear_attention` with the default backend; `hybrid` (bidirectional, causal), the same features in
+  `hybrid_attention` (LoLCATs): exact softmax on a window of w = 64 keys, the features elsewhere, balanced by
+  gamma = exp(a parameter). The map's weights and gamma are parameters: backward computes their gradients too.
+Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, lucidrains'
+  `linformer` LinformerSelfAttention, and `layer_performer_hedgehog_hybrid` (PerformerAttention with
+  kernel="hedgehog", num_random_features=128, hybrid_window=64).
 Every measurement runs in its own subprocess, so peak memory (ru_maxrss above the process's baseline) belongs to
 that configuration alone. Ratios are to SDPA in the same run. The peers are installed for benchmarks only:
 `pip install -e .[bench]` (performer-pytorch needs `local-attention<1.10`).
 
-    python benchmarks/attention.py                      # 512 .. 16384, ~15 min on 2 cores
+    python benchmarks/attention.py                      # 512 .. 16384 (~15 min on 2 cores without the learned rows)
     python benchmarks/attention.py --quick              # 512 .. 4096
     python benchmarks/attention.py --paired performer_causal --lengths 4096 16384 --pairs 5
                                                         # ratios to SDPA from alternating runs
+    python benchmarks/attention.py --paired hybrid_causal --lengths 512 --pairs 1 --repeats 1 --out /tmp/bench
+                                                        # a check that a row runs: results go to /tmp/bench
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from isolated import emit, peak_rss_mb, run_isolated
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, HEADS, DIM = 768, 12, 64
 M_FEATURES, K_PROJ, CHUNK = 256, 256, 32
+HEDGEHOG_FEATURES, WINDOW = 2 * DIM, 64  # the learned map's m (its default, 2 head_dim) and the hybrid's window
+LEARNED = ["hedgehog", "hedgehog_causal", "hybrid", "hybrid_causal"]
 KERNELS = [
     "sdpa",
     "sdpa_causal",
@@ -39,15 +49,41 @@ KERNELS = [
     "performer_causal_chunked",
     "peer_performer",
     "peer_performer_causal",
+    *LEARNED,
 ]
-LAYERS = ["layer_sdpa", "layer_linformer", "layer_performer", "layer_peer_linformer"]
+LAYERS = ["layer_sdpa", "layer_linformer", "layer_performer", "layer_peer_linformer", "layer_performer_hedgehog_hybrid"]
 # the peers' causal path materializes an O(n m d) prefix tensor: ~9 GB at n=4096; longer would not fit
 LIMITS = {"peer_performer_causal": 4096}
+
+
+def _learned_kernel(name: str) -> torch.nn.Module:
+    """``name`` in LEARNED: q, k, v (1, HEADS, n, DIM) -> (1, HEADS, n, DIM), Hedgehog features of q and k, then
+    linear attention (``hedgehog``) or the sliding-window hybrid (``hybrid``); ``_causal``: causal masking."""
+    from linearformers.modeling.attention import HedgehogFeatureMap, hybrid_attention, linear_attention
+
+    causal, hybrid = name.endswith("_causal"), name.startswith("hybrid")
+
+    class LearnedKernel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.feature_map = HedgehogFeatureMap(HEADS, DIM, HEDGEHOG_FEATURES)
+            # gamma = exp(balance) > 0, as PerformerAttention's window_balance; starts at 1
+            self.balance = torch.nn.Parameter(torch.zeros(HEADS)) if hybrid else None
+
+        def forward(self, q, k, v):
+            phi_q, phi_k = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+            if self.balance is None:
+                return linear_attention(phi_q, phi_k, v, causal=causal)
+            return hybrid_attention(q, k, v, phi_q, phi_k, torch.exp(self.balance), WINDOW, causal=causal)
+
+    return LearnedKernel()
 
 
 def _kernel(name: str, n: int):
     from linearformers.modeling.attention import draw_random_features, favor_attention, linformer_attention
 
+    if name in LEARNED:
+        return _learned_kernel(name)
     if name.startswith("sdpa"):
         causal = "causal" in name
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -101,6 +137,11 @@ def _layer(name: str, n: int):
         return PerformerAttention(
             PerformerConfig(**common, num_random_features=M_FEATURES, feature_redraw_interval=None), layer_idx=0
         )
+    if name == "layer_performer_hedgehog_hybrid":
+        config = PerformerConfig(
+            **common, kernel="hedgehog", num_random_features=HEDGEHOG_FEATURES, hybrid_window=WINDOW
+        )
+        return PerformerAttention(config, layer_idx=0)
     module = LinformerAttention(LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n), 0)
     torch.nn.init.normal_(module.e_proj, std=K_PROJ**-0.5)
     torch.nn.init.normal_(module.f_proj, std=K_PROJ**-0.5)
@@ -205,6 +246,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--paired", nargs="+", metavar="NAME", help="only these kernels, each against its SDPA")
     parser.add_argument("--pairs", type=int, default=5, help="with --paired: alternating runs per length")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON and plot (default: %(default)s)")
     args = parser.parse_args()
     if args.worker:
         emit(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads))
@@ -215,8 +257,8 @@ def main() -> None:
         if unknown:
             parser.error(f"--paired takes kernel names from {KERNELS}, not {unknown}")
         ratios = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / "attention_paired.json"  # kernel@n -> sorted ratios; later runs replace their own keys
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "attention_paired.json"  # kernel@n -> sorted ratios; later runs replace their own keys
         merged = json.loads(path.read_text()) if path.exists() else {}
         path.write_text(json.dumps({**merged, **ratios}, indent=2))
         return
@@ -235,8 +277,13 @@ def main() -> None:
             cells = [_fmt(rows[name][n], rows[ref_of(name)][n] if ref_of(name) != name else None) for name in names]
             print(f"| {n} | " + " | ".join(cells) + " |")
 
+    def sdpa_of(name):
+        return "sdpa_causal" if "causal" in name else "sdpa"
+
     print("\nKernel only, forward + backward: seconds (speedup vs SDPA of the same masking), peak MB")
-    table(KERNELS, lambda name: "sdpa_causal" if "causal" in name else "sdpa")
+    table([name for name in KERNELS if name not in LEARNED], sdpa_of)
+    print(f"\nLearned map (Hedgehog, m={HEDGEHOG_FEATURES}) and hybrid (window {WINDOW}), kernel only, as above")
+    table(LEARNED, sdpa_of)
     print("\nFull layer (q/k/v/o projections included)")
     table(LAYERS, lambda name: "layer_sdpa")
     print("\nFAVOR+ matmul efficiency (fraction of the measured matmul rate)")
@@ -280,12 +327,12 @@ def main() -> None:
     print("\nTargets:")
     for line in checks:
         print("  " + line)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attention.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
-    _plot(rows, lengths)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
+    _plot(rows, lengths, args.out)
 
 
-def _plot(rows, lengths) -> None:
+def _plot(rows, lengths, out: Path) -> None:
     try:
         import matplotlib
 
@@ -308,7 +355,7 @@ def _plot(rows, lengths) -> None:
     ax1.legend(fontsize=8)
     fig.suptitle("One attention layer (12 heads x 64, float32, batch 1, 2 CPU threads)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "attention.png", dpi=120)
+    fig.savefig(out / "attention.png", dpi=120)
 
 
 if __name__ == "__main__":

