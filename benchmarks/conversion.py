@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=256, help="tokens per block, [CLS] and [SEP] included")
     parser.add_argument("--eval_blocks", type=int, default=16)
     parser.add_argument("--steps", type=int, default=600, help="attention-transfer steps")
-    parser.add_argument("--lr", type=float, default=1e-2, help="attention-transfer learning rate")
+    parser.add_argument("--lr", type=float, default=1e-2, help="transfer learning rate of maps and balances")
+    parser.add_argument("--projection_lr", type=float, default=1e-3, help="transfer learning rate of Linformer's E / F")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--finetune_steps", type=int, default=0, help="stage-2 steps for the settings in --finetune")
     parser.add_argument("--finetune", choices=("lora", "full"), default="lora")
@@ -111,6 +112,7 @@ def main() -> None:
             transfer = TransferArguments(
                 steps=args.steps,
                 learning_rate=args.lr,
+                projection_learning_rate=args.projection_lr,
                 batch_size=args.batch_size,
                 finetune_steps=finetune,
                 finetune=args.finetune,
@@ -138,7 +140,7 @@ def main() -> None:
         rows.append(row)
     print(
         f"\nall-MiniLM-L6-v2 -> linearformers, {len(eval_ids)} held-out blocks of {n} tokens; transfer: {args.steps} "
-        f"steps (batch {args.batch_size}, lr {args.lr})"
+        f"steps (batch {args.batch_size}, lr {args.lr}, E / F lr {args.projection_lr})"
         + (
             f" + {args.finetune_steps} {args.finetune} steps for {args.finetune_settings}"
             if args.finetune_steps

@@ -537,6 +537,7 @@ CONFIG_FLAGS = {
 TRANSFER_FLAGS = {
     "transfer_steps": ("steps", int),
     "transfer_lr": ("learning_rate", float),
+    "transfer_projection_lr": ("projection_learning_rate", float),
     "transfer_batch_size": ("batch_size", int),
     "transfer_length": ("max_length", int),
     "finetune_steps": ("finetune_steps", int),

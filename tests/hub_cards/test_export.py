@@ -73,6 +73,24 @@ def _isolated_python(script: Path, *args: str, cwd: Path) -> subprocess.Complete
     )
 
 
+def assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path: Path) -> None:
+    """Export a causal LM with save_for_hub, load the folder with trust_remote_code in a process where the package
+    cannot be imported, and check the remote copy's logits and greedy generation against ``model``."""
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    done = _isolated_python(
+        script, str(folder), str(tmp_path / "cache"), "AutoModelForCausalLM", str(tmp_path / "out.pt"), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    with torch.no_grad():
+        local = model(remote["ids"], use_cache=False)
+    torch.testing.assert_close(remote["out"], local[0], rtol=1e-5, atol=1e-6)
+    assert remote["generated"] == model.generate(remote["ids"], max_new_tokens=8, do_sample=False).tolist()
+
+
 @pytest.mark.parametrize(
     "family,auto,decoder,layout",
     [

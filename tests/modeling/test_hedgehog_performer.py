@@ -141,8 +141,7 @@ def test_bf16_autocast_forward_is_finite(decoder):
 def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from linearformers.hub_cards import save_for_hub
-    from tests.hub_cards.test_export import LOADER, _isolated_python
+    from tests.hub_cards.test_export import assert_causal_lm_loads_as_remote_code
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = tiny_config(
@@ -158,19 +157,7 @@ def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenize
     with torch.no_grad():  # away from the init: a remote load that re-initialized the map would show
         for layer in model.model.layers:
             layer.attention.feature_map.key_weight.add_(0.1 * torch.randn_like(layer.attention.feature_map.key_weight))
-    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
-    script = tmp_path / "load.py"
-    script.write_text(LOADER)
-    done = _isolated_python(
-        script, str(folder), str(tmp_path / "cache"), "AutoModelForCausalLM", str(tmp_path / "out.pt"), cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    remote = torch.load(tmp_path / "out.pt")
-    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
-    with torch.no_grad():
-        local = model(remote["ids"], use_cache=False)
-    torch.testing.assert_close(remote["out"], local[0], rtol=1e-5, atol=1e-6)
-    assert remote["generated"] == model.generate(remote["ids"], max_new_tokens=8, do_sample=False).tolist()
+    assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path)
 
 
 def test_model_card_describes_the_learned_map(tokenizer_dir, tmp_path):

@@ -129,6 +129,21 @@ def test_a_random_feature_hybrid_trains_its_window_balances_alone():
     assert all(torch.equal(layer.attention.random_features, f) for layer, f in zip(model.layers, features))
 
 
+def test_linformer_projections_take_their_own_learning_rate():
+    """E / F train at projection_learning_rate, local-head biases at learning_rate: with the latter tiny, only the
+    projections move."""
+    bert = tiny_bert()
+    overrides = dict(max_seq_length=32, projected_length=8, num_local_heads=1, local_window=4, local_relative_bias=True)
+    model, _ = convert_bert(bert, "linformer", **overrides)
+    start = {name: param.detach().clone() for name, param in transfer_parameters(model)}
+    attention_transfer(model, bert, blocks(), args=quick(steps=5, learning_rate=1e-30, projection_learning_rate=1e-3))
+    moved = {name for name, param in transfer_parameters(model) if not torch.allclose(param, start[name], atol=1e-12)}
+    assert moved and all(name.rpartition(".")[-1] in ("e_proj", "f_proj") for name in moved), moved
+    assert any(name.endswith("relative_bias") for name in start)
+    with pytest.raises(ValueError, match=r"projection_learning_rate must be a finite number > 0"):
+        TransferArguments(projection_learning_rate=0.0)
+
+
 def test_only_the_new_parameters_change_and_flags_modes_and_rng_are_restored():
     bert = tiny_bert()
     model, _ = convert_bert(bert, "performer", **HEDGEHOG)
