@@ -15,7 +15,8 @@ Stage 2 (optional) fine-tunes the whole model against the original: the MSE of t
 encoder, the KL divergence from the original's next-token distribution for a decoder; all weights (``"full"``), or
 LoRA on q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merged back into plain weights.
 
-    model, _ = convert_bert("bert-base-uncased", "performer", kernel="hedgehog")
+    bert = BertModel.from_pretrained("bert-base-uncased")
+    model, _ = convert_bert(bert, "performer", kernel="hedgehog")
     report = attention_transfer(model, bert, text_blocks(tokenizer, texts, 512, wrap=True))
 """
 
