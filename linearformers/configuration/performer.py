@@ -46,6 +46,11 @@ class PerformerConfig(LinearAttentionConfig):
             random "softmax" features the linear scores keep the softmax's scale, so that at gamma = 1 a head
             estimates softmax attention (exact on the window, FAVOR+ elsewhere). Decoding keeps the last w - 1
             keys, values and key features besides the (S, z) sums: memory still constant in the context length.
+        hybrid_sinks: S, the number of attention sinks of the hybrid (default 0; e.g. 1 for BERT's [CLS]): the
+            first S real tokens of each sequence take exact softmax scores from every query that sees them, as if
+            in its window, and never the linear part (StreamingLLM, Xiao et al. 2024). A pretrained BERT puts a
+            fifth to a quarter of its attention on [CLS] in most layers, a spike a linear map follows badly.
+            Decoding keeps the sinks' keys and values: memory still constant. Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -59,6 +64,7 @@ class PerformerConfig(LinearAttentionConfig):
     kernel_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
     causal_chunk_size: int = positive(default=32)
     hybrid_window: int | None = at_least_or_none(1)(default=None)
+    hybrid_sinks: int = interval(min=0)(default=0)
 
     @property
     def random_feature_kernel(self) -> bool:
@@ -72,6 +78,11 @@ class PerformerConfig(LinearAttentionConfig):
             raise ValueError(
                 f"kernel='hedgehog' needs an even num_random_features (two softmax halves of m / 2), got "
                 f"{self.num_random_features}"
+            )
+        if self.hybrid_sinks and not self.hybrid_window:
+            raise ValueError(
+                f"hybrid_sinks={self.hybrid_sinks} needs a hybrid_window: sinks join the exact softmax window of the "
+                "hybrid heads; set hybrid_window (e.g. 64), or hybrid_sinks=0"
             )
 
     def sequence_limit(self) -> tuple[int, str] | None:

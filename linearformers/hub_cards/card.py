@@ -148,6 +148,12 @@ def _hybrid_text(config) -> str:
     return (
         f" Each global head adds exact softmax attention over a window of {config.hybrid_window} tokens to its linear "
         "attention on the other keys, normalized together with a learned per-head balance (LoLCATs hybrid)."
+        + (
+            f" The first {config.hybrid_sinks} real token(s) of each sequence are attention sinks, in every query's "
+            "window."
+            if config.hybrid_sinks
+            else ""
+        )
     )
 
 

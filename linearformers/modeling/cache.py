@@ -1,12 +1,13 @@
 """Decoding cache for linear attention: a fixed-size state per layer, in transformers' cache layers.
 
 The cache stores; the attention modules compute. Each model layer gets one
-``transformers.cache_utils.LinearAttentionLayer`` with room for six recurrent states, of which a layer uses:
+``transformers.cache_utils.LinearAttentionLayer`` with room for ten recurrent states, of which a layer uses:
   * Performer with random features, three: S = Σ phi(k) vᵀ (b, h, m, d), z = Σ phi(k) (b, h, m) and their offset
     M (b, h) (see favor_step); with a learned map (kernel="hedgehog"), two: S and z (see linear_step);
-  * Performer with ``hybrid_window`` w, six, the ``HybridState`` of ``attention.hybrid``: S and z over the keys that
-    have left the window, and the last w - 1 keys (b, h, w - 1, d), values (b, h, w - 1, d) and key features
-    (b, h, w - 1, m) with their validity (b, w - 1) bool;
+  * Performer with ``hybrid_window`` w, ten, the ``HybridState`` of ``attention.hybrid``: S and z over the keys that
+    have left the window, the last w - 1 keys (b, h, w - 1, d), values (b, h, w - 1, d) and key features
+    (b, h, w - 1, m) with their validity (b, w - 1) bool, and the ``hybrid_sinks`` S sinks' keys and values
+    (b, h, S, d), validity (b, S) and distance from the newest token (b, S) (S = 0: empty);
   * causal Linformer, two: the slot states K̃ and Ṽ (b, h, k, d).
 Local windowed heads keep their last ``local_window - 1`` keys and values in the layer's conv state, laid out
 (b, h, 2d + 1, tokens): keys, values, and a validity channel that masks left padding and the zeros the cache
@@ -23,8 +24,8 @@ class LinearAttentionCache(DynamicCache):
     """A ``DynamicCache`` whose layers are all linear-attention layers. It counts the tokens it has seen, which
     ``generate()`` reads through ``get_seq_length()``, since the states themselves have no length."""
 
-    # the most states a layer keeps: the hybrid's six (module docstring); the others leave the rest unset
-    MAX_STATES = 6
+    # the most states a layer keeps: the hybrid's ten (module docstring); the others leave the rest unset
+    MAX_STATES = 10
 
     def __init__(self, num_layers: int):
         Cache.__init__(self, layers=[LinearAttentionLayer(number_of_states=self.MAX_STATES) for _ in range(num_layers)])
@@ -58,7 +59,7 @@ class LinearAttentionCache(DynamicCache):
         return tuple(states) or None
 
     def set_state(self, layer_idx: int, state: tuple[torch.Tensor, ...]) -> None:
-        """Store the layer's recurrent states in order (module docstring): e.g. (S, z, M) for Performer, the six of a
+        """Store the layer's recurrent states in order (module docstring): e.g. (S, z, M) for Performer, the ten of a
         HybridState for a hybrid Performer, (K̃, Ṽ) for Linformer."""
         layer = self.layers[layer_idx]
         if len(state) > layer.number_of_states:

@@ -530,6 +530,7 @@ CONFIG_FLAGS = {
     "num_random_features": int,
     "kernel": str,
     "hybrid_window": int,
+    "hybrid_sinks": int,
     "projected_length": int,
     "max_seq_length": int,
 }

@@ -58,7 +58,7 @@ class PerformerAttention(LinearAttention):
     With ``config.hybrid_window`` w set, each global head is the hybrid of ``attention.hybrid`` (LoLCATs): exact
     softmax on its window of w keys, the layer's feature map (random or learned) on the others, balanced by
     gamma = exp(``window_balance``), a parameter (global heads,) that starts at 0; its decoding state is the
-    six-tensor ``HybridState``. Without a hybrid_window the layer has no ``window_balance``."""
+    ten-tensor ``HybridState``. Without a hybrid_window the layer has no ``window_balance``."""
 
     kernel_name = "FAVOR+ (Performer)"
 
@@ -112,7 +112,8 @@ class PerformerAttention(LinearAttention):
         if self.window_balance is not None:
             phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
             inputs = (q, k, v, phi_q, phi_k, torch.exp(self.window_balance), self.config.hybrid_window)
-            attend, step, fixed = hybrid_attention, hybrid_step, {"query_log_scale": log_scale}
+            attend, step = hybrid_attention, hybrid_step
+            fixed = {"query_log_scale": log_scale, "sinks": self.config.hybrid_sinks}
         elif self.feature_map is None:
             inputs = (q, k, v)
             attend, step = favor_attention, favor_step

@@ -86,10 +86,11 @@ def _reference_features(attention, q, k):
     return favor_positive(q, projection, is_query=True), favor_positive(k, projection, is_query=False), log_scale
 
 
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("kernel", ALL_KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_global_heads_equal_the_hybrid_reference(kernel, decoder):
-    model = _model(kernel, decoder)
+def test_global_heads_equal_the_hybrid_reference(kernel, decoder, sinks):
+    model = _model(kernel, decoder, hybrid_sinks=sinks)
     _move_balance(model)
     attention = _layers(model)[0].attention
     g = torch.Generator().manual_seed(3)
@@ -102,7 +103,7 @@ def test_global_heads_equal_the_hybrid_reference(kernel, decoder):
         gamma = attention.window_balance.exp()
         want = hybrid_reference(
             *(t.double() for t in (q, k, v, phi_q, phi_k, gamma)), WINDOW, causal=decoder, key_padding_mask=mask,
-            query_log_scale=None if log_scale is None else log_scale.double(),
+            query_log_scale=None if log_scale is None else log_scale.double(), sinks=sinks,
         )  # fmt: skip
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -152,8 +153,9 @@ def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side):
-    model = _model(kernel, decoder, initializer_range=0.2)
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, sinks):
+    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks)
     _move_balance(model)
     n, pad = 8, 4
     ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
@@ -167,9 +169,10 @@ def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side):
     torch.testing.assert_close(both[:, pad:] if side == "left" else both[:, :n], alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_causal_outputs_never_read_the_future(kernel):
-    model = _model(kernel, True, initializer_range=0.2)
+def test_causal_outputs_never_read_the_future(kernel, sinks):
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks)
     _move_balance(model)
     ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(4))
     changed = ids.clone()
@@ -180,12 +183,15 @@ def test_causal_outputs_never_read_the_future(kernel):
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
-@pytest.mark.parametrize("kernel", ALL_KERNELS)
-@pytest.mark.parametrize("window", [1, WINDOW])
-def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window):
+@pytest.mark.parametrize(
+    ("kernel", "window", "sinks"),
+    [*((k, w, 0) for k in ALL_KERNELS for w in (1, WINDOW)), ("softmax", 1, 2), ("hedgehog", WINDOW, 4)],
+)
+def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window, sinks):
     """A left-padded batch fed as 2 tokens (fewer than the window), 3 more (a continued prefill), then one at a
-    time (decoding steps): the same logits as one uncached forward."""
-    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2)
+    time (decoding steps): the same logits as one uncached forward. With sinks, row 1's padding puts its sinks
+    across the pieces and steps."""
+    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks)
     _move_balance(model)
     ids, mask = _left_padded()
     cuts = [0, 2, 5, *range(6, ids.shape[1] + 1)]
@@ -196,14 +202,16 @@ def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kern
         for start, end in itertools.pairwise(cuts):
             out = model(ids[:, start:end], attention_mask=mask[:, :end], past_key_values=cache, use_cache=True)
             pieces.append(out.logits)
-    assert len(cache.get_state(0)) == 6
+    state = cache.get_state(0)
+    assert len(state) == 10 and state[6].shape[2] == sinks and bool(state[8].all())
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("sinks", [0, 1], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_cached_greedy_generation_equals_uncached(kernel):
-    model = _model(kernel, True, initializer_range=0.2)
+def test_cached_greedy_generation_equals_uncached(kernel, sinks):
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks)
     _move_balance(model)
     ids, mask = _left_padded(n=6, pad=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -213,7 +221,7 @@ def test_cached_greedy_generation_equals_uncached(kernel):
 
 
 def test_the_cache_does_not_grow_with_the_context():
-    model = _model("softmax", True)
+    model = _model("softmax", True, hybrid_sinks=2)
     ids = torch.randint(1, 99, (2, 60), generator=torch.Generator().manual_seed(6))
 
     def state_after(n):
@@ -226,19 +234,21 @@ def test_the_cache_does_not_grow_with_the_context():
         return cache.get_state(0)
 
     short, long = state_after(20), state_after(60)
-    assert len(short) == 6 and [t.shape for t in short] == [t.shape for t in long]
+    assert len(short) == 10 and [t.shape for t in short] == [t.shape for t in long]
     assert long[2].shape[2] == WINDOW - 1  # the kept keys: the window's, not the context's
+    assert long[6].shape[2] == 2  # and the sinks'
+    assert torch.equal(long[9], torch.full_like(long[9], 60) - torch.arange(2))  # sinks at positions 0, 1
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_save_and_reload_keeps_the_balance_and_the_outputs(kernel, decoder, tmp_path):
-    model = _model(kernel, decoder)
+    model = _model(kernel, decoder, hybrid_sinks=1)
     _move_balance(model)
     ids, mask = _left_padded()
     model.save_pretrained(tmp_path)
     reloaded = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(tmp_path).eval()
-    assert reloaded.config.hybrid_window == WINDOW
+    assert reloaded.config.hybrid_window == WINDOW and reloaded.config.hybrid_sinks == 1
     for mine, theirs in zip(_layers(model), _layers(reloaded)):
         assert torch.equal(mine.attention.window_balance, theirs.attention.window_balance)
     with torch.no_grad():
@@ -258,8 +268,8 @@ def test_a_plain_checkpoint_loads_into_a_hybrid_with_the_balance_at_its_init(tmp
 
 def test_the_cache_refuses_more_states_than_it_holds():
     cache = LinearAttentionCache(1)
-    with pytest.raises(ValueError, match="holds at most 6 states, got 7"):
-        cache.set_state(0, (torch.zeros(1, 2),) * 7)
+    with pytest.raises(ValueError, match="holds at most 10 states, got 11"):
+        cache.set_state(0, (torch.zeros(1, 2),) * 11)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -325,6 +335,23 @@ def test_config_refuses_other_windows(value, cause):
     assert isinstance(raised.value.__cause__, cause)
 
 
+@pytest.mark.parametrize("value", [0, 1, 64])
+def test_config_accepts_sinks_with_a_window(value):
+    assert PerformerConfig(hybrid_window=8, hybrid_sinks=value).hybrid_sinks == value
+
+
+@pytest.mark.parametrize(("value", "cause"), [(-1, ValueError), (1.5, TypeError), (True, TypeError), (None, TypeError)])
+def test_config_refuses_other_sinks(value, cause):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_sinks'") as raised:
+        PerformerConfig(hybrid_window=8, hybrid_sinks=value)
+    assert isinstance(raised.value.__cause__, cause)
+
+
+def test_sinks_without_a_window_are_refused():
+    with pytest.raises(ValueError, match="hybrid_sinks=2 needs a hybrid_window"):
+        PerformerConfig(hybrid_sinks=2)
+
+
 def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -332,8 +359,9 @@ def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = _config(
-        "softmax", True, vocab_size=tokenizer.vocab_size, num_local_heads=1, local_window=4, initializer_range=0.2
-    )
+        "softmax", True, vocab_size=tokenizer.vocab_size, num_local_heads=1, local_window=4, initializer_range=0.2,
+        hybrid_sinks=1,
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg).eval()
     _move_balance(model)  # a remote load that re-initialized the balance, or ignored the window, would show
     assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path)
@@ -348,7 +376,10 @@ def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(model, tokenizer, tmp_path / "export", repo_id="me/tiny") / "README.md").read_text()
-    assert f"window of {WINDOW} tokens" in card and "LoLCATs" in card
+    assert f"window of {WINDOW} tokens" in card and "LoLCATs" in card and "sinks" not in card
+    sinks = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_sinks=1))
+    card = (save_for_hub(sinks, tokenizer, tmp_path / "sinks", repo_id="me/tiny") / "README.md").read_text()
+    assert "first 1 real token(s) of each sequence are attention sinks" in card
     plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
     assert "LoLCATs" not in card

@@ -8,6 +8,11 @@ Query t takes exact softmax scores on its window W(t) and linear feature scores 
     a_ts = gamma_h exp(scale q_t·k_s - c_t)   (s in W(t)),      b_ts = phi_q,t · phi_k,s   (linear keys)
     out_t = (Σ_s a_ts v_s + Σ_s b_ts v_s) / (Σ_s a_ts + Σ_s b_ts)
 
+Attention sinks (``sinks`` = S > 0; StreamingLLM, Xiao et al. 2024): the first S real tokens of each sequence join
+every query's window, W(t) ∪ {its sinks it may see}, and leave the linear part. A trained BERT puts a fifth to a
+quarter of its attention on [CLS] in most layers, far from most queries' windows, and a spike on one key is what
+a linear map follows worst.
+
 c_t is the largest window logit of query t over real keys, the paper's stabilizer on the softmax part only: it
 keeps every a_ts in (0, gamma_h], and, as in the paper, it makes gamma's effective weight against the linear part
 query-dependent (the window part is gamma exp(-c_t) times the unstabilized scores). Padded keys leave both parts;
@@ -33,8 +38,9 @@ outside the frame are linear keys: they come in through block states, the per-bl
 the blocks before c - 1 (and after c + 1, bidirectional) by a cumsum over blocks — no subtraction, so no
 cancellation. Time O(n (w (m + d) + m d)), memory O(n w + (n / w) m d), m features, d head_dim; no Python loop.
 
-Decoding keeps (S, z), the linear sums over keys that left the window, and the last w - 1 keys, values and key
-features with their validity: memory per step is constant in the context length (:func:`hybrid_step`).
+Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
+features with their validity, and the sinks' keys and values with their validity and their distance from the
+newest token: memory per step is constant in the context length (:func:`hybrid_step`).
 
 Everything is computed in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
 """
@@ -56,9 +62,12 @@ _LOG_SCALE_HEADROOM = 50.0
 
 class HybridState(NamedTuple):
     """Decoding state after a causal pass. ``s`` (b, h, m, d) and ``z`` (b, h, m): Σ phi_k vᵀ and Σ phi_k over the
-    real keys that have left the window, in the compute dtype; ``k``, ``v``, ``phi_k`` (b, h, w - 1, ·): the last
-    w - 1 positions, oldest first, in the inputs' dtype; ``valid`` (b, w - 1) bool: False for padding and for the
-    empty places of a window not yet full."""
+    real keys that have left the window, sinks excepted, in the compute dtype; ``k``, ``v``, ``phi_k``
+    (b, h, w - 1, ·): the last w - 1 positions, oldest first, in the inputs' dtype (a sink's phi_k is zero: it never
+    joins the linear part); ``valid`` (b, w - 1) bool: False for padding and for the empty places of a window not
+    yet full. ``sink_k``, ``sink_v`` (b, h, S, ·): the sinks' keys and values in the inputs' dtype, in the order
+    they came; ``sink_valid`` (b, S) bool: False for sinks not seen yet; ``sink_distance`` (b, S) int64: how many
+    positions lie from each sink to the end of the state (1 for the newest position). S = 0 without sinks."""
 
     s: torch.Tensor
     z: torch.Tensor
@@ -66,13 +75,17 @@ class HybridState(NamedTuple):
     v: torch.Tensor
     phi_k: torch.Tensor
     valid: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_valid: torch.Tensor
+    sink_distance: torch.Tensor
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale):
+def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
     check_qkv(q, k, v, same_length=True)
     for name, t in (("phi_q", phi_q), ("phi_k", phi_k)):
         if not isinstance(t, torch.Tensor):
@@ -90,6 +103,8 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale):
         )
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window must be a positive int, got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
     if not isinstance(gamma, torch.Tensor):
         raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
     if not gamma.is_floating_point():
@@ -114,9 +129,14 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale):
         raise ValueError("query_log_scale must be finite")
 
 
-def _check_state(state, b, h, w, d, m, dv, dtype, device) -> HybridState:
-    if not isinstance(state, (tuple, list)) or len(state) != 6 or not all(isinstance(t, torch.Tensor) for t in state):
-        raise TypeError("a hybrid-attention state is a HybridState (s, z, k, v, phi_k, valid) of tensors")
+def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
+    fields = len(HybridState._fields)
+    if (
+        not isinstance(state, (tuple, list))
+        or len(state) != fields
+        or not all(isinstance(t, torch.Tensor) for t in state)
+    ):
+        raise TypeError(f"a hybrid-attention state is a HybridState {HybridState._fields} of {fields} tensors")
     state = HybridState(*state)
     p = w - 1
     want = {
@@ -126,11 +146,15 @@ def _check_state(state, b, h, w, d, m, dv, dtype, device) -> HybridState:
         "v": (b, h, p, dv),
         "phi_k": (b, h, p, m),
         "valid": (b, p),
+        "sink_k": (b, h, sinks, d),
+        "sink_v": (b, h, sinks, dv),
+        "sink_valid": (b, sinks),
+        "sink_distance": (b, sinks),
     }
     for name, shape in want.items():
         got = tuple(getattr(state, name).shape)
         if got != shape:
-            raise ValueError(f"the state's {name} must be shaped {shape} for window={w}, got {got}")
+            raise ValueError(f"the state's {name} must be shaped {shape} for window={w}, sinks={sinks}, got {got}")
     return HybridState(
         state.s.to(device=device, dtype=dtype),
         state.z.to(device=device, dtype=dtype),
@@ -138,6 +162,10 @@ def _check_state(state, b, h, w, d, m, dv, dtype, device) -> HybridState:
         state.v,
         state.phi_k,
         state.valid.bool(),
+        state.sink_k,
+        state.sink_v,
+        state.sink_valid.bool(),
+        state.sink_distance.long(),
     )
 
 
@@ -152,17 +180,19 @@ def _blocks_before_after(block_sums: torch.Tensor, causal: bool) -> torch.Tensor
     return out
 
 
-def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base, log_scale):
-    """All inputs in the compute dtype; valid (b, n) bool; base (b, h, m, d + 1) added to every block's state, or
-    None; log_scale (b, h, n), the queries' ℓ, or None. Returns (b, h, n, d)."""
+def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
+    """All inputs in the compute dtype; valid (b, n) bool: real keys; linear (b, n) bool: the real keys that may
+    join the linear part (sinks do not); base (b, h, m, d + 1) added to every block's state, or None; log_scale
+    (b, h, n), the queries' ℓ, or None; sink: None, or (keys (b, h, S, d), values (b, h, S, d), positions (b, S)
+    int64 in this call's frame of positions (negative: before it), validity (b, S) bool). Returns (b, h, n, d)."""
     b, h, n, d = q.shape
     blk = window
     pad_end = (-n) % blk
     nb = (n + pad_end) // blk
     frame = 2 * blk if causal else 3 * blk
     after = blk + pad_end if not causal else pad_end
-    keep = valid[:, None, :, None].to(pk.dtype)
-    pk = pk * keep  # padded keys leave the linear sums (and the frame scores)
+    keep = linear[:, None, :, None].to(pk.dtype)
+    pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
     vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
 
     def frames(x):  # (b, h, n, e) -> (b, h, nb, frame, e): keys [(c - 1) blk, (c - 1) blk + frame) of block c
@@ -186,14 +216,25 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, scale, base, log
 
     logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
+    if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
+        sink_k, sink_v, sink_pos, sink_valid = sink
+        sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nb, blk, S): t - s
+        near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
+        sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
+        sink_logits = (qb @ sink_k[:, :, None].transpose(-1, -2) * scale).masked_fill(~sees[:, None], float("-inf"))
+        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
     if log_scale is not None:
         ell = blocks(log_scale[..., None])  # (b, h, nb, blk, 1)
         c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, which cancels
         pqb = pqb * torch.exp(ell - c)  # <= e^R: scales the in-frame linear scores and the block states alike
-    scores = gamma.to(q.dtype)[None, :, None, None, None] * torch.exp(logits - c)
+    g = gamma.to(q.dtype)[None, :, None, None, None]
+    scores = g * torch.exp(logits - c)
     scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
     acc = scores @ vf  # (b, h, nb, blk, d + 1)
+    if sink is not None:
+        sink_vaug = torch.cat([sink_v, torch.ones_like(sink_v[..., :1])], -1)
+        acc = acc + (g * torch.exp(sink_logits - c)) @ sink_vaug[:, :, None]
 
     block_sums = blocks(pk).transpose(-1, -2) @ blocks(vaug)  # (b, h, nb, m, d + 1)
     state = _blocks_before_after(block_sums, causal)
@@ -222,6 +263,7 @@ def hybrid_attention(
     initial_state: HybridState | None = None,
     return_state: bool = False,
     query_log_scale: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridState]:
     """Sliding-window softmax + linear attention (module docstring).
 
@@ -238,11 +280,14 @@ def hybrid_attention(
         query_log_scale: (batch, heads, n) finite ℓ_t, or None: the linear scores of query t are multiplied by
             exp(ℓ_t - c_t), which puts features on the softmax's scale (FAVOR+: ℓ_t = u_t - log m, module
             docstring). Per query, so a state carries nothing of it: pass each call its own queries' ℓ.
+        sinks: S >= 0, the number of attention sinks: the first S real tokens of each sequence (counted from the
+            start of the state's sequence when one is given) take exact scores from every query that sees them, as
+            if in its window, and never the linear part (default 0).
 
     Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
     (and the state).
     """
-    _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale)
+    _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
     b, h, n, d = q.shape
@@ -257,7 +302,7 @@ def hybrid_attention(
     p = 0
     past = None
     if initial_state is not None:
-        past = _check_state(initial_state, b, h, window, d, m, dv, dtype, q.device)
+        past = _check_state(initial_state, b, h, window, sinks, d, m, dv, dtype, q.device)
         p = window - 1
         base = torch.cat([past.s, past.z[..., None]], -1)
         # the kept window's keys come first, with zero queries whose rows are dropped below
@@ -267,8 +312,31 @@ def hybrid_attention(
         kc = torch.cat([past.k.to(dtype), kc], 2)
         vc = torch.cat([past.v.to(dtype), vc], 2)
         pkc = torch.cat([past.phi_k.to(dtype), pkc], 2)
+    new_valid = valid
+    if past is not None:
         valid = torch.cat([past.valid, valid], 1)
-    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, scale, base, ell)[:, :, p:].to(v.dtype)
+    # sinks: the kept positions' sink status was settled before (their phi_k is zero); the new tokens' here
+    is_sink = torch.zeros_like(new_valid)
+    sink = None
+    if sinks:
+        seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
+        rank = seen_before[:, None] + new_valid.long().cumsum(-1)  # (b, n): 1 for the first real token
+        is_sink = new_valid & (rank <= sinks)
+        slot = is_sink[:, None, :] & (rank[:, None, :] - 1 == torch.arange(sinks, device=q.device)[None, :, None])
+        pick = slot.to(dtype)  # (b, S, n): new token -> its sink slot
+        sink_k, sink_v = pick[:, None] @ kc[:, :, p:], pick[:, None] @ vc[:, :, p:]
+        sink_valid = slot.any(-1)
+        sink_pos = (slot.long() * torch.arange(n, device=q.device)).sum(-1) + p
+        if past is not None:  # slots filled before keep their sink
+            old = past.sink_valid
+            sink_k = torch.where(old[:, None, :, None], past.sink_k.to(dtype), sink_k)
+            sink_v = torch.where(old[:, None, :, None], past.sink_v.to(dtype), sink_v)
+            sink_pos = torch.where(old, p - past.sink_distance, sink_pos)
+            sink_valid = sink_valid | old
+        sink = (sink_k, sink_v, sink_pos, sink_valid)
+    linear = valid & ~torch.cat([valid.new_zeros(b, p), is_sink], 1)
+    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink)
+    out = out[:, :, p:].to(v.dtype)
     if not return_state:
         return out
     # the state: keys before the last w - 1 positions join (S, z); the last w - 1 stay (invalid places in front
@@ -276,17 +344,26 @@ def hybrid_attention(
     keep = window - 1
     total = kc.shape[2]
     leaving = max(total - keep, 0)
-    pk_out = pkc[:, :, :leaving] * valid[:, None, :leaving, None].to(dtype)
+    pk_out = pkc[:, :, :leaving] * linear[:, None, :leaving, None].to(dtype)
     s_new = pk_out.transpose(-1, -2) @ vc[:, :, :leaving]
     z_new = pk_out.sum(2)
     if past is not None:
         s_new, z_new = s_new + past.s, z_new + past.z
     k_all = torch.cat([k.new_zeros(b, h, keep, d), past.k if past else k.new_zeros(b, h, 0, d), k], 2)
     v_all = torch.cat([v.new_zeros(b, h, keep, dv), past.v if past else v.new_zeros(b, h, 0, dv), v], 2)
+    phi_k = phi_k * ~is_sink[:, None, :, None]  # a sink's features stay out of the linear part when it leaves
     f_all = torch.cat([phi_k.new_zeros(b, h, keep, m), past.phi_k if past else phi_k.new_zeros(b, h, 0, m), phi_k], 2)
     valid_all = torch.cat([valid.new_zeros(b, keep), valid], 1)
     last = slice(valid_all.shape[1] - keep, None)
-    state = HybridState(s_new, z_new, k_all[:, :, last], v_all[:, :, last], f_all[:, :, last], valid_all[:, last])
+    if sink is None:
+        sinks_out = (k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, dv), valid.new_zeros(b, 0))
+        distance = torch.zeros(b, 0, dtype=torch.long, device=q.device)
+    else:
+        sinks_out = (sink[0].to(k.dtype), sink[1].to(v.dtype), sink[3])
+        distance = torch.where(sink[3], total - sink[2], torch.zeros_like(sink[2]))
+    state = HybridState(
+        s_new, z_new, k_all[:, :, last], v_all[:, :, last], f_all[:, :, last], valid_all[:, last], *sinks_out, distance
+    )
     return out, state
 
 
@@ -303,10 +380,11 @@ def hybrid_step(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     query_log_scale: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> tuple[torch.Tensor, HybridState]:
     """One causal decoding step (tokens of length 1) from the state of a prefill or of earlier steps (None: the
     first token). Reads the w - 1 kept keys, the new one and (S, z): constant memory and time in the context length.
-    ``query_log_scale`` (batch, heads, 1): the new query's ℓ, as in :func:`hybrid_attention`.
+    ``query_log_scale`` (batch, heads, 1): the new query's ℓ, and ``sinks``, as in :func:`hybrid_attention`.
     Returns (out (batch, heads, 1, d_v) in v's dtype, the new state)."""
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
         raise ValueError(f"hybrid_step takes one new token, got length {q.shape[2]}; use hybrid_attention to prefill")
@@ -324,4 +402,5 @@ def hybrid_step(
         initial_state=state,
         return_state=True,
         query_log_scale=query_log_scale,
+        sinks=sinks,
     )

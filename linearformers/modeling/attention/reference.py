@@ -284,6 +284,7 @@ def hybrid_reference(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     query_log_scale: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Sliding-window softmax + linear attention inside a head (LoLCATs, Zhang et al. 2024), as (n x n) matrices.
 
@@ -293,7 +294,8 @@ def hybrid_reference(
         a_ts = gamma_h exp(scale q_t·k_s - c_t)  (s in W(t)),   b_ts = phi_q,t · phi_k,s  (s outside W(t))
         out_t = Σ_s (a_ts + b_ts) v_s / Σ_s (a_ts + b_ts)
 
-    c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ (batch, heads, n), b_ts is
+    With ``sinks`` S, the first S real keys of each row join every window that may see them (causal: s <= t) and
+    leave the linear part. c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ (batch, heads, n), b_ts is
     multiplied by exp(ℓ_t - c_t) (features on the softmax's scale, see :mod:`hybrid`). Padded keys leave both parts;
     a query with no real key outputs 0. Computed in the inputs' (promoted) dtype; returns v's dtype.
     """
@@ -305,8 +307,9 @@ def hybrid_reference(
     in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
     seen = (dist >= 0) if causal else torch.ones_like(in_window)
     real = _key_mask(key_padding_mask, k.shape[0], n, q.device)
-    win = in_window & real
-    lin = seen & ~in_window & real
+    sink = real & (real.long().cumsum(-1) <= sinks)  # real is (b, 1, 1, n)
+    win = (in_window | (sink & seen)) & real
+    lin = seen & ~win & real
     logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2) * scale).masked_fill(~win, -math.inf)
     c = logits.amax(-1, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))

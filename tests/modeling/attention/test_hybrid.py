@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -317,3 +318,108 @@ def test_a_bad_query_log_scale_is_named():
     bad[0, 1, 2] = float("inf")
     with pytest.raises(ValueError, match="query_log_scale must be finite"):
         hybrid_attention(*x, 2, causal=False, query_log_scale=bad)
+
+
+# attention sinks: the first S real tokens join every window and leave the linear part
+
+
+@pytest.mark.parametrize("sinks", [1, 3, 20])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sinks_equal_the_reference(causal, window, padding, sinks):
+    n = 11
+    x = _inputs(n)
+    mask = _mask(n, padding)
+    ell = _log_scale(n)
+    out = hybrid_attention(*x, window, causal=causal, key_padding_mask=mask, query_log_scale=ell, sinks=sinks)
+    ref = hybrid_reference(*x, window, causal=causal, key_padding_mask=mask, query_log_scale=ell, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(
+        out, hybrid_attention(*x, window, causal=causal, key_padding_mask=mask, query_log_scale=ell)
+    )
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_token_a_sink_is_softmax_attention(causal, padding):
+    # sinks take exact scores and never the linear part: with every real token a sink, the features play no role
+    q, k, v, phi_q, phi_k, gamma = _inputs(9)
+    mask = _mask(9, padding)
+    out = hybrid_attention(
+        q, k, v, phi_q, phi_k, torch.ones_like(gamma), 2, causal=causal, key_padding_mask=mask, sinks=9
+    )
+    ref = softmax_reference(q, k, v, causal=causal, key_padding_mask=mask)
+    real = slice(None) if mask is None else mask[:, None, :, None].expand_as(ref)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-12)
+
+
+def test_a_sink_is_the_first_real_token_of_each_row():
+    # one sink, a one-token window, no features: every query sees itself and its row's first real token only
+    n = 8
+    q, k, v, _, _, gamma = _inputs(n)
+    zeros = torch.zeros(B, H, n, M, dtype=q.dtype)
+    mask = _mask(n, "left")  # row 0 starts at 3, row 1 at 1
+    out = hybrid_attention(q, k, v, zeros, zeros, gamma, 1, causal=False, key_padding_mask=mask, sinks=1)
+    for row, first in ((0, 3), (1, 1)):
+        for t in range(first + 1, n):
+            logits = torch.stack([(q[row, :, t] * k[row, :, s]).sum(-1) for s in (first, t)], -1) * D**-0.5
+            weights = logits.softmax(-1)
+            want = weights[:, :1] * v[row, :, first] + weights[:, 1:] * v[row, :, t]
+            torch.testing.assert_close(out[row, :, t], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_with_sinks_equal_the_reference(causal):
+    mask = _mask(9, "left")
+    grads = []
+    for fn in (hybrid_attention, hybrid_reference):
+        x = [t.clone().requires_grad_(True) for t in _inputs(9)]
+        out = fn(*x, 3, causal=causal, key_padding_mask=mask, sinks=2)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append([t.grad for t in x])
+    for name, got, want in zip(("q", "k", "v", "phi_q", "phi_k", "gamma"), *grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("sinks", [1, 4])
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_sinks_in_pieces_and_steps_equal_the_causal_pass(padding, window, sinks):
+    # the sinks may arrive in the first piece, across pieces or during the steps (left padding delays them)
+    n = 13
+    x = _inputs(n)
+    mask = _mask(n, padding)
+    ell = _log_scale(n)
+    full = hybrid_attention(*x, window, causal=True, key_padding_mask=mask, query_log_scale=ell, sinks=sinks)
+    q, k, v, phi_q, phi_k, gamma = x
+    state, outs = None, []
+    cuts = [0, 2, 3, 7, 8, 9, 10, 11, 12, 13]  # pieces, then single steps
+    for start, stop in itertools.pairwise(cuts):
+        part = slice(start, stop)
+        args = [t[:, :, part] for t in (q, k, v, phi_q, phi_k)] + [gamma, window]
+        kwargs = dict(key_padding_mask=None if mask is None else mask[:, part], query_log_scale=ell[:, :, part])
+        if stop - start == 1 and state is not None:
+            out, state = hybrid_step(*args, state, **kwargs, sinks=sinks)
+        else:
+            out, state = hybrid_attention(
+                *args, causal=True, initial_state=state, return_state=True, **kwargs, sinks=sinks
+            )
+        outs.append(out)
+        assert state.sink_k.shape == (B, H, sinks, D) and state.k.shape[2] == window - 1  # constant memory
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-10, atol=1e-12)
+    assert state.sink_valid.all()
+
+
+def test_bad_sinks_are_named():
+    q, k, v, phi_q, phi_k, gamma = _inputs(6)
+    for bad in (-1, 1.0, True, None):
+        with pytest.raises(ValueError, match="sinks must be an int >= 0"):
+            hybrid_attention(q, k, v, phi_q, phi_k, gamma, 2, causal=False, sinks=bad)
+    _, state = hybrid_attention(q, k, v, phi_q, phi_k, gamma, 3, causal=True, return_state=True, sinks=1)
+    one = slice(0, 1)
+    with pytest.raises(ValueError, match="the state's sink_k must be shaped"):
+        hybrid_step(
+            q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, 3, state, sinks=2
+        )
