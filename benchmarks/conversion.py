@@ -13,6 +13,9 @@ standard-library files than the evaluation's.
 
     flock /tmp/bench.lock python benchmarks/conversion.py                  # every setting, blocks of 256
     python benchmarks/conversion.py --settings hedgehog+window64 --steps 300  # one setting
+
+A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1): [CLS], which takes 21-26% of the
+original's attention in four of its six layers (benchmarks/attention_mass.py).
 """
 
 from __future__ import annotations
@@ -41,10 +44,20 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
             {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64},
             True,
         ),
+        "random-m256+window64+sink": (
+            "performer",
+            {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64, "hybrid_sinks": 1},
+            True,
+        ),
         "hedgehog": ("performer", {"kernel": "hedgehog", "num_random_features": 64}, True),
         "hedgehog+window64": (
             "performer",
             {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64},
+            True,
+        ),
+        "hedgehog+window64+sink": (
+            "performer",
+            {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64, "hybrid_sinks": 1},
             True,
         ),
         f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),

@@ -1,0 +1,49 @@
+"""benchmarks/conversion.py and benchmarks/attention_mass.py on the real all-MiniLM-L6-v2, in tiny runs: every
+setting kind (random hybrid, learned hybrid with a sink, Linformer) converts, transfers, fine-tunes and lands in the
+JSON; the attention-share table adds up. No timings or quality thresholds checked."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False, cwd=BENCHMARKS
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_conversion_benchmark_runs_the_settings_it_names(tmp_path):
+    out = tmp_path / "conversion.json"
+    settings = ["random-m256+window64+sink", "hedgehog+window64+sink", "linformer-k16"]
+    done = _run(
+        "conversion.py", "--block", "64", "--eval_blocks", "2", "--steps", "2", "--batch_size", "2", "--threads", "1",
+        "--settings", *settings, "--finetune_steps", "1", "--finetune", "full",
+        "--finetune_settings", "hedgehog+window64+sink", "--out", str(out),
+    )  # fmt: skip
+    rows = {row["setting"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == settings
+    assert rows["hedgehog+window64+sink"]["overrides"]["hybrid_sinks"] == 1
+    for row in rows.values():
+        assert 0 < row["error"] and 0 < row["error_transfer"] and -1 <= row["cosine_transfer"] <= 1
+        assert row["transfer"]["steps"] == 2 and len(row["transfer"]["layer_error_after"]) == 6
+    assert rows["hedgehog+window64+sink"]["transfer"]["finetune_steps"] == 1
+    assert rows["linformer-k16"]["transfer"]["finetune_steps"] == 0
+    assert "| hedgehog+window64+sink |" in done.stdout
+
+
+def test_attention_mass_shares_add_up_and_a_window_over_everything_is_exact():
+    done = _run("attention_mass.py", "--block", "32", "--eval_blocks", "2", "--windows", "8", "32", "--threads", "1")
+    lines = done.stdout.splitlines()
+    shares = [line for line in lines if line.startswith("| ") and line[2].isdigit() and line.count("|") == 6]
+    assert len(shares) == 6  # one row per layer
+    for line in shares:
+        parts = [float(x) for x in line.strip("| ").split(" | ")[1:]]
+        assert abs(sum(parts) - 1) < 2e-3, line  # window, [CLS], [SEP] and the rest partition each query's attention
+    full = next(line for line in lines if line.startswith("| 32 |"))
+    assert [float(x) for x in full.strip("| ").split(" | ")[1:]] == [0.0, 0.0, 0.0]  # |s - t| < 32 covers 32 tokens
