@@ -202,10 +202,13 @@ def run(name: str, n: int, repeats: int, threads: int, timeout: int) -> dict | N
     return run_isolated(__file__, arguments, timeout=timeout, label=f"{name} n={n}")
 
 
-def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threads: int, timeout: int) -> dict:
+def paired(
+    names: list[str], lengths: list[int], pairs: int, repeats: int, threads: int, timeout: int
+) -> tuple[dict, dict]:
     """Each kernel against its SDPA baseline, in alternating subprocesses, ``pairs`` times per length: a ratio per
-    pair, measured within seconds of each other, so drift of the shared machine over minutes cancels."""
-    out = {}
+    pair, measured within seconds of each other, so drift of the shared machine over minutes cancels. Returns the
+    sorted time ratios and, per pair, the peak memory [kernel MB, SDPA MB], by "kernel@n"."""
+    out, memory = {}, {}
     for n in lengths:
         for name in names:
             ref = "sdpa_causal" if "causal" in name else "sdpa"
@@ -214,8 +217,10 @@ def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threa
                 a, b = run(ref, n, repeats, threads, timeout), run(name, n, repeats, threads, timeout)
                 if a and b:
                     ratios.append(a["seconds"] / b["seconds"])
+                    memory.setdefault(f"{name}@{n}", []).append([round(b["peak_mb"]), round(a["peak_mb"])])
                     print(
-                        f"n={n:6d} {name:24s} {b['seconds']:.3f} s vs {ref} {a['seconds']:.3f} s: {ratios[-1]:.2f}x",
+                        f"n={n:6d} {name:24s} {b['seconds']:.3f} s, {b['peak_mb']:.0f} MB vs {ref} {a['seconds']:.3f} s, "
+                        f"{a['peak_mb']:.0f} MB: {ratios[-1]:.2f}x",
                         flush=True,
                     )
             if ratios:
@@ -226,7 +231,7 @@ def paired(names: list[str], lengths: list[int], pairs: int, repeats: int, threa
                     f"range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} pairs",
                     flush=True,
                 )
-    return out
+    return out, memory
 
 
 def _fmt(row: dict | None, ref: dict | None) -> str:
@@ -256,11 +261,13 @@ def main() -> None:
         unknown = sorted(set(args.paired) - set(KERNELS))
         if unknown:
             parser.error(f"--paired takes kernel names from {KERNELS}, not {unknown}")
-        ratios = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
+        ratios, memory = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "attention_paired.json"  # kernel@n -> sorted ratios; later runs replace their own keys
-        merged = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**merged, **ratios}, indent=2))
+        # kernel@n -> sorted ratios, and -> [kernel MB, SDPA MB] per pair; later runs replace their own keys
+        for name, found in (("attention_paired.json", ratios), ("attention_paired_memory.json", memory)):
+            path = args.out / name
+            merged = json.loads(path.read_text()) if path.exists() else {}
+            path.write_text(json.dumps({**merged, **found}, indent=2))
         return
     rate = matmul_rate(args.threads)
     print(f"float32 matmul rate: {rate / 1e9:.0f} GFLOP/s ({args.threads} threads)", flush=True)

@@ -120,3 +120,6 @@ def test_attention_paired_cli_writes_to_out(tmp_path):
     ratios = json.loads((tmp_path / "attention_paired.json").read_text())
     assert list(ratios) == ["hybrid_causal@64"] and len(ratios["hybrid_causal@64"]) == 1
     assert ratios["hybrid_causal@64"][0] > 0
+    memory = json.loads((tmp_path / "attention_paired_memory.json").read_text())
+    assert list(memory) == ["hybrid_causal@64"] and len(memory["hybrid_causal@64"]) == 1
+    assert len(memory["hybrid_causal@64"][0]) == 2 and " MB vs sdpa_causal " in done.stdout
