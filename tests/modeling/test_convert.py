@@ -362,5 +362,8 @@ def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
     main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "hedgehog", "--num_random_features", "16"])
     assert AutoModel.from_pretrained(tmp_path / "out").config.kernel == "hedgehog"
+    main([str(tmp_path / "bert"), str(tmp_path / "hybrid"), "--hybrid_window", "4", "--hybrid_sinks", "1"])
+    config = AutoModel.from_pretrained(tmp_path / "hybrid").config
+    assert (config.hybrid_window, config.hybrid_sinks) == (4, 1)
     with pytest.raises(ValueError, match=r"projected_length.*LinformerConfig field.*family='linformer'"):
         main([str(tmp_path / "bert"), str(tmp_path / "other"), "--projected_length", "16"])

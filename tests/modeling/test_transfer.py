@@ -92,6 +92,7 @@ def test_softmax_twins_reproduce_the_originals_hidden_states(convert):
         ("gpt2", "linformer", dict(max_seq_length=32, projected_length=8)),
         ("bert", "performer", dict(hybrid_window=4, **HEDGEHOG)),
         ("gpt2", "performer", dict(hybrid_window=4, **HEDGEHOG)),
+        ("bert", "performer", dict(hybrid_window=4, hybrid_sinks=1, **HEDGEHOG)),
     ],
     ids=[
         "hedgehog-encoder",
@@ -100,6 +101,7 @@ def test_softmax_twins_reproduce_the_originals_hidden_states(convert):
         "linformer-causal-lm",
         "hybrid-hedgehog-encoder",
         "hybrid-hedgehog-causal-lm",
+        "hybrid-sink-hedgehog-encoder",
     ],
 )
 def test_transfer_lowers_every_layers_attention_error(convert, family, overrides):
