@@ -36,7 +36,9 @@ Computed by blocks of B = w queries. In the frame of keys [(c - 1) B, (c + 1) B)
 (bidirectional) around query block c, every key is either in the query's window or a linear key, and all keys
 outside the frame are linear keys: they come in through block states, the per-block sums phi_kᵀ [v, 1] summed over
 the blocks before c - 1 (and after c + 1, bidirectional) by a cumsum over blocks — no subtraction, so no
-cancellation. Time O(n (w (m + d) + m d)), memory O(n w + (n / w) m d), m features, d head_dim; no Python loop.
+cancellation. The sinks come in beside the frame: each query's S scores against the S sink keys, masked where the
+sink lies in its window (counted there) or, causal, ahead of it; their features are zeroed before any linear sum.
+Time O(n (w (m + d) + m d + S d)), memory O(n (w + S) + (n / w) m d), m features, d head_dim; no Python loop.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
