@@ -290,7 +290,7 @@ def test_gradients_reach_the_balance_and_the_feature_map(kernel, decoder):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_bf16_autocast_forward_is_finite(kernel, decoder):
-    model = _model(kernel, decoder)
+    model = _model(kernel, decoder, hybrid_sinks=1)
     _move_balance(model)
     ids, mask = _left_padded()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -307,9 +307,9 @@ def test_bf16_autocast_forward_is_finite(kernel, decoder):
 def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
     """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
     backward is traced too. aot_eager keeps the test quick; inductor compiles the same graph."""
-    eager = _model("softmax", decoder).train()
+    eager = _model("softmax", decoder, hybrid_sinks=1).train()  # the sinks' path too
     _move_balance(eager)
-    compiled_model = _model("softmax", decoder).train()
+    compiled_model = _model("softmax", decoder, hybrid_sinks=1).train()
     compiled_model.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     ids, mask = _left_padded()
