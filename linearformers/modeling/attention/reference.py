@@ -295,9 +295,9 @@ def hybrid_reference(
         out_t = Σ_s (a_ts + b_ts) v_s / Σ_s (a_ts + b_ts)
 
     With ``sinks`` S, the first S real keys of each row join every window that may see them (causal: s <= t) and
-    leave the linear part. c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ (batch, heads, n), b_ts is
-    multiplied by exp(ℓ_t - c_t) (features on the softmax's scale, see :mod:`hybrid`). Padded keys leave both parts;
-    a query with no real key outputs 0. Computed in the inputs' (promoted) dtype; returns v's dtype.
+    leave the linear part. c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ
+    (batch, heads, n), b_ts is multiplied by exp(ℓ_t - c_t) (features on the softmax's scale, see :mod:`hybrid`).
+    Padded keys leave both parts; a query with no real key outputs 0. Computed in the inputs' (promoted) dtype; returns v's dtype.
     """
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), phi_q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
