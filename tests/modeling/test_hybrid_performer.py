@@ -383,3 +383,19 @@ def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
     plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
     assert "LoLCATs" not in card
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_beam_search_with_the_cache_equals_beam_search_without(kernel):
+    # beams reorder every state of the cache, the sinks' validity (bool) and distance (int64) among them
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=2)
+    _move_balance(model)
+    ids, mask = _left_padded(n=6, pad=2)
+    kwargs = dict(
+        attention_mask=mask, num_beams=3, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    cached = model.generate(ids, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=1e-4, atol=1e-5)
