@@ -7,7 +7,8 @@ PerformerForCausalLM models (``convert_gpt2``), one per setting:
   * random-m256: FAVOR+ with 256 fixed random features; nothing new to train, so conversion only;
   * hedgehog: a learned feature map (kernel "hedgehog") of 2 x head_dim features;
   * hedgehog+window64: the same, plus exact softmax on the last 64 keys (hybrid_window=64);
-  * random-m256+window64: the random features plus the 64-key window (its per-head balances train).
+  * random-m256+window64: the random features plus the 64-key window (its per-head balances train);
+  * hedgehog+window64+sink: hedgehog+window64 with the first token an attention sink (hybrid_sinks=1).
 
 Quality: held-out perplexity, exp of the mean next-token NLL over every predicted token (block - 1 per block) of
 blocks of ``--block`` tokens from test.jsonl, for the original, each model right after conversion, after attention
@@ -53,7 +54,7 @@ from linearformers.modeling.transfer import TransferArguments, attention_transfe
 from linearformers.training import train_bpe_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = ("random-m256", "hedgehog", "hedgehog+window64", "random-m256+window64")
+SETTINGS = ("random-m256", "hedgehog", "hedgehog+window64", "random-m256+window64", "hedgehog+window64+sink")
 MODEL_FILES = ("config.json", "test.jsonl", "validation.jsonl")
 # --smoke's defaults: small enough to run every code path in seconds (stage 2 included)
 SMOKE = dict(block=32, steps=2, batch_size=2, finetune_steps=2, eval_blocks=4, prompt=8)
@@ -68,6 +69,7 @@ def settings(head_dim: int) -> dict[str, tuple[dict, bool]]:
         "hedgehog": (hedgehog, True),
         "hedgehog+window64": ({**hedgehog, "hybrid_window": 64}, True),
         "random-m256+window64": ({**random, "hybrid_window": 64}, True),
+        "hedgehog+window64+sink": ({**hedgehog, "hybrid_window": 64, "hybrid_sinks": 1}, True),
     }
 
 

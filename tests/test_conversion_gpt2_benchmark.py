@@ -42,10 +42,17 @@ def test_smoke_runs_every_setting_and_stage(tmp_path):
     original = result["original"]["perplexity"]
     assert math.isfinite(original) and original > 1
     rows = {row["setting"]: row for row in result["rows"]}
-    assert list(rows) == ["random-m256", "hedgehog", "hedgehog+window64", "random-m256+window64"]
+    assert list(rows) == [
+        "random-m256",
+        "hedgehog",
+        "hedgehog+window64",
+        "random-m256+window64",
+        "hedgehog+window64+sink",
+    ]
+    assert rows["hedgehog+window64+sink"]["overrides"]["hybrid_sinks"] == 1
     assert list(rows["random-m256"]["stages"]) == ["converted"]  # nothing to transfer
     assert rows["hedgehog"]["overrides"] == {"kernel": "hedgehog", "num_random_features": 32}  # 2 x head_dim 16
-    for name in ("hedgehog", "hedgehog+window64", "random-m256+window64"):
+    for name in ("hedgehog", "hedgehog+window64", "random-m256+window64", "hedgehog+window64+sink"):
         stages = rows[name]["stages"]
         assert list(stages) == ["converted", "transfer", "finetune"]
         assert stages["transfer"]["steps"] == 2 and stages["finetune"]["steps"] == 2
