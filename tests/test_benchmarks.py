@@ -1,28 +1,20 @@
 """Smoke tests of benchmarks/attention.py and benchmarks/training.py: the learned-map and hybrid rows build, run
 forward + backward, mask as their names say, and the CLI writes its JSON where --out says. No timings checked."""
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from linearformers.modeling.attention import HedgehogFeatureMap
+from tests.conftest import load_script, run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str):
-    """A benchmark script as a module (they import their sibling ``isolated`` as a top-level module)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARKS / f"{name}.py")
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +104,10 @@ def test_training_models(training, keep_threads, name):
 
 
 def test_attention_paired_cli_writes_to_out(tmp_path):
-    command = [sys.executable, str(BENCHMARKS / "attention.py"), "--paired", "hybrid_causal", "--lengths", "64"]
-    command += ["--pairs", "1", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_script(
+        BENCHMARKS / "attention.py", "--paired", "hybrid_causal", "--lengths", "64",
+        "--pairs", "1", "--repeats", "1", "--threads", "1", "--out", str(tmp_path), timeout=120,
+    )  # fmt: skip
     assert "hybrid_causal" in done.stdout and "vs sdpa_causal" in done.stdout
     ratios = json.loads((tmp_path / "attention_paired.json").read_text())
     assert list(ratios) == ["hybrid_causal@64"] and len(ratios["hybrid_causal@64"]) == 1

@@ -3,19 +3,15 @@ setting kind (random hybrid, learned hybrid with a sink, Linformer) converts, tr
 JSON; the attention-share table adds up. No timings or quality thresholds checked."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.conftest import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False, cwd=BENCHMARKS
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+def _run(script: str, *args: str):
+    return run_script(BENCHMARKS / script, *args)
 
 
 def test_conversion_benchmark_runs_the_settings_it_names(tmp_path):

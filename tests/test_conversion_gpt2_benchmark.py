@@ -1,38 +1,27 @@
 """benchmarks/conversion_gpt2.py: its smoke mode runs every code path and writes the JSON it promises; its perplexity,
 cache size and input checks are right. No timings checked."""
 
-import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tests.conftest import load_script, run_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "conversion_gpt2.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("conversion_gpt2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_smoke_runs_every_setting_and_stage(tmp_path):
     out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_script(SCRIPT, "--smoke", "--out", str(out), timeout=120)
     assert "| model | stage | steps | seconds | perplexity | ratio to original |" in done.stdout
     assert "shared CPU" in done.stdout
     result = json.loads(out.read_text())

@@ -1,22 +1,15 @@
 """Smoke test of benchmarks/gpu.py on CPU: it runs end to end and writes the JSON it promises. No timings checked."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.conftest import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
 def test_gpu_benchmark_cpu_quick(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_script(SCRIPT, "--device", "cpu", "--quick", "--out", str(tmp_path), timeout=120)
     assert "Targets (H100)" in done.stdout
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert set(result) >= {"header", "attention", "training", "targets"}

@@ -1,6 +1,5 @@
 """examples/train_small_gpt2.py: a tiny run end to end gives a GPT-2 folder that loads, scores and converts."""
 
-import importlib.util
 import json
 import math
 import sysconfig
@@ -11,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from linearformers.modeling.convert import convert_gpt2
+from tests.conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_small_gpt2.py"
 TINY_RUN = [
@@ -22,10 +22,7 @@ TINY_RUN = [
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("train_small_gpt2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")
