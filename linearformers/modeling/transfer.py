@@ -161,6 +161,10 @@ def _is_transfer_name(name: str) -> bool:
     return any(part in TRANSFER_NAMES for part in name.split("."))
 
 
+def _is_projection(name: str) -> bool:
+    return name.rpartition(".")[-1] in PROJECTION_NAMES
+
+
 def transfer_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters attention transfer trains: those whose name has a part in ``TRANSFER_NAMES`` (learned feature
     maps, window balances, Linformer's E / F and shared projection, local-head relative biases), shared ones once.
@@ -386,7 +390,8 @@ def _mean_distillation_loss(model, source, blocks: list[tuple[torch.Tensor, torc
 def _train(
     params: list[nn.Parameter] | list[dict], steps: int, lr: float, loss_of_step, description: str, progress: bool
 ) -> tuple[list[float], float]:
-    """AdamW (no weight decay) over ``params`` (or parameter groups with their own lr) for ``steps`` steps of ``loss_of_step(step)``; the losses, seconds."""
+    """AdamW (no weight decay) over ``params`` (or parameter groups with their own lr) for ``steps`` steps of
+    ``loss_of_step(step)``; the losses, seconds."""
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
     losses = []
@@ -487,7 +492,7 @@ def _keep_causal_slots(model: PreTrainedModel, trained: list[tuple[str, nn.Param
         return []
     hooks = []
     for name, param in trained:
-        if name.rpartition(".")[-1] in PROJECTION_NAMES:
+        if _is_projection(name):
             support = (param.detach() != 0).to(param.dtype)
             hooks.append(param.register_hook(lambda grad, support=support: grad * support))
     return hooks
@@ -518,8 +523,8 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
         per_layer = [_masked_mse(out, target, batch.mask) for out, target in zip(batch.outputs(model), batch.targets)]
         return torch.stack(per_layer).mean()
 
-    projections = [p for name, p in trained if name.rpartition(".")[-1] in PROJECTION_NAMES]
-    others = [p for name, p in trained if name.rpartition(".")[-1] not in PROJECTION_NAMES]
+    projections = [p for name, p in trained if _is_projection(name)]
+    others = [p for name, p in trained if not _is_projection(name)]
     groups = [
         {"params": group, "lr": lr}
         for group, lr in ((others, args.learning_rate), (projections, args.projection_learning_rate))
