@@ -22,6 +22,9 @@ that configuration alone. Ratios are to SDPA in the same run. The peers are inst
                                                         # ratios to SDPA from alternating runs
     python benchmarks/attention.py --paired hybrid_causal --lengths 512 --pairs 1 --repeats 1 --out /tmp/bench
                                                         # a check that a row runs: results go to /tmp/bench
+    python benchmarks/attention.py --paired hybrid --lengths 4096 16384 --malloc_mmap_threshold 17179869184
+                                                        # every run with glibc's MALLOC_MMAP_THRESHOLD_ raised:
+                                                        # freed memory stays mapped (results *_mmap_threshold.*)
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from isolated import emit, peak_rss_mb, run_isolated
+from isolated import add_allocator_argument, apply_allocator_argument, emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, HEADS, DIM = 768, 12, 64
@@ -252,10 +255,12 @@ def main() -> None:
     parser.add_argument("--paired", nargs="+", metavar="NAME", help="only these kernels, each against its SDPA")
     parser.add_argument("--pairs", type=int, default=5, help="with --paired: alternating runs per length")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON and plot (default: %(default)s)")
+    add_allocator_argument(parser)
     args = parser.parse_args()
     if args.worker:
         emit(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads))
         return
+    suffix = apply_allocator_argument(args)
     lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     if args.paired:
         unknown = sorted(set(args.paired) - set(KERNELS))
@@ -264,7 +269,10 @@ def main() -> None:
         ratios, memory = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
         args.out.mkdir(parents=True, exist_ok=True)
         # kernel@n -> sorted ratios, and -> [kernel MB, SDPA MB] per pair; later runs replace their own keys
-        for name, found in (("attention_paired.json", ratios), ("attention_paired_memory.json", memory)):
+        for name, found in (
+            (f"attention_paired{suffix}.json", ratios),
+            (f"attention_paired{suffix}_memory.json", memory),
+        ):
             path = args.out / name
             merged = json.loads(path.read_text()) if path.exists() else {}
             path.write_text(json.dumps({**merged, **found}, indent=2))
@@ -335,11 +343,11 @@ def main() -> None:
     for line in checks:
         print("  " + line)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
-    _plot(rows, lengths, args.out)
+    (args.out / f"attention{suffix}.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
+    _plot(rows, lengths, args.out / f"attention{suffix}.png")
 
 
-def _plot(rows, lengths, out: Path) -> None:
+def _plot(rows, lengths, path: Path) -> None:
     try:
         import matplotlib
 
@@ -362,7 +370,7 @@ def _plot(rows, lengths, out: Path) -> None:
     ax1.legend(fontsize=8)
     fig.suptitle("One attention layer (12 heads x 64, float32, batch 1, 2 CPU threads)")
     fig.tight_layout()
-    fig.savefig(out / "attention.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ standard-library source it was not transferred on) against the original:
     tokens as sentence-transformers pools this model, averaged over the blocks.
 Transfer: attention transfer (linearformers.modeling.transfer, LoLCATs' stage 1: only the new attention parameters
 train, each layer's attention output against the original's, on the original's own hidden states), then, where the
-setting says so, stage 2 (distillation of the last hidden states, LoRA or all weights). The transfer text is other
-standard-library files than the evaluation's.
+setting says so, stage 2 (distillation of every layer's hidden states, LoRA or all weights). The transfer text is
+other standard-library files than the evaluation's.
 
     flock /tmp/bench.lock python benchmarks/conversion.py                  # every setting, blocks of 256
     python benchmarks/conversion.py --settings hedgehog+window64 --steps 300  # one setting
@@ -92,7 +92,9 @@ def main() -> None:
     parser.add_argument("--finetune_steps", type=int, default=0, help="stage-2 steps for the settings in --finetune")
     parser.add_argument("--finetune", choices=("lora", "full"), default="lora")
     parser.add_argument("--finetune_lr", type=float, default=1e-4)
-    parser.add_argument("--finetune_settings", nargs="*", default=["hedgehog+window64"])
+    parser.add_argument(
+        "--finetune_settings", nargs="*", help="the settings that get --finetune_steps (default: every one run)"
+    )
     parser.add_argument("--settings", nargs="*", help="names of the settings to run (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "conversion.json"))
@@ -121,7 +123,7 @@ def main() -> None:
         row["error"], row["cosine"] = measure(model, teacher_hidden, eval_ids)
         print(f"{name:22s} converted        error {row['error']:.3f}  cosine {row['cosine']:.4f}", flush=True)
         if trainable:
-            finetune = args.finetune_steps if name in args.finetune_settings else 0
+            finetune = args.finetune_steps if args.finetune_settings is None or name in args.finetune_settings else 0
             transfer = TransferArguments(
                 steps=args.steps,
                 learning_rate=args.lr,
@@ -155,7 +157,7 @@ def main() -> None:
         f"\nall-MiniLM-L6-v2 -> linearformers, {len(eval_ids)} held-out blocks of {n} tokens; transfer: {args.steps} "
         f"steps (batch {args.batch_size}, lr {args.lr}, E / F lr {args.projection_lr})"
         + (
-            f" + {args.finetune_steps} {args.finetune} steps for {args.finetune_settings}"
+            f" + {args.finetune_steps} {args.finetune} steps for {args.finetune_settings or 'every setting'}"
             if args.finetune_steps
             else ""
         )

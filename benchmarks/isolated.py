@@ -8,12 +8,40 @@ stdout (``emit``), which ``run_isolated`` reads back:
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+# glibc serves every allocation above this many bytes with its own mmap and returns it to the OS when freed
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def add_allocator_argument(parser: argparse.ArgumentParser) -> None:
+    """``--malloc_mmap_threshold BYTES``: see :func:`apply_allocator_argument`."""
+    parser.add_argument(
+        "--malloc_mmap_threshold",
+        type=int,
+        metavar="BYTES",
+        help=f"run every measurement with {MMAP_THRESHOLD_ENV}=BYTES (glibc): allocations below it come from the "
+        "heap and stay mapped when freed, instead of one mmap each that the next step faults in again page by page "
+        "(e.g. 17179869184; default: the environment's)",
+    )
+
+
+def apply_allocator_argument(args: argparse.Namespace) -> str:
+    """Put ``--malloc_mmap_threshold`` in the environment the measurement subprocesses inherit (glibc reads it at
+    process start); returns a suffix for result file names: "" without it, else "_mmap_threshold"."""
+    if args.malloc_mmap_threshold is None:
+        return ""
+    if args.malloc_mmap_threshold <= 0:
+        raise SystemExit(f"--malloc_mmap_threshold must be > 0, got {args.malloc_mmap_threshold}")
+    os.environ[MMAP_THRESHOLD_ENV] = str(args.malloc_mmap_threshold)
+    return "_mmap_threshold"
 
 
 def peak_rss_mb() -> float:
@@ -22,8 +50,9 @@ def peak_rss_mb() -> float:
 
 
 def emit(row: dict) -> None:
-    """The worker's side: print ``row`` as the JSON line ``run_isolated`` reads."""
-    print(json.dumps(row), flush=True)
+    """The worker's side: print ``row`` as the JSON line ``run_isolated`` reads, with the glibc mmap threshold the
+    worker ran under (None: glibc's default)."""
+    print(json.dumps({**row, "malloc_mmap_threshold": os.environ.get(MMAP_THRESHOLD_ENV)}), flush=True)
 
 
 def run_isolated(

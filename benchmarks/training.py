@@ -13,6 +13,8 @@ to the identity model, measured in one run.
     python benchmarks/training.py                       # 512 .. 16384 (~15 min on 2 cores with the first four models)
     python benchmarks/training.py --lengths 1024 4096 --steps 2
     python benchmarks/training.py --models performer_hybrid --lengths 512 --steps 1 --out /tmp/bench   # a check
+    python benchmarks/training.py --models bert performer_hybrid --lengths 4096 --malloc_mmap_threshold 17179869184
+                                                        # glibc keeps freed memory mapped (training_mmap_threshold.json)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from isolated import emit, peak_rss_mb, run_isolated
+from isolated import add_allocator_argument, apply_allocator_argument, emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = dict(
@@ -107,10 +109,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON (default: %(default)s)")
+    add_allocator_argument(parser)
     args = parser.parse_args()
     if args.worker:
         emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads))
         return
+    suffix = apply_allocator_argument(args)
     models = [name for name in MODELS if name in args.models]
     rows: dict[str, dict[int, dict | None]] = {name: {} for name in models}
     for n in args.lengths:
@@ -140,7 +144,7 @@ def main() -> None:
                     frac = rows[name][n]["tokens_per_s"] / ident["tokens_per_s"]
                     print(f"  {name} at {n}: {frac:.0%} {'met' if frac >= 0.8 else 'MISSED'}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "training.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
+    (args.out / f"training{suffix}.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

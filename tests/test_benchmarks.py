@@ -1,7 +1,9 @@
 """Smoke tests of benchmarks/attention.py and benchmarks/training.py: the learned-map and hybrid rows build, run
 forward + backward, mask as their names say, and the CLI writes its JSON where --out says. No timings checked."""
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,29 @@ def test_attention_paired_cli_writes_to_out(tmp_path):
     memory = json.loads((tmp_path / "attention_paired_memory.json").read_text())
     assert list(memory) == ["hybrid_causal@64"] and len(memory["hybrid_causal@64"]) == 1
     assert len(memory["hybrid_causal@64"][0]) == 2 and " MB vs sdpa_causal " in done.stdout
+
+
+def test_mmap_threshold_reaches_the_workers_and_names_the_results(tmp_path, monkeypatch):
+    """--malloc_mmap_threshold puts glibc's MALLOC_MMAP_THRESHOLD_ in the environment of every measurement
+    subprocess (each row says what it ran under) and writes its results under their own names."""
+    isolated = load_script(BENCHMARKS / "isolated.py")
+    monkeypatch.delenv(isolated.MMAP_THRESHOLD_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    isolated.add_allocator_argument(parser)
+    assert isolated.apply_allocator_argument(parser.parse_args([])) == ""
+    assert isolated.MMAP_THRESHOLD_ENV not in os.environ
+    with pytest.raises(SystemExit, match="must be > 0"):
+        isolated.apply_allocator_argument(parser.parse_args(["--malloc_mmap_threshold", "0"]))
+    done = run_script(
+        BENCHMARKS / "attention.py", "--paired", "hedgehog", "--lengths", "64", "--pairs", "1", "--repeats", "1",
+        "--threads", "1", "--out", str(tmp_path), "--malloc_mmap_threshold", "1073741824", timeout=120,
+    )  # fmt: skip
+    assert "vs sdpa" in done.stdout
+    assert list(json.loads((tmp_path / "attention_paired_mmap_threshold.json").read_text())) == ["hedgehog@64"]
+    assert (tmp_path / "attention_paired_mmap_threshold_memory.json").exists()
+    assert not (tmp_path / "attention_paired.json").exists()
+    row = isolated.run_isolated(BENCHMARKS / "attention.py", ["--worker", "hedgehog", 64, "--repeats", 1])
+    assert row["malloc_mmap_threshold"] is None
+    monkeypatch.setenv(isolated.MMAP_THRESHOLD_ENV, "1073741824")
+    row = isolated.run_isolated(BENCHMARKS / "attention.py", ["--worker", "hedgehog", 64, "--repeats", 1])
+    assert row["malloc_mmap_threshold"] == "1073741824"

@@ -11,9 +11,12 @@ inputs it will see and no gradient crosses layers), and q_i, k_i, v_i, W_o are t
 converted model copies the original's q / k / v / o and norms, so that softmax term is the original's attention
 output, computed here from our layer (:func:`softmax_attention_output`) without reading the source's internals.
 
-Stage 2 (optional) fine-tunes the whole model against the original: the MSE of the last hidden states for an
-encoder, the KL divergence from the original's next-token distribution for a decoder; all weights (``"full"``), or
-LoRA on q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merged back into plain weights.
+Stage 2 (optional) fine-tunes the whole model against the original: for an encoder the hidden states of every
+layer, each layer's MSE relative to the original's mean square there (MiniLM's and TinyBERT's layer-wise
+distillation: each layer is told where it went wrong, not only the last), averaged over the layers; for a decoder
+the KL divergence from the original's next-token distribution. All weights train (``"full"``), or LoRA on
+q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merged back into plain weights; the new
+attention parameters keep their stage-1 learning rates, the rest trains at ``finetune_learning_rate``.
 
     bert = BertModel.from_pretrained("bert-base-uncased")
     model, _ = convert_bert(bert, "performer", kernel="hedgehog")
@@ -54,9 +57,9 @@ class TransferArguments:
 
     Args:
         steps: optimizer steps of stage 1, attention transfer (default 200).
-        learning_rate: AdamW learning rate of stage 1 for feature maps, window balances and local-head biases
+        learning_rate: AdamW learning rate of feature maps, window balances and local-head biases, both stages
             (default 1e-2, as LoLCATs).
-        projection_learning_rate: AdamW learning rate of stage 1 for Linformer's E / F (default 1e-3): they start
+        projection_learning_rate: AdamW learning rate of Linformer's E / F, both stages (default 1e-3): they start
             as window means of size k / n, and at 1e-2 the transfer raised all-MiniLM-L6-v2's per-layer error
             at k = 64 (0.68 -> 0.75) where 1e-3 lowered it (0.68 -> 0.58), benchmarks/conversion.py.
         batch_size: blocks per step, both stages (default 8).
@@ -67,7 +70,8 @@ class TransferArguments:
         finetune_steps: optimizer steps of stage 2, distillation from the original; 0 skips it (default 0).
         finetune: "full" (every weight trains) or "lora" (LoRA on q_proj, k_proj, v_proj, o_proj through PEFT, and
             the new attention parameters, merged into plain weights afterwards) (default "full").
-        finetune_learning_rate: AdamW learning rate of stage 2 (default 1e-4).
+        finetune_learning_rate: AdamW learning rate of stage 2 for every pretrained weight (or LoRA weight)
+            (default 1e-4).
         lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
         seed: seed of the block order and of LoRA's initialization; the global RNG is left as it was (default 0).
         progress: show tqdm progress bars (default True).
@@ -365,8 +369,8 @@ def _relative_errors(model: PreTrainedModel, batches: list[_Batch]) -> list[floa
 def _distillation_loss(
     model: PreTrainedModel, source: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Stage 2: the MSE of the last hidden states (encoder), or KL(original || model) of the next-token
-    distributions (decoder), over the real tokens."""
+    """Stage 2 over the real tokens: the mean over layers of each layer's hidden-state MSE divided by the original's
+    mean square there (encoder), or KL(original || model) of the next-token distributions (decoder)."""
     device = next(model.parameters()).device
     theirs = dict(input_ids=ids.to(source.device), attention_mask=mask.to(source.device).long())
     ours = dict(input_ids=ids.to(device), attention_mask=mask.to(device).long())
@@ -378,8 +382,16 @@ def _distillation_loss(
         kl = F.kl_div(output, target, log_target=True, reduction="none").sum(-1)
         return kl[mask].mean()
     with torch.no_grad():
-        target = source.base_model(**theirs).last_hidden_state.to(device)
-    return _masked_mse(model.base_model(**ours).last_hidden_state, target, mask)
+        targets = source.base_model(**theirs, output_hidden_states=True).hidden_states[1:]
+    outputs = model.base_model(**ours, output_hidden_states=True).hidden_states[1:]
+    if len(outputs) != len(targets):
+        raise ValueError(f"the model returned {len(outputs)} layers' hidden states and the source {len(targets)}")
+    losses = []
+    for output, target in zip(outputs, targets):
+        target = target.to(device)
+        scale = target.float()[mask].pow(2).mean().clamp_min(1e-30)
+        losses.append(_masked_mse(output, target, mask) / scale)
+    return torch.stack(losses).mean()
 
 
 def _mean_distillation_loss(model, source, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -523,14 +535,14 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
         per_layer = [_masked_mse(out, target, batch.mask) for out, target in zip(batch.outputs(model), batch.targets)]
         return torch.stack(per_layer).mean()
 
-    projections = [p for name, p in trained if _is_projection(name)]
-    others = [p for name, p in trained if not _is_projection(name)]
-    groups = [
-        {"params": group, "lr": lr}
-        for group, lr in ((others, args.learning_rate), (projections, args.projection_learning_rate))
-        if group
-    ]
-    losses, seconds = _train(groups, args.steps, args.learning_rate, transfer_loss, "attention transfer", args.progress)
+    losses, seconds = _train(
+        _learning_rate_groups(trained, args),
+        args.steps,
+        args.learning_rate,
+        transfer_loss,
+        "attention transfer",
+        args.progress,
+    )
     report = TransferReport(
         parameters=[name for name, _ in trained],
         error_before=before,
@@ -547,10 +559,32 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
     return report
 
 
+def _learning_rate_groups(named: list[tuple[str, nn.Parameter]], args: TransferArguments) -> list[dict]:
+    """The new attention parameters' AdamW groups: Linformer's projections at ``projection_learning_rate``, the
+    rest at ``learning_rate``; empty groups left out."""
+    projections = [param for name, param in named if _is_projection(name)]
+    others = [param for name, param in named if not _is_projection(name)]
+    return [
+        {"params": group, "lr": lr}
+        for group, lr in ((others, args.learning_rate), (projections, args.projection_learning_rate))
+        if group
+    ]
+
+
+def _finetune_groups(params, trained: list[tuple[str, nn.Parameter]], args: TransferArguments) -> list[dict]:
+    """Stage 2's groups: the new attention parameters at their stage-1 rates (they started from scratch; at
+    ``finetune_learning_rate`` they would hardly move), every other parameter of ``params`` at
+    ``finetune_learning_rate``."""
+    new = {id(param) for _, param in trained}
+    rest = [param for param in params if id(param) not in new]
+    groups = _learning_rate_groups(trained, args)
+    return groups + ([{"params": rest, "lr": args.finetune_learning_rate}] if rest else [])
+
+
 def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator, report) -> None:
     """Stage 2: distill the model from ``source``, all weights or LoRA + the new attention parameters."""
     report.finetune = args.finetune
-    report.finetune_loss = "next-token KL" if model.config.is_decoder else "last hidden state MSE"
+    report.finetune_loss = "next-token KL" if model.config.is_decoder else "hidden-state MSE / mean square, every layer"
     report.finetune_loss_before = _mean_distillation_loss(model, source, eval_blocks)
     order = _batches(ids.shape[0], args.batch_size, generator)
 
@@ -563,7 +597,7 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
         for param in model.parameters():
             param.requires_grad_(True)
         _, report.finetune_seconds = _train(
-            list(model.parameters()),
+            _finetune_groups(model.parameters(), trained, args),
             args.finetune_steps,
             args.finetune_learning_rate,
             distillation_loss,
@@ -587,7 +621,12 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
                 param.requires_grad_(True)
             params = [param for param in wrapped.parameters() if param.requires_grad]
             _, report.finetune_seconds = _train(
-                params, args.finetune_steps, args.finetune_learning_rate, distillation_loss, description, args.progress
+                _finetune_groups(params, trained, args),
+                args.finetune_steps,
+                args.finetune_learning_rate,
+                distillation_loss,
+                description,
+                args.progress,
             )
         except BaseException:
             wrapped.unload()  # leave the model as it was given, without LoRA layers

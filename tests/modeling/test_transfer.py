@@ -202,7 +202,7 @@ def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(tmp_
     keys = set(model.state_dict())
     args = quick(steps=10, finetune_steps=30, finetune="lora", finetune_learning_rate=1e-3, lora_r=4)
     report = attention_transfer(model, bert, blocks(), args=args)
-    assert report.finetune_loss == "last hidden state MSE"
+    assert report.finetune_loss == "hidden-state MSE / mean square, every layer"
     assert report.finetune_loss_after < 0.95 * report.finetune_loss_before
     assert set(model.state_dict()) == keys
     assert type(model.layers[0].attention.q_proj) is nn.Linear
@@ -211,6 +211,41 @@ def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(tmp_
     loaded = AutoModel.from_pretrained(tmp_path / "lora").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
+
+
+def test_encoder_distillation_weighs_every_layer_by_the_originals_scale():
+    """Stage 2's encoder loss: the mean over layers of each layer's MSE over real tokens divided by the original's
+    mean square there, computed here by hand from both models' hidden states."""
+    from linearformers.modeling.transfer import _distillation_loss
+
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    ids = blocks(3, 20)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[2, 12:] = False
+    with torch.no_grad():
+        theirs = bert(ids, attention_mask=mask.long(), output_hidden_states=True).hidden_states[1:]
+        ours = model(ids, attention_mask=mask.long(), output_hidden_states=True).hidden_states[1:]
+        loss = _distillation_loss(model, bert, ids, mask)
+    assert len(theirs) == 2
+    want = sum(((o - t)[mask].pow(2).mean() / t[mask].pow(2).mean()) for o, t in zip(ours, theirs)) / len(theirs)
+    torch.testing.assert_close(loss, want)
+
+
+def test_finetune_trains_the_new_attention_parameters_at_their_own_rate():
+    """In stage 2 the maps keep the stage-1 learning rate while the pretrained weights take finetune_learning_rate:
+    with the latter tiny, the weights hardly move and the maps still do."""
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    args = quick(steps=1, finetune_steps=10, finetune_learning_rate=1e-9, learning_rate=1e-2)
+    attention_transfer(model, bert, blocks(), args=args)  # stage 1 for one step, then stage 2
+    maps = [p.detach().clone() for _, p in transfer_parameters(model)]
+    query = model.layers[0].attention.q_proj.weight.detach().clone()
+    model2, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    attention_transfer(model2, bert, blocks(), args=quick(steps=1, finetune_steps=0, learning_rate=1e-2))
+    after_stage1 = [p.detach() for _, p in transfer_parameters(model2)]
+    assert max((a - b).abs().max().item() for a, b in zip(maps, after_stage1)) > 1e-3
+    assert (query - model2.layers[0].attention.q_proj.weight).abs().max().item() < 1e-6
 
 
 def test_bad_arguments_raise_naming_the_problem():
