@@ -12,9 +12,9 @@ converted model copies the original's q / k / v / o and norms, so that softmax t
 output, computed here from our layer (:func:`softmax_attention_output`) without reading the source's internals.
 
 Stage 2 (optional) fine-tunes the whole model against the original: for an encoder the hidden states of every
-layer, each layer's MSE relative to the original's mean square there (MiniLM's and TinyBERT's layer-wise
-distillation: each layer is told where it went wrong, not only the last), averaged over the layers; for a decoder
-the KL divergence from the original's next-token distribution. All weights train (``"full"``), or LoRA on
+layer, each layer's MSE relative to the original's mean square there (TinyBERT's layer-wise distillation: each
+layer is told where it went wrong, not only the last), averaged over the layers; for a decoder the KL divergence
+from the original's next-token distribution. All weights train (``"full"``), or LoRA on
 q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merged back into plain weights; the new
 attention parameters keep their stage-1 learning rates, the rest trains at ``finetune_learning_rate``.
 
