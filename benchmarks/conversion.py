@@ -61,6 +61,17 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
             True,
         ),
         f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),
+        # half the heads local (window n / 2): the last six as converted, or the six most local (choose_local_heads)
+        f"linformer-k{n // 4}+local6-last": (
+            "linformer",
+            {"projected_length": n // 4, "max_seq_length": n, "num_local_heads": 6, "local_window": n // 2},
+            True,
+        ),
+        f"linformer-k{n // 4}+local6-chosen": (
+            "linformer",
+            {"projected_length": n // 4, "max_seq_length": n, "num_local_heads": 6, "local_window": n // 2},
+            True,
+        ),
         f"linformer-k{n // 2}": ("linformer", {"projected_length": n // 2, "max_seq_length": n}, True),
     }
 
@@ -132,10 +143,12 @@ def main() -> None:
                 finetune_steps=finetune,
                 finetune=args.finetune,
                 finetune_learning_rate=args.finetune_lr,
+                choose_local_heads=name.endswith("-chosen"),
                 progress=False,
             )
             report = attention_transfer(model, teacher, train_ids, args=transfer)
             row["transfer"] = {
+                "local_heads": report.local_heads,
                 "steps": report.steps,
                 "seconds": report.seconds,
                 "layer_error_before": report.error_before,

@@ -533,6 +533,8 @@ CONFIG_FLAGS = {
     "hybrid_sinks": int,
     "projected_length": int,
     "max_seq_length": int,
+    "num_local_heads": int,
+    "local_window": int,
 }
 # CLI flags of attention transfer -> TransferArguments fields
 TRANSFER_FLAGS = {
@@ -545,6 +547,7 @@ TRANSFER_FLAGS = {
     "finetune": ("finetune", str),
     "finetune_lr": ("finetune_learning_rate", float),
     "lora_r": ("lora_r", int),
+    "choose_local_heads": ("choose_local_heads", bool),
 }
 
 
@@ -562,8 +565,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     group.add_argument("--transfer_file", help="UTF-8 text file to fit on; needs a tokenizer saved with the source")
     for flag, (name, kind) in TRANSFER_FLAGS.items():
-        choices = FINETUNE_MODES if name == "finetune" else None
         default = getattr(TransferArguments, name)
+        if kind is bool:  # a switch: None when absent, so that only given flags reach TransferArguments
+            group.add_argument(f"--{flag}", action="store_const", const=True, help=f"TransferArguments.{name}")
+            continue
+        choices = FINETUNE_MODES if name == "finetune" else None
         group.add_argument(f"--{flag}", type=kind, choices=choices, help=f"TransferArguments.{name} ({default})")
     args = parser.parse_args(argv)
     hub = dict(revision=args.revision, cache_dir=args.cache_dir)

@@ -10,7 +10,10 @@ from linearformers.modeling.convert import convert_bert, convert_gpt2, main
 from linearformers.modeling.performer import PerformerModel
 from linearformers.modeling.transfer import (
     TransferArguments,
+    _reorder_heads,
     attention_transfer,
+    choose_local_heads,
+    local_head_shares,
     softmax_attention_output,
     text_blocks,
     transfer_parameters,
@@ -341,3 +344,82 @@ def test_the_cli_runs_the_transfer_before_saving(tokenizer_dir, tmp_path, capsys
     with pytest.raises(SystemExit):
         main([source, str(tmp_path / "flags"), "--transfer_steps", "5"])
     assert "needs --transfer_file" in capsys.readouterr().err
+
+
+LOCAL = dict(projected_length=32, max_seq_length=32, num_local_heads=2)  # k = n: E = F = I, the Linformer is exact
+
+
+def test_local_head_shares_are_the_originals_attention_inside_the_window():
+    """Checked against BERT's own attention probabilities (eager attention, output_attentions), with padding."""
+    bert = tiny_bert()
+    bert.set_attn_implementation("eager")
+    model, _ = convert_bert(bert, "linformer", **LOCAL, local_window=8)
+    ids = blocks(3, 32)
+    mask = torch.ones_like(ids)
+    mask[2, 20:] = 0
+    shares = local_head_shares(model, bert, ids, mask, batch_size=2)
+    with torch.no_grad():
+        probs = bert(ids, attention_mask=mask, output_attentions=True).attentions  # per layer (b, h, n, n)
+    distance = torch.arange(32)[:, None] - torch.arange(32)[None, :]
+    inside = (distance.abs() <= 4).float()
+    real = mask.bool()
+    for layer, p in enumerate(probs):
+        want = ((p * inside).sum(-1).permute(0, 2, 1)[real]).mean(0)  # (h,) over real queries
+        assert shares[layer] == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_choose_local_heads_moves_the_most_local_heads_last_and_keeps_the_function():
+    bert = tiny_bert()
+    ids = blocks(8, 32)
+    model, _ = convert_bert(bert, "linformer", **LOCAL, local_window=6)
+    before = local_head_shares(model, bert, ids)
+    chosen = choose_local_heads(model, bert, ids, batch_size=4)
+    after = local_head_shares(model, bert, ids)
+    for layer, heads in enumerate(chosen):
+        want = sorted(sorted(range(4), key=lambda h: before[layer][h])[-2:])
+        assert heads == want
+        order = [h for h in range(4) if h not in heads] + heads
+        assert after[layer] == pytest.approx([before[layer][h] for h in order], abs=1e-6)
+        assert min(after[layer][2:]) >= max(after[layer][:2])
+    # the same reordering on a model whose every head is exact (k = n, a window over all 16 tokens): same function
+    exact, _ = convert_bert(bert, "linformer", **LOCAL, local_window=32)
+    ids = blocks(4, 16)
+    with torch.no_grad():
+        reference = bert(ids).last_hidden_state
+        torch.testing.assert_close(exact(ids).last_hidden_state, reference, rtol=1e-4, atol=1e-5)
+        choose_local_heads(exact, bert, ids)  # all shares ~1 here: whatever it picks, the function stays
+        torch.testing.assert_close(exact(ids).last_hidden_state, reference, rtol=1e-4, atol=1e-5)
+        for layer in exact.layers:
+            _reorder_heads(layer.attention, [3, 1, 0, 2])
+        torch.testing.assert_close(exact(ids).last_hidden_state, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_transfer_can_choose_the_local_heads_first():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "linformer", **LOCAL, local_window=6)
+    report = attention_transfer(model, bert, blocks(16, 32), args=quick(steps=3, choose_local_heads=True))
+    assert report.local_heads is not None and len(report.local_heads) == 2
+    assert all(len(heads) == 2 for heads in report.local_heads)
+    assert "local heads chosen by locality" in str(report)
+    plain, _ = convert_bert(bert, "linformer", projected_length=16, max_seq_length=32)
+    with pytest.raises(ValueError, match=r"has none: convert with num_local_heads"):
+        attention_transfer(plain, bert, blocks(16, 32), args=quick(steps=3, choose_local_heads=True))
+    with pytest.raises(TypeError, match=r"choose_local_heads must be True or False"):
+        TransferArguments(choose_local_heads=1)
+
+
+def test_the_cli_chooses_local_heads(tokenizer_dir, tmp_path, capsys):
+    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
+    text = tmp_path / "text.txt"
+    text.write_text("Linformer projects keys and values along the sequence to k slots. " * 60)
+    out = tmp_path / "out"
+    main([
+        str(tmp_path / "bert"), str(out), "--family", "linformer", "--projected_length", "8", "--max_seq_length", "32",
+        "--num_local_heads", "1", "--local_window", "8", "--transfer_file", str(text), "--transfer_steps", "2",
+        "--transfer_batch_size", "2", "--transfer_length", "32", "--choose_local_heads",
+    ])  # fmt: skip
+    assert "local heads chosen by locality" in capsys.readouterr().out
+    import linearformers  # noqa: F401
+
+    loaded = AutoModel.from_pretrained(out)
+    assert loaded.config.num_local_heads == 1 and loaded.config.local_window == 8
