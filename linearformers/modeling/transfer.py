@@ -356,7 +356,7 @@ def local_head_shares(
     total = torch.zeros(len(layers), config.num_attention_heads, dtype=torch.float64)
     queries = 0
     for index in torch.arange(ids.shape[0]).split(batch_size):
-        batch = _Batch(model, source, ids[index], mask[index])
+        batch = _Batch(model, source, ids[index], mask[index], targets=False)
         n = batch.mask.shape[1]
         window = _in_local_window(n, config.local_window, config.is_decoder, batch.mask.device)
         for i, (layer, x) in enumerate(zip(layers, batch.inputs)):
@@ -426,9 +426,12 @@ def _key_mask(mask: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Batch:
-    """One batch's per-layer attention inputs x_i and softmax targets, from the original's hidden states."""
+    """One batch's per-layer attention inputs x_i and (unless ``targets=False``) softmax targets, from the original's
+    hidden states."""
 
-    def __init__(self, model: PreTrainedModel, source: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor):
+    def __init__(
+        self, model: PreTrainedModel, source: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, targets=True
+    ):
         layers = model.base_model.layers
         param = next(model.parameters())
         self.mask = mask.to(param.device)
@@ -449,7 +452,8 @@ class _Batch:
                 if layer.pre_norm:  # GPT-2: the attention reads ln_1(h), our attention_norm
                     x = layer.attention_norm(x)
                 self.inputs.append(x)
-                self.targets.append(softmax_attention_output(layer.attention, x, self.key_mask))
+                if targets:
+                    self.targets.append(softmax_attention_output(layer.attention, x, self.key_mask))
 
     def outputs(self, model: PreTrainedModel) -> list[torch.Tensor]:
         return [layer.attention(x, self.key_mask) for layer, x in zip(model.base_model.layers, self.inputs)]
@@ -499,12 +503,10 @@ def _mean_distillation_loss(model, source, blocks: list[tuple[torch.Tensor, torc
         return sum(_distillation_loss(model, source, ids, mask).item() for ids, mask in blocks) / len(blocks)
 
 
-def _train(
-    params: list[nn.Parameter] | list[dict], steps: int, lr: float, loss_of_step, description: str, progress: bool
-) -> tuple[list[float], float]:
-    """AdamW (no weight decay) over ``params`` (or parameter groups with their own lr) for ``steps`` steps of
+def _train(groups: list[dict], steps: int, loss_of_step, description: str, progress: bool) -> tuple[list[float], float]:
+    """AdamW (no weight decay) over parameter ``groups``, each with its own lr, for ``steps`` steps of
     ``loss_of_step(step)``; the losses, seconds."""
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
     losses = []
     start = time.perf_counter()
@@ -642,7 +644,6 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
     losses, seconds = _train(
         _learning_rate_groups(trained, args),
         args.steps,
-        args.learning_rate,
         transfer_loss,
         "attention transfer",
         args.progress,
@@ -704,7 +705,6 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
         _, report.finetune_seconds = _train(
             _finetune_groups(model.parameters(), trained, args),
             args.finetune_steps,
-            args.finetune_learning_rate,
             distillation_loss,
             description,
             args.progress,
@@ -728,7 +728,6 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
             _, report.finetune_seconds = _train(
                 _finetune_groups(params, trained, args),
                 args.finetune_steps,
-                args.finetune_learning_rate,
                 distillation_loss,
                 description,
                 args.progress,
