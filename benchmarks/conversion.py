@@ -15,7 +15,8 @@ other standard-library files than the evaluation's.
     python benchmarks/conversion.py --settings hedgehog+window64 --steps 300  # one setting
 
 A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1): [CLS], which takes 21-26% of the
-original's attention in four of its six layers (benchmarks/attention_mass.py).
+original's attention in four of its six layers (benchmarks/attention_mass.py). "+scale" adds the learned log scale
+per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
         "hedgehog+window64+sink": (
             "performer",
             {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64, "hybrid_sinks": 1},
+            True,
+        ),
+        # the linear scores on the window's scale through a learned log scale per query, calibrated before stage 1
+        "hedgehog+window64+sink+scale": (
+            "performer",
+            {
+                "kernel": "hedgehog",
+                "num_random_features": 64,
+                "hybrid_window": 64,
+                "hybrid_sinks": 1,
+                "hybrid_query_scale": True,
+            },
             True,
         ),
         f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),
@@ -152,6 +165,8 @@ def main() -> None:
                 "steps": report.steps,
                 "seconds": report.seconds,
                 "layer_error_before": report.error_before,
+                "layer_error_calibrated": report.error_calibrated,
+                "query_scale_residual": report.query_scale_residual,
                 "layer_error_after": report.error_after,
                 "finetune": report.finetune,
                 "finetune_steps": report.finetune_steps,

@@ -51,6 +51,14 @@ class PerformerConfig(LinearAttentionConfig):
             in its window, and never the linear part (StreamingLLM, Xiao et al. 2024). all-MiniLM-L6-v2 puts
             21-26% of its attention on [CLS] in four of its six layers, a spike a linear map follows badly.
             Decoding keeps the sinks' keys and values: memory still constant. Needs hybrid_window.
+        hybrid_query_scale: give the hybrid's linear scores a learned log scale per query (default False):
+            l_t = q_t·a_h + b_h, so that exp(l_t) phi(q_t)·phi(k_s) stands for the exact exp(scale q_t·k_s) of a
+            far key, on the window's own scale (``attention.hybrid``'s query_log_scale, added to the random
+            "softmax" map's own). Without it a learned map's scores meet the window's scores after these lost
+            exp(c_t), c_t the largest window logit: a quantity of the window's keys that the map, a function of
+            q_t and k_s alone, cannot follow. Parameters query_scale_weight (global heads, head_dim) and
+            query_scale_bias (global heads,), zero at init; attention transfer fits them by least squares on the
+            original's attention before stage 1 (``calibrate_query_scale``). Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -65,6 +73,7 @@ class PerformerConfig(LinearAttentionConfig):
     causal_chunk_size: int = positive(default=32)
     hybrid_window: int | None = at_least_or_none(1)(default=None)
     hybrid_sinks: int = interval(min=0)(default=0)
+    hybrid_query_scale: bool = False
 
     @property
     def random_feature_kernel(self) -> bool:
@@ -83,6 +92,11 @@ class PerformerConfig(LinearAttentionConfig):
             raise ValueError(
                 f"hybrid_sinks={self.hybrid_sinks} needs a hybrid_window: sinks join the exact softmax window of the "
                 "hybrid heads; set hybrid_window (e.g. 64), or hybrid_sinks=0"
+            )
+        if self.hybrid_query_scale and not self.hybrid_window:
+            raise ValueError(
+                "hybrid_query_scale=True needs a hybrid_window: it scales the linear scores of the hybrid heads "
+                "against their softmax window; set hybrid_window (e.g. 64), or hybrid_query_scale=False"
             )
 
     def sequence_limit(self) -> tuple[int, str] | None:

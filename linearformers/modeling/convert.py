@@ -70,7 +70,16 @@ BERT_LAYER = {
 # one GPT-2 block's Conv1D modules -> our nn.Linear modules (c_attn is split into q, k, v separately)
 GPT2_LINEAR = {"attn.c_proj": "attention.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 # the names of the tensors a converted model has that no checkpoint holds, and how they start (see the docstring)
-NEW_TENSORS = ("e_proj", "f_proj", "shared_projection", "relative_bias", "random_features", "window_balance")
+NEW_TENSORS = (
+    "e_proj",
+    "f_proj",
+    "shared_projection",
+    "relative_bias",
+    "random_features",
+    "window_balance",
+    "query_scale_weight",
+    "query_scale_bias",
+)
 # modules whose every tensor is new: the learned feature maps, left at the model's initialization
 NEW_MODULES = ("feature_map",)
 # the files that make a tokenizer: a folder without any of them has none (transformers would build an empty one)
@@ -213,7 +222,8 @@ def _new_model(family: Family, head: Head, fields: dict, max_positions: int, ove
 def _init_new(model: nn.Module) -> list[str]:
     """Initialize the tensors no checkpoint holds (``NEW_TENSORS``, and those of ``NEW_MODULES``); returns their
     names. Linformer's E / F start as the identity (k = n) or window means, local-head biases at zero; Performer
-    features are already drawn, and learned feature maps and window balances keep the model's initialization."""
+    features are already drawn, and learned feature maps, window balances and query scales keep the model's
+    initialization."""
     initialized = []
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name, tensor in tensors.items():
@@ -531,6 +541,7 @@ CONFIG_FLAGS = {
     "kernel": str,
     "hybrid_window": int,
     "hybrid_sinks": int,
+    "hybrid_query_scale": bool,
     "projected_length": int,
     "max_seq_length": int,
     "num_local_heads": int,
@@ -557,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
     for name, kind in CONFIG_FLAGS.items():
+        if kind is bool:  # a switch: None when absent, so that only given flags reach the config
+            parser.add_argument(f"--{name}", action="store_const", const=True, help=f"the config's {name} = True")
+            continue
         parser.add_argument(f"--{name}", type=kind, help=f"the config's {name} (default: the family's)")
     parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
     parser.add_argument("--cache_dir", help="Hugging Face cache folder (default: the usual HF cache)")

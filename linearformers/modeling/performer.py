@@ -58,7 +58,11 @@ class PerformerAttention(LinearAttention):
     With ``config.hybrid_window`` w set, each global head is the hybrid of ``attention.hybrid`` (LoLCATs): exact
     softmax on its window of w keys, the layer's feature map (random or learned) on the others, balanced by
     gamma = exp(``window_balance``), a parameter (global heads,) that starts at 0; its decoding state is the
-    ten-tensor ``HybridState``. Without a hybrid_window the layer has no ``window_balance``."""
+    ten-tensor ``HybridState``. Without a hybrid_window the layer has no ``window_balance``.
+
+    With ``config.hybrid_query_scale`` too, the linear scores take a learned log scale per query,
+    l_t = q_t·``query_scale_weight``_h + ``query_scale_bias``_h (both zero at init), the ``query_log_scale`` of
+    ``attention.hybrid`` (added to the random map's own): the parameters exist only then."""
 
     kernel_name = "FAVOR+ (Performer)"
 
@@ -78,6 +82,9 @@ class PerformerAttention(LinearAttention):
         self.window_balance = (
             nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
         )
+        scaled = self.window_balance is not None and config.hybrid_query_scale
+        self.query_scale_weight = nn.Parameter(torch.zeros(self.num_global, self.head_dim)) if scaled else None
+        self.query_scale_bias = nn.Parameter(torch.zeros(self.num_global)) if scaled else None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -85,6 +92,7 @@ class PerformerAttention(LinearAttention):
             f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
             f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
             f"{f', hybrid_window={c.hybrid_window}' if c.hybrid_window else ''}"
+            f"{', hybrid_query_scale=True' if self.query_scale_weight is not None else ''}"
         )
 
     def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
@@ -151,7 +159,19 @@ class PerformerAttention(LinearAttention):
         self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The linear part's features of the hybrid: phi_q, phi_k (batch, global heads, n, m), float32, and the
-        queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes (None but for FAVOR+).
+        queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes: the map's own
+        (:meth:`map_features`) plus, with ``hybrid_query_scale``, the learned q_t·a_h + b_h, in float32."""
+        phi_q, phi_k, log_scale = self.map_features(q, k, attention_mask)
+        if self.query_scale_weight is None:
+            return phi_q, phi_k, log_scale
+        learned = torch.einsum("bhnd,hd->bhn", q.float(), self.query_scale_weight.float())
+        learned = learned + self.query_scale_bias.float()[None, :, None]
+        return phi_q, phi_k, learned if log_scale is None else log_scale + learned
+
+    def map_features(
+        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The feature map's own part of :meth:`hybrid_features`: phi_q, phi_k and ℓ (None but for FAVOR+).
 
         The random "softmax" map: the positive features of ``favor_positive``, whose query features have their row
         maximum u_t taken off (detached: it cancels against ℓ) and lack the estimator's 1/m, so
@@ -221,6 +241,9 @@ class PerformerPreTrainedModel(LinearAttentionPreTrainedModel):
                 init.zeros_(bias)
         if isinstance(module, PerformerAttention) and module.window_balance is not None:
             init.zeros_(module.window_balance)  # gamma = 1: the window and the linear part on an equal footing
+        if isinstance(module, PerformerAttention) and module.query_scale_weight is not None:
+            init.zeros_(module.query_scale_weight)  # l_t = 0 until trained or calibrated
+            init.zeros_(module.query_scale_bias)
         if isinstance(module, PerformerModel):
             init.zeros_(module.feature_redraws)
 

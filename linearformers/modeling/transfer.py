@@ -43,7 +43,16 @@ from .base import LinearAttentionPreTrainedModel
 from .layers import LinearAttention
 
 # a parameter is new to a converted model (and trained by attention transfer) if a part of its name is one of these
-TRANSFER_NAMES = ("feature_map", "window_balance", "e_proj", "f_proj", "shared_projection", "relative_bias")
+TRANSFER_NAMES = (
+    "feature_map",
+    "window_balance",
+    "query_scale_weight",
+    "query_scale_bias",
+    "e_proj",
+    "f_proj",
+    "shared_projection",
+    "relative_bias",
+)
 # Linformer's projections, which take their own learning rate (TransferArguments.projection_learning_rate)
 PROJECTION_NAMES = ("e_proj", "f_proj", "shared_projection")
 FINETUNE_MODES = ("full", "lora")
@@ -76,6 +85,9 @@ class TransferArguments:
         choose_local_heads: before stage 1, reorder each layer's heads so that its ``num_local_heads`` local heads
             are those whose original attention stays most inside ``local_window`` (:func:`choose_local_heads`, on
             up to ``eval_batches`` batches of the training blocks); needs a model with local heads (default False).
+        calibrate_query_scale: before stage 1, fit a hybrid's learned query scale (``hybrid_query_scale``) by
+            least squares on the original's attention (:func:`calibrate_query_scale`, on the same blocks); for
+            models without one it does nothing (default True).
         seed: seed of the block order and of LoRA's initialization; the global RNG is left as it was (default 0).
         progress: show tqdm progress bars (default True).
     """
@@ -91,6 +103,7 @@ class TransferArguments:
     finetune_learning_rate: float = 1e-4
     lora_r: int = 8
     choose_local_heads: bool = False
+    calibrate_query_scale: bool = True
     seed: int = 0
     progress: bool = True
 
@@ -111,7 +124,7 @@ class TransferArguments:
                 f"TransferArguments.finetune must be one of {', '.join(map(repr, FINETUNE_MODES))}, got "
                 f"{self.finetune!r}"
             )
-        for name in ("progress", "choose_local_heads"):
+        for name in ("progress", "choose_local_heads", "calibrate_query_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TransferArguments.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -127,7 +140,9 @@ def _check_int(name: str, value: object, low: int | None) -> None:
 class TransferReport:
     """What :func:`attention_transfer` did. ``error_before`` / ``error_after``: per layer, the relative error
     ||attn_i(x_i) - target_i||_F / ||target_i||_F over the real tokens of the evaluation blocks, before and after
-    stage 1 (after stage 2 the targets themselves have moved with q / k / v / o, so stage 2 reports its loss)."""
+    stage 1 (after stage 2 the targets themselves have moved with q / k / v / o, so stage 2 reports its loss).
+    With a calibrated query scale, ``error_calibrated`` is that error after calibration, before stage 1, and
+    ``query_scale_residual`` the fit's RMS residual per layer (:func:`calibrate_query_scale`)."""
 
     parameters: list[str]
     error_before: list[float]
@@ -145,19 +160,25 @@ class TransferReport:
     finetune_loss_after: float | None = None
     layers: list[int] = field(default_factory=list)
     local_heads: list[list[int]] | None = None
+    error_calibrated: list[float] | None = None
+    query_scale_residual: list[float] | None = None
 
     def __str__(self) -> str:
+        columns = [self.error_before] + ([self.error_calibrated] if self.error_calibrated is not None else [])
+        columns.append(self.error_after)
         lines = [
             f"attention transfer: {len(self.parameters)} new attention tensors trained, {self.steps} steps in "
             f"{self.seconds:.1f} s (training loss {self.loss_first:.4g} -> {self.loss_last:.4g})",
             f"  relative error of each layer's attention output on {self.eval_blocks} held-out blocks:",
-            "    layer    before     after",
+            "    layer    before" + ("  calibrated" if self.error_calibrated is not None else "") + "     after",
         ]
-        for layer, before, after in zip(self.layers, self.error_before, self.error_after):
-            lines.append(f"    {layer:5d}  {before:8.4f}  {after:8.4f}")
-        mean_before = sum(self.error_before) / len(self.error_before)
-        mean_after = sum(self.error_after) / len(self.error_after)
-        lines.append(f"     mean  {mean_before:8.4f}  {mean_after:8.4f}")
+        widths = [8] + ([10] if self.error_calibrated is not None else []) + [8]
+        for row, layer in enumerate(self.layers):
+            lines.append(f"    {layer:5d}" + "".join(f"  {c[row]:{w}.4f}" for c, w in zip(columns, widths)))
+        lines.append("     mean" + "".join(f"  {sum(c) / len(c):{w}.4f}" for c, w in zip(columns, widths)))
+        if self.query_scale_residual is not None:
+            residual = ", ".join(f"{r:.3f}" for r in self.query_scale_residual)
+            lines.append(f"  query scale fitted by least squares, RMS residual per layer (log units): {residual}")
         if self.local_heads is not None:
             chosen = "; ".join(f"{i}: {heads}" for i, heads in enumerate(self.local_heads))
             lines.append(f"  local heads chosen by locality (the original's head numbers, per layer): {chosen}")
@@ -421,6 +442,96 @@ def choose_local_heads(
     return chosen
 
 
+def _linear_keys(mask: torch.Tensor, window: int, sinks: int, causal: bool) -> torch.Tensor:
+    """(b, 1, n, n) bool: the keys s a hybrid head's query t takes linear scores on (``attention.hybrid``): real,
+    seen (causal: s <= t), outside the window, and not one of the first ``sinks`` real tokens of the row."""
+    n = mask.shape[1]
+    distance = torch.arange(n, device=mask.device)[:, None] - torch.arange(n, device=mask.device)[None, :]  # t - s
+    in_window = ((distance >= 0) & (distance < window)) if causal else (distance.abs() < window)
+    keys = mask & (mask.long().cumsum(-1) > sinks)  # real, not a sink
+    allowed = keys[:, None, :] & ~in_window
+    if causal:
+        allowed = allowed & (distance >= 0)
+    return allowed[:, None]
+
+
+@torch.no_grad()
+def calibrate_query_scale(
+    model: PreTrainedModel,
+    source: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    batch_size: int = 8,
+    ridge: float = 1e-3,
+) -> list[float]:
+    """Set each hybrid layer's query scale (``PerformerConfig.hybrid_query_scale``) by least squares on the
+    original's attention, in place; returns, per layer, the root-mean-square residual of the fit (in log units).
+
+    For each real query t of a global head with linear keys F(t) (``attention.hybrid``: real, seen, outside the
+    window, not a sink), the log scale that gives the linear part exactly the original's mass on those keys is
+
+        l*_t = log Σ_{s in F(t)} exp(scale q_t·k_s) - log Σ_{s in F(t)} phi(q_t)·phi(k_s) - l_map,t
+
+    (l_map: the feature map's own log scale, 0 but for the random "softmax" map). Per head, a_h and b_h minimize
+    Σ_t (q_t·a_h + b_h - l*_t)² + ridge·N·|a_h|² over the N real queries of ``input_ids`` (blocks, length) with a
+    linear key, each layer reading the original's own hidden states through its q / k projections (as attention
+    transfer does). A layer's current feature map is used as it is: call it after the map has its initial or
+    trained values; attention transfer calls it before stage 1 (``TransferArguments.calibrate_query_scale``)."""
+    _check_pair(model, source)
+    if not isinstance(ridge, int | float) or isinstance(ridge, bool) or not (math.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"ridge must be a finite number >= 0, got {ridge!r}")
+    config = model.config
+    if not getattr(config, "hybrid_query_scale", False):
+        raise ValueError(
+            "calibrate_query_scale fits the hybrid's learned query scale, and this model has none: convert a "
+            "Performer with hybrid_window=W and hybrid_query_scale=True"
+        )
+    ids, mask = _check_blocks("input_ids", input_ids, attention_mask, model, source)
+    layers = [layer for layer in model.base_model.layers if layer.attention.query_scale_weight is not None]
+    if not layers:
+        raise ValueError("calibrate_query_scale: the model has no global heads, whose linear part the scale serves")
+    g, d = layers[0].attention.num_global, layers[0].attention.head_dim
+    gram = torch.zeros(len(layers), g, d + 1, d + 1, dtype=torch.float64)
+    moment = torch.zeros(len(layers), g, d + 1, dtype=torch.float64)
+    square = torch.zeros(len(layers), g, dtype=torch.float64)
+    count = torch.zeros(len(layers), g, dtype=torch.float64)
+    for index in torch.arange(ids.shape[0]).split(batch_size):
+        batch = _Batch(model, source, ids[index], mask[index], targets=False)
+        linear = _linear_keys(batch.mask, config.hybrid_window, config.hybrid_sinks, config.is_decoder)
+        for i, layer in enumerate(layers):
+            attention = layer.attention
+            x = batch.inputs[layer.attention.layer_idx]
+            q, k = (attention._split(proj(x))[:, :g].float() for proj in (attention.q_proj, attention.k_proj))
+            phi_q, phi_k, own = attention.map_features(q, k, batch.key_mask)
+            logits = (q @ k.transpose(-1, -2)) * attention.head_dim**-0.5
+            exact = logits.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
+            mass = ((phi_q.float() @ phi_k.float().transpose(-1, -2)) * linear).sum(-1)
+            target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())
+            use = batch.mask[:, None, :] & linear.any(-1) & (mass > 0)  # (b, h, n)
+            features = torch.cat([q, torch.ones_like(q[..., :1])], -1).double() * use[..., None]
+            target = torch.where(use, target, torch.zeros_like(target)).double()
+            gram[i] += torch.einsum("bhne,bhnf->hef", features, features).cpu()
+            moment[i] += torch.einsum("bhne,bhn->he", features, target).cpu()
+            square[i] += target.pow(2).sum((0, 2)).cpu()
+            count[i] += use.sum((0, 2)).double().cpu()
+    residuals = []
+    for i, layer in enumerate(layers):
+        if not bool((count[i] > 0).all()):
+            raise ValueError(
+                f"layer {layer.attention.layer_idx}: a head has no query with a key outside its window of "
+                f"{config.hybrid_window} (and its sinks) in these blocks; calibrate on longer blocks"
+            )
+        penalty = torch.diag_embed(torch.cat([torch.full((d,), ridge), torch.zeros(1)]).double())
+        solution = torch.linalg.solve(gram[i] + penalty * count[i][:, None, None], moment[i])  # (g, d + 1)
+        fitted = torch.einsum("he,hef,hf->h", solution, gram[i], solution) - 2 * (solution * moment[i]).sum(-1)
+        residuals.append(((fitted + square[i]).clamp_min(0).sum() / count[i].sum()).sqrt().item())
+        attention = layer.attention
+        attention.query_scale_weight.copy_(solution[:, :d].to(attention.query_scale_weight))
+        attention.query_scale_bias.copy_(solution[:, d].to(attention.query_scale_bias))
+    return residuals
+
+
 def _key_mask(mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask  # as the model passes it: None when nothing is padded
 
@@ -623,12 +734,15 @@ def _run(model, source, trained, ids, mask, eval_blocks, args: TransferArguments
 
 
 def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator) -> TransferReport:
-    local_heads = None
+    local_heads = residual = calibrated = None
+    probe = ids[: args.eval_batches * args.batch_size], mask[: args.eval_batches * args.batch_size]
     if args.choose_local_heads:
-        probe = ids[: args.eval_batches * args.batch_size]
-        local_heads = choose_local_heads(model, source, probe, mask[: probe.shape[0]], batch_size=args.batch_size)
+        local_heads = choose_local_heads(model, source, *probe, batch_size=args.batch_size)
     eval_batches = [_Batch(model, source, *block) for block in eval_blocks]
     before = _relative_errors(model, eval_batches)
+    if args.calibrate_query_scale and getattr(model.config, "hybrid_query_scale", False):
+        residual = calibrate_query_scale(model, source, *probe, batch_size=args.batch_size)
+        calibrated = _relative_errors(model, eval_batches)
     for param in model.parameters():
         param.requires_grad_(False)
     for _, param in trained:
@@ -659,6 +773,8 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
         eval_blocks=sum(block[0].shape[0] for block in eval_blocks),
         layers=list(range(len(before))),
         local_heads=local_heads,
+        error_calibrated=calibrated,
+        query_scale_residual=residual,
     )
     if args.finetune_steps:
         _finetune(model, source, trained, ids, mask, eval_blocks, args, generator, report)
@@ -744,6 +860,7 @@ __all__ = [
     "TransferArguments",
     "TransferReport",
     "attention_transfer",
+    "calibrate_query_scale",
     "choose_local_heads",
     "default_block_length",
     "local_head_shares",

@@ -38,13 +38,15 @@ def _layers(model):
 
 
 def _move_balance(model):
-    """Window balances away from their init and different per head, so that a reload that re-initialized them,
-    or a wiring that ignored them, would show."""
+    """Window balances (and query scales, where the model has them) away from their init and different per head,
+    so that a reload that re-initialized them, or a wiring that ignored them, would show."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for layer in _layers(model):
-            balance = layer.attention.window_balance
-            balance.copy_(torch.randn(balance.shape, generator=g))
+            attention = layer.attention
+            for param in (attention.window_balance, attention.query_scale_weight, attention.query_scale_bias):
+                if param is not None:
+                    param.copy_(torch.randn(param.shape, generator=g))
 
 
 def _left_padded(n=11, pad=3, batch=2, seed=1):
@@ -75,22 +77,28 @@ def test_layers_own_a_window_balance_at_zero_only_with_a_hybrid_window():
 
 
 def _reference_features(attention, q, k):
-    """The linear part's features, computed here from the feature-map functions (not through the layer)."""
+    """The linear part's features, computed here from the feature-map functions (not through the layer), and the
+    queries' log scale: the random map's own plus, with hybrid_query_scale, q_t·a_h + b_h."""
     projection, config = attention.random_features, attention.config
+    learned = None
+    if config.hybrid_query_scale:
+        learned = (q * attention.query_scale_weight[None, :, None, :]).sum(-1) + attention.query_scale_bias[:, None]
     if config.kernel == "hedgehog":
-        return attention.feature_map(q, is_query=True), attention.feature_map(k, is_query=False), None
+        return attention.feature_map(q, is_query=True), attention.feature_map(k, is_query=False), learned
     if config.kernel == "relu":
         eps = config.kernel_eps
-        return relu_features(q, projection, eps=eps), relu_features(k, projection, eps=eps), None
+        return relu_features(q, projection, eps=eps), relu_features(k, projection, eps=eps), learned
     log_scale = favor_exponents(q, projection, is_query=True).amax(-1) - math.log(projection.shape[0])
+    log_scale = log_scale if learned is None else log_scale + learned
     return favor_positive(q, projection, is_query=True), favor_positive(k, projection, is_query=False), log_scale
 
 
+@pytest.mark.parametrize("scale", [False, True], ids=["", "query-scale"])
 @pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("kernel", ALL_KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_global_heads_equal_the_hybrid_reference(kernel, decoder, sinks):
-    model = _model(kernel, decoder, hybrid_sinks=sinks)
+def test_global_heads_equal_the_hybrid_reference(kernel, decoder, sinks, scale):
+    model = _model(kernel, decoder, hybrid_sinks=sinks, hybrid_query_scale=scale)
     _move_balance(model)
     attention = _layers(model)[0].attention
     g = torch.Generator().manual_seed(3)
@@ -153,9 +161,9 @@ def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
-def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, sinks):
-    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks)
+@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (2, False), (2, True)], ids=["", "sinks", "sinks-scale"])
+def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, sinks, scale):
+    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
     _move_balance(model)
     n, pad = 8, 4
     ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
@@ -169,10 +177,10 @@ def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, 
     torch.testing.assert_close(both[:, pad:] if side == "left" else both[:, :n], alone, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (2, False), (2, True)], ids=["", "sinks", "sinks-scale"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_causal_outputs_never_read_the_future(kernel, sinks):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks)
+def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
     _move_balance(model)
     ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(4))
     changed = ids.clone()
@@ -184,14 +192,22 @@ def test_causal_outputs_never_read_the_future(kernel, sinks):
 
 
 @pytest.mark.parametrize(
-    ("kernel", "window", "sinks"),
-    [*((k, w, 0) for k in ALL_KERNELS for w in (1, WINDOW)), ("softmax", 1, 2), ("hedgehog", WINDOW, 4)],
+    ("kernel", "window", "sinks", "scale"),
+    [
+        *((k, w, 0, False) for k in ALL_KERNELS for w in (1, WINDOW)),
+        ("softmax", 1, 2, False),
+        ("hedgehog", WINDOW, 4, False),
+        ("softmax", WINDOW, 1, True),
+        ("hedgehog", WINDOW, 1, True),
+    ],
 )
-def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window, sinks):
+def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window, sinks, scale):
     """A left-padded batch fed as 2 tokens (fewer than the window), 3 more (a continued prefill), then one at a
     time (decoding steps): the same logits as one uncached forward. With sinks, row 1's padding puts its sinks
     across the pieces and steps."""
-    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks)
+    model = _model(
+        kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale
+    )
     _move_balance(model)
     ids, mask = _left_padded()
     cuts = [0, 2, 5, *range(6, ids.shape[1] + 1)]
@@ -208,10 +224,10 @@ def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kern
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("sinks", [0, 1], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (1, False), (1, True)], ids=["", "sinks", "sinks-scale"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_cached_greedy_generation_equals_uncached(kernel, sinks):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks)
+def test_cached_greedy_generation_equals_uncached(kernel, sinks, scale):
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
     _move_balance(model)
     ids, mask = _left_padded(n=6, pad=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -243,14 +259,16 @@ def test_the_cache_does_not_grow_with_the_context():
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_save_and_reload_keeps_the_balance_and_the_outputs(kernel, decoder, tmp_path):
-    model = _model(kernel, decoder, hybrid_sinks=1)
+    model = _model(kernel, decoder, hybrid_sinks=1, hybrid_query_scale=True)
     _move_balance(model)
     ids, mask = _left_padded()
     model.save_pretrained(tmp_path)
     reloaded = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(tmp_path).eval()
     assert reloaded.config.hybrid_window == WINDOW and reloaded.config.hybrid_sinks == 1
+    assert reloaded.config.hybrid_query_scale is True
     for mine, theirs in zip(_layers(model), _layers(reloaded)):
-        assert torch.equal(mine.attention.window_balance, theirs.attention.window_balance)
+        for name in ("window_balance", "query_scale_weight", "query_scale_bias"):
+            assert torch.equal(getattr(mine.attention, name), getattr(theirs.attention, name))
     with torch.no_grad():
         assert torch.equal(_output(model, ids, attention_mask=mask), _output(reloaded, ids, attention_mask=mask))
 
@@ -274,13 +292,14 @@ def test_the_cache_refuses_more_states_than_it_holds():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_gradients_reach_the_balance_and_the_feature_map(kernel, decoder):
-    model = _model(kernel, decoder, initializer_range=0.2).train()
+def test_gradients_reach_the_balance_the_query_scale_and_the_feature_map(kernel, decoder):
+    model = _model(kernel, decoder, initializer_range=0.2, hybrid_query_scale=True).train()
     ids, mask = _left_padded()
     _output(model, ids, attention_mask=mask).float().pow(2).mean().backward()
     for layer in _layers(model):
         attention = layer.attention
         params = [attention.window_balance, attention.q_proj.weight, attention.k_proj.weight]
+        params += [attention.query_scale_weight, attention.query_scale_bias]
         if attention.feature_map is not None:
             params += list(attention.feature_map.parameters())
         for p in params:
@@ -290,7 +309,7 @@ def test_gradients_reach_the_balance_and_the_feature_map(kernel, decoder):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_bf16_autocast_forward_is_finite(kernel, decoder):
-    model = _model(kernel, decoder, hybrid_sinks=1)
+    model = _model(kernel, decoder, hybrid_sinks=1, hybrid_query_scale=True)
     _move_balance(model)
     ids, mask = _left_padded()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -307,9 +326,9 @@ def test_bf16_autocast_forward_is_finite(kernel, decoder):
 def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
     """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
     backward is traced too. aot_eager keeps the test quick; inductor compiles the same graph."""
-    eager = _model("softmax", decoder, hybrid_sinks=1).train()  # the sinks' path too
+    eager = _model("softmax", decoder, hybrid_sinks=1, hybrid_query_scale=True).train()  # the sinks' path too
     _move_balance(eager)
-    compiled_model = _model("softmax", decoder, hybrid_sinks=1).train()
+    compiled_model = _model("softmax", decoder, hybrid_sinks=1, hybrid_query_scale=True).train()
     compiled_model.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     ids, mask = _left_padded()
@@ -352,6 +371,46 @@ def test_sinks_without_a_window_are_refused():
         PerformerConfig(hybrid_sinks=2)
 
 
+def test_a_query_scale_without_a_window_is_refused():
+    with pytest.raises(ValueError, match="hybrid_query_scale=True needs a hybrid_window"):
+        PerformerConfig(hybrid_query_scale=True)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_config_refuses_a_query_scale_that_is_not_a_bool(value):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_query_scale'"):
+        PerformerConfig(hybrid_window=8, hybrid_query_scale=value)
+
+
+def test_the_query_scale_exists_only_when_asked_for_and_starts_at_zero():
+    scaled, plain = _model(hybrid_query_scale=True), _model()
+    for layer in scaled.layers:
+        attention = layer.attention
+        assert attention.query_scale_weight.shape == (4, 8) and attention.query_scale_bias.shape == (4,)
+        assert not attention.query_scale_weight.any() and not attention.query_scale_bias.any()
+    assert "hybrid_query_scale=True" in repr(scaled.layers[0].attention)
+    assert not [k for k in plain.state_dict() if "query_scale" in k]  # checkpoints without it are unchanged
+
+
+def test_the_query_scale_moves_the_linear_part_against_the_window():
+    """l_t = b raises every linear score by e^b against the window's: the output moves, and a very negative b
+    leaves the window's softmax alone (the same as a very large balance)."""
+    model = _model("hedgehog", hybrid_query_scale=True)
+    attention = model.layers[0].attention
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 10, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        zero = attention.global_attention(q, k, v, None, None, None)
+        attention.query_scale_bias.fill_(2.0)
+        raised = attention.global_attention(q, k, v, None, None, None)
+        attention.query_scale_bias.fill_(-60.0)
+        window_only = attention.global_attention(q, k, v, None, None, None)
+    assert (raised - zero).abs().max() > 1e-2
+    torch.testing.assert_close(
+        window_only, local_reference(q, k, v, 2 * WINDOW - 1, causal=False), rtol=1e-4, atol=1e-5
+    )
+
+
 def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -360,7 +419,7 @@ def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenize
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = _config(
         "softmax", True, vocab_size=tokenizer.vocab_size, num_local_heads=1, local_window=4, initializer_range=0.2,
-        hybrid_sinks=1,
+        hybrid_sinks=1, hybrid_query_scale=True,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg).eval()
     _move_balance(model)  # a remote load that re-initialized the balance, or ignored the window, would show

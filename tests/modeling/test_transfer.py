@@ -12,6 +12,7 @@ from linearformers.modeling.transfer import (
     TransferArguments,
     _reorder_heads,
     attention_transfer,
+    calibrate_query_scale,
     choose_local_heads,
     local_head_shares,
     softmax_attention_output,
@@ -423,3 +424,103 @@ def test_the_cli_chooses_local_heads(tokenizer_dir, tmp_path, capsys):
 
     loaded = AutoModel.from_pretrained(out)
     assert loaded.config.num_local_heads == 1 and loaded.config.local_window == 8
+
+
+SCALED = dict(hybrid_window=4, hybrid_sinks=1, hybrid_query_scale=True, **HEDGEHOG)
+
+
+def _log_mass_targets(attention, x, mask, window, sinks, causal):
+    """Per real query with linear keys, written out key by key: (q_t with a 1 appended, l*_t) per head."""
+    g = attention.num_global
+    with torch.no_grad():
+        q = attention._split(attention.q_proj(x))[:, :g].double()
+        k = attention._split(attention.k_proj(x))[:, :g].double()
+        phi_q, phi_k, _ = attention.map_features(q.float(), k.float(), mask if not mask.all() else None)
+    rows = [[] for _ in range(g)]
+    for b in range(x.shape[0]):
+        real = [s for s in range(x.shape[1]) if mask[b, s]]
+        sink = set(real[:sinks])
+        for t in real:
+            far = [s for s in real if s not in sink and (t - s >= window if causal else abs(t - s) >= window)]
+            if not far:
+                continue
+            for h in range(g):
+                exact = torch.logsumexp(torch.stack([q[b, h, t] @ k[b, h, s] for s in far]) / 8**0.5, 0)
+                mass = sum(float(phi_q[b, h, t] @ phi_k[b, h, s]) for s in far)
+                rows[h].append((torch.cat([q[b, h, t], q.new_ones(1)]), float(exact) - torch.tensor(mass).log().item()))
+    return rows
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_calibrate_query_scale_is_the_least_squares_fit_of_the_log_mass(convert):
+    """Against a key-by-key computation of l*_t = log Σ_far exp(q·k / sqrt(d)) - log Σ_far phi(q)·phi(k) and
+    torch.linalg.lstsq, with padding, a sink, and (for GPT-2) the causal window."""
+    source = tiny_bert() if convert == "bert" else tiny_gpt2()
+    model, _ = (convert_bert if convert == "bert" else convert_gpt2)(source, "performer", **SCALED)
+    ids = blocks(3, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    residuals = calibrate_query_scale(model, source, ids, mask, batch_size=2, ridge=0.0)
+    assert len(residuals) == 2 and all(r > 0 for r in residuals)
+    with torch.no_grad():
+        hidden = source.base_model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    for layer, x in zip(model.base_model.layers, hidden):
+        if layer.pre_norm:
+            x = layer.attention_norm(x)
+        attention = layer.attention
+        rows = _log_mass_targets(attention, x, mask.bool(), 4, 1, convert == "gpt2")
+        for h, samples in enumerate(rows):
+            features = torch.stack([f for f, _ in samples])
+            targets = torch.tensor([y for _, y in samples], dtype=torch.float64)
+            want = torch.linalg.lstsq(features, targets[:, None]).solution[:, 0]
+            got = torch.cat([attention.query_scale_weight[h], attention.query_scale_bias[h : h + 1]]).double()
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_transfer_calibrates_the_query_scale_before_stage_1_and_trains_it():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **SCALED)
+    report = attention_transfer(model, bert, blocks(), args=quick(steps=30))
+    assert "layers.0.attention.query_scale_weight" in report.parameters
+    assert "layers.1.attention.query_scale_bias" in report.parameters
+    assert report.error_calibrated is not None and report.query_scale_residual is not None
+    assert all(c < b for b, c in zip(report.error_before, report.error_calibrated))
+    assert all(a < c for c, a in zip(report.error_calibrated, report.error_after))
+    assert "calibrated" in str(report) and "query scale fitted by least squares" in str(report)
+    off, _ = convert_bert(bert, "performer", **SCALED)
+    unscaled = attention_transfer(off, bert, blocks(), args=quick(steps=1, calibrate_query_scale=False))
+    assert unscaled.error_calibrated is None and "calibrated" not in str(unscaled)
+    plain, _ = convert_bert(bert, "performer", hybrid_window=4, **HEDGEHOG)  # nothing to calibrate: no-op
+    assert attention_transfer(plain, bert, blocks(), args=quick(steps=1)).error_calibrated is None
+
+
+def test_query_scale_calibration_refuses_what_it_cannot_do():
+    bert = tiny_bert()
+    plain, _ = convert_bert(bert, "performer", hybrid_window=4, **HEDGEHOG)
+    with pytest.raises(ValueError, match=r"has none: convert a Performer with hybrid_window=W and hybrid_query"):
+        calibrate_query_scale(plain, bert, blocks(4, 16))
+    scaled, _ = convert_bert(bert, "performer", **SCALED)
+    with pytest.raises(ValueError, match=r"ridge must be a finite number >= 0"):
+        calibrate_query_scale(scaled, bert, blocks(4, 16), ridge=-1.0)
+    with pytest.raises(ValueError, match=r"no query with a key outside its window"):
+        calibrate_query_scale(scaled, bert, blocks(4, 4))  # 4 tokens, window 4: every key is in the window
+    with pytest.raises(TypeError, match=r"calibrate_query_scale must be True or False"):
+        TransferArguments(calibrate_query_scale="yes")
+
+
+def test_the_cli_converts_with_a_query_scale_and_calibrates_it(tokenizer_dir, tmp_path, capsys):
+    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
+    text = tmp_path / "text.txt"
+    text.write_text("A learned log scale per query puts the linear scores on the window's scale. " * 60)
+    out = tmp_path / "out"
+    main([
+        str(tmp_path / "bert"), str(out), "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window",
+        "4", "--hybrid_query_scale", "--transfer_file", str(text), "--transfer_steps", "2", "--transfer_batch_size",
+        "2", "--transfer_length", "32",
+    ])  # fmt: skip
+    assert "query scale fitted by least squares" in capsys.readouterr().out
+    import linearformers  # noqa: F401
+
+    loaded = AutoModel.from_pretrained(out)
+    assert loaded.config.hybrid_query_scale is True
+    assert loaded.layers[0].attention.query_scale_bias.abs().sum() > 0  # calibrated, then saved

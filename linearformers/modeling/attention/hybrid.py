@@ -25,7 +25,8 @@ Features on the softmax's own scale (``query_log_scale`` ℓ, (b, h, n)): the li
 so that exp(ℓ_t) phi_q,t · phi_k,s estimates exp(scale q_t·k_s) and both parts carry the same exp(-c_t): with
 gamma = 1 the hybrid then estimates softmax attention over all the keys. For FAVOR+'s positive features
 (:func:`feature_maps.favor_positive`), whose query features have their row maximum u_t taken off and which lack
-the estimator's 1/m, ℓ_t = u_t - log m. A learned map's scores are taken as they are (ℓ = None): the paper's form.
+the estimator's 1/m, ℓ_t = u_t - log m. A learned map's scores are taken as they are (ℓ = None): the paper's form;
+or with a learned ℓ_t = q_t·a_h + b_h (``PerformerConfig.hybrid_query_scale``), which is then this same scale.
 The computation takes c'_t = max(c_t, ℓ_t - R), R = 50, off both parts instead of c_t, a factor per query that
 cancels in the normalization, with exp(ℓ_t - c'_t) formed from the logs in float32: every window score stays at
 most gamma_h and the linear factor at most e^R (5e21), so nothing overflows however far ℓ_t lies above the window
