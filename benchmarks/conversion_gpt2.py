@@ -54,10 +54,18 @@ from linearformers.modeling.transfer import TransferArguments, attention_transfe
 from linearformers.training import train_bpe_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = ("random-m256", "hedgehog", "hedgehog+window64", "random-m256+window64", "hedgehog+window64+sink")
+SETTINGS = (
+    "random-m256",
+    "hedgehog",
+    "hedgehog+window64",
+    "random-m256+window64",
+    "hedgehog+window64+sink",
+    "hedgehog+window64+scale",
+)
 MODEL_FILES = ("config.json", "test.jsonl", "validation.jsonl")
-# --smoke's defaults: small enough to run every code path in seconds (stage 2 included)
-SMOKE = dict(block=32, steps=2, batch_size=2, finetune_steps=2, eval_blocks=4, prompt=8)
+# --smoke's defaults: small enough to run every code path in seconds (stage 2 included); blocks longer than the
+# hybrids' window of 64, so that their linear part runs and the query scale has keys to be calibrated on
+SMOKE = dict(block=80, steps=2, batch_size=2, finetune_steps=2, eval_blocks=4, prompt=8)
 
 
 def settings(head_dim: int) -> dict[str, tuple[dict, bool]]:
@@ -70,6 +78,7 @@ def settings(head_dim: int) -> dict[str, tuple[dict, bool]]:
         "hedgehog+window64": ({**hedgehog, "hybrid_window": 64}, True),
         "random-m256+window64": ({**random, "hybrid_window": 64}, True),
         "hedgehog+window64+sink": ({**hedgehog, "hybrid_window": 64, "hybrid_sinks": 1}, True),
+        "hedgehog+window64+scale": ({**hedgehog, "hybrid_window": 64, "hybrid_query_scale": True}, True),
     }
 
 

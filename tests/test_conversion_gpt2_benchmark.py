@@ -26,7 +26,7 @@ def test_smoke_runs_every_setting_and_stage(tmp_path):
     assert "shared CPU" in done.stdout
     result = json.loads(out.read_text())
     header = result["header"]
-    assert header["test_blocks"] == 4 and header["test_tokens_scored"] == 4 * 31
+    assert header["test_blocks"] == 4 and header["test_tokens_scored"] == 4 * 79
     assert "--smoke" in header["command"] and len(header["load_average_after"]) == 3
     original = result["original"]["perplexity"]
     assert math.isfinite(original) and original > 1
@@ -37,11 +37,13 @@ def test_smoke_runs_every_setting_and_stage(tmp_path):
         "hedgehog+window64",
         "random-m256+window64",
         "hedgehog+window64+sink",
+        "hedgehog+window64+scale",
     ]
     assert rows["hedgehog+window64+sink"]["overrides"]["hybrid_sinks"] == 1
+    assert rows["hedgehog+window64+scale"]["overrides"]["hybrid_query_scale"] is True
     assert list(rows["random-m256"]["stages"]) == ["converted"]  # nothing to transfer
     assert rows["hedgehog"]["overrides"] == {"kernel": "hedgehog", "num_random_features": 32}  # 2 x head_dim 16
-    for name in ("hedgehog", "hedgehog+window64", "random-m256+window64", "hedgehog+window64+sink"):
+    for name in list(rows)[1:]:
         stages = rows[name]["stages"]
         assert list(stages) == ["converted", "transfer", "finetune"]
         assert stages["transfer"]["steps"] == 2 and stages["finetune"]["steps"] == 2
