@@ -154,6 +154,12 @@ def _hybrid_text(config) -> str:
             if config.hybrid_sinks
             else ""
         )
+        + (
+            " The linear scores take a learned log scale per query (hybrid_query_scale), which puts them on the "
+            "window's scale."
+            if config.hybrid_query_scale
+            else ""
+        )
     )
 
 

@@ -438,7 +438,10 @@ def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
     assert f"window of {WINDOW} tokens" in card and "LoLCATs" in card and "sinks" not in card
     sinks = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_sinks=1))
     card = (save_for_hub(sinks, tokenizer, tmp_path / "sinks", repo_id="me/tiny") / "README.md").read_text()
-    assert "first 1 real token(s) of each sequence are attention sinks" in card
+    assert "first 1 real token(s) of each sequence are attention sinks" in card and "log scale" not in card
+    scaled = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_query_scale=True))
+    card = (save_for_hub(scaled, tokenizer, tmp_path / "scaled", repo_id="me/tiny") / "README.md").read_text()
+    assert "learned log scale per query (hybrid_query_scale)" in card
     plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
     assert "LoLCATs" not in card

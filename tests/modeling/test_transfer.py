@@ -25,6 +25,8 @@ from tests.modeling.test_convert import SMALL_BERT
 TINY_BERT = {k: v for k, v in SMALL_BERT.items() if k != "num_labels"}
 TINY_GPT2 = dict(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
 HEDGEHOG = dict(kernel="hedgehog", num_random_features=16)  # head_dim 8: the map starts at the identity
+# the hybrid with a sink and the learned query scale (hybrid_query_scale), which transfer calibrates first
+SCALED = dict(hybrid_window=4, hybrid_sinks=1, hybrid_query_scale=True, **HEDGEHOG)
 
 
 def _sharpen(query: nn.Linear | torch.Tensor, key: nn.Linear | torch.Tensor) -> None:
@@ -199,10 +201,11 @@ def test_finetune_full_lowers_the_next_token_kl():
     assert "fine-tune (full)" in str(report)
 
 
-def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(tmp_path):
+@pytest.mark.parametrize("overrides", [HEDGEHOG, SCALED], ids=["hedgehog", "hybrid-query-scale"])
+def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(overrides, tmp_path):
     pytest.importorskip("peft")
     bert = tiny_bert()
-    model, _ = convert_bert(bert, "performer", **HEDGEHOG)
+    model, _ = convert_bert(bert, "performer", **overrides)
     keys = set(model.state_dict())
     args = quick(steps=10, finetune_steps=30, finetune="lora", finetune_learning_rate=1e-3, lora_r=4)
     report = attention_transfer(model, bert, blocks(), args=args)
@@ -424,9 +427,6 @@ def test_the_cli_chooses_local_heads(tokenizer_dir, tmp_path, capsys):
 
     loaded = AutoModel.from_pretrained(out)
     assert loaded.config.num_local_heads == 1 and loaded.config.local_window == 8
-
-
-SCALED = dict(hybrid_window=4, hybrid_sinks=1, hybrid_query_scale=True, **HEDGEHOG)
 
 
 def _log_mass_targets(attention, x, mask, window, sinks, causal):
