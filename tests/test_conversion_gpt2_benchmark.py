@@ -19,7 +19,7 @@ def bench():
     return load_script(SCRIPT)
 
 
-def test_smoke_runs_every_setting_and_stage(tmp_path):
+def test_smoke_runs_every_setting_and_stage(bench, tmp_path):
     out = tmp_path / "result.json"
     done = run_script(SCRIPT, "--smoke", "--out", str(out), timeout=120)
     assert "| model | stage | steps | seconds | perplexity | ratio to original |" in done.stdout
@@ -31,14 +31,7 @@ def test_smoke_runs_every_setting_and_stage(tmp_path):
     original = result["original"]["perplexity"]
     assert math.isfinite(original) and original > 1
     rows = {row["setting"]: row for row in result["rows"]}
-    assert list(rows) == [
-        "random-m256",
-        "hedgehog",
-        "hedgehog+window64",
-        "random-m256+window64",
-        "hedgehog+window64+sink",
-        "hedgehog+window64+scale",
-    ]
+    assert list(rows) == list(bench.SETTINGS) and len(rows) == 6  # every setting, by default
     assert rows["hedgehog+window64+sink"]["overrides"]["hybrid_sinks"] == 1
     assert rows["hedgehog+window64+scale"]["overrides"]["hybrid_query_scale"] is True
     assert list(rows["random-m256"]["stages"]) == ["converted"]  # nothing to transfer

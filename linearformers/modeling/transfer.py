@@ -520,7 +520,8 @@ def calibrate_query_scale(
         if not bool((count[i] > 0).all()):
             raise ValueError(
                 f"layer {layer.attention.layer_idx}: a head has no query with a key outside its window of "
-                f"{config.hybrid_window} (and its sinks) in these blocks; calibrate on longer blocks"
+                f"{config.hybrid_window} (and its sinks) in these blocks; calibrate on longer blocks (or skip the fit: "
+                "TransferArguments(calibrate_query_scale=False))"
             )
         penalty = torch.diag_embed(torch.cat([torch.full((d,), ridge), torch.zeros(1)]).double())
         solution = torch.linalg.solve(gram[i] + penalty * count[i][:, None, None], moment[i])  # (g, d + 1)

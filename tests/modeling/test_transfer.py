@@ -412,16 +412,22 @@ def test_transfer_can_choose_the_local_heads_first():
         TransferArguments(choose_local_heads=1)
 
 
-def test_the_cli_chooses_local_heads(tokenizer_dir, tmp_path, capsys):
+def _convert_with_a_short_transfer(tokenizer_dir, tmp_path, *flags: str):
+    """The conversion CLI on a saved tiny BERT with ``flags`` and 2 transfer steps on blocks of 32; the output folder."""
     _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
     text = tmp_path / "text.txt"
-    text.write_text("Linformer projects keys and values along the sequence to k slots. " * 60)
+    text.write_text("Linear attention keeps a fixed-size state, whatever the length of the sequence. " * 60)
     out = tmp_path / "out"
-    main([
-        str(tmp_path / "bert"), str(out), "--family", "linformer", "--projected_length", "8", "--max_seq_length", "32",
-        "--num_local_heads", "1", "--local_window", "8", "--transfer_file", str(text), "--transfer_steps", "2",
-        "--transfer_batch_size", "2", "--transfer_length", "32", "--choose_local_heads",
-    ])  # fmt: skip
+    transfer = ["--transfer_file", str(text), "--transfer_steps", "2", "--transfer_batch_size", "2"]
+    main([str(tmp_path / "bert"), str(out), *flags, *transfer, "--transfer_length", "32"])
+    return out
+
+
+def test_the_cli_chooses_local_heads(tokenizer_dir, tmp_path, capsys):
+    out = _convert_with_a_short_transfer(
+        tokenizer_dir, tmp_path, "--family", "linformer", "--projected_length", "8", "--max_seq_length", "32",
+        "--num_local_heads", "1", "--local_window", "8", "--choose_local_heads",
+    )  # fmt: skip
     assert "local heads chosen by locality" in capsys.readouterr().out
     import linearformers  # noqa: F401
 
@@ -509,15 +515,10 @@ def test_query_scale_calibration_refuses_what_it_cannot_do():
 
 
 def test_the_cli_converts_with_a_query_scale_and_calibrates_it(tokenizer_dir, tmp_path, capsys):
-    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
-    text = tmp_path / "text.txt"
-    text.write_text("A learned log scale per query puts the linear scores on the window's scale. " * 60)
-    out = tmp_path / "out"
-    main([
-        str(tmp_path / "bert"), str(out), "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window",
-        "4", "--hybrid_query_scale", "--transfer_file", str(text), "--transfer_steps", "2", "--transfer_batch_size",
-        "2", "--transfer_length", "32",
-    ])  # fmt: skip
+    out = _convert_with_a_short_transfer(
+        tokenizer_dir, tmp_path, "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window", "4",
+        "--hybrid_query_scale",
+    )  # fmt: skip
     assert "query scale fitted by least squares" in capsys.readouterr().out
     import linearformers  # noqa: F401
 
