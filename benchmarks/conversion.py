@@ -50,6 +50,17 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
             {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64, "hybrid_sinks": 1},
             True,
         ),
+        "random-m256+window64+sink+scale": (
+            "performer",
+            {
+                "num_random_features": 256,
+                "feature_redraw_interval": None,
+                "hybrid_window": 64,
+                "hybrid_sinks": 1,
+                "hybrid_query_scale": True,
+            },
+            True,
+        ),
         "hedgehog": ("performer", {"kernel": "hedgehog", "num_random_features": 64}, True),
         "hedgehog+window64": (
             "performer",
