@@ -182,6 +182,9 @@ def main() -> None:
                 "finetune": report.finetune,
                 "finetune_steps": report.finetune_steps,
                 "finetune_seconds": report.finetune_seconds,
+                "finetune_loss": report.finetune_loss,
+                "finetune_loss_before": report.finetune_loss_before,
+                "finetune_loss_after": report.finetune_loss_after,
             }
             row["error_transfer"], row["cosine_transfer"] = measure(model, teacher_hidden, eval_ids)
             spent = report.seconds + report.finetune_seconds

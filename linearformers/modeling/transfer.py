@@ -164,18 +164,17 @@ class TransferReport:
     query_scale_residual: list[float] | None = None
 
     def __str__(self) -> str:
-        columns = [self.error_before] + ([self.error_calibrated] if self.error_calibrated is not None else [])
-        columns.append(self.error_after)
+        columns = {"before": self.error_before, "calibrated": self.error_calibrated, "after": self.error_after}
+        columns = {name: errors for name, errors in columns.items() if errors is not None}
         lines = [
             f"attention transfer: {len(self.parameters)} new attention tensors trained, {self.steps} steps in "
             f"{self.seconds:.1f} s (training loss {self.loss_first:.4g} -> {self.loss_last:.4g})",
             f"  relative error of each layer's attention output on {self.eval_blocks} held-out blocks:",
-            "    layer    before" + ("  calibrated" if self.error_calibrated is not None else "") + "     after",
+            "    layer" + "".join(f"  {name:>10}" for name in columns),
         ]
-        widths = [8] + ([10] if self.error_calibrated is not None else []) + [8]
         for row, layer in enumerate(self.layers):
-            lines.append(f"    {layer:5d}" + "".join(f"  {c[row]:{w}.4f}" for c, w in zip(columns, widths)))
-        lines.append("     mean" + "".join(f"  {sum(c) / len(c):{w}.4f}" for c, w in zip(columns, widths)))
+            lines.append(f"    {layer:5d}" + "".join(f"  {errors[row]:10.4f}" for errors in columns.values()))
+        lines.append("     mean" + "".join(f"  {sum(e) / len(e):10.4f}" for e in columns.values()))
         if self.query_scale_residual is not None:
             residual = ", ".join(f"{r:.3f}" for r in self.query_scale_residual)
             lines.append(f"  query scale fitted by least squares, RMS residual per layer (log units): {residual}")
@@ -375,23 +374,28 @@ def local_head_shares(
     config = model.config
     layers = model.base_model.layers
     total = torch.zeros(len(layers), config.num_attention_heads, dtype=torch.float64)
-    queries = 0
+    n = ids.shape[1]
+    window = _in_local_window(n, config.local_window, config.is_decoder, next(model.parameters()).device)
+    for batch, i, _, _, scores in _original_scores(model, source, ids, mask, batch_size):
+        allowed = batch.mask[:, None, None, :]
+        if config.is_decoder:
+            allowed = allowed & window.new_ones(n, n).tril()
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        share = (probs * window).sum(-1)  # (b, h, n)
+        total[i] += (share * batch.mask[:, None, :]).sum((0, 2)).double().cpu()
+    return (total / int(mask.sum())).tolist()
+
+
+def _original_scores(model, source, ids: torch.Tensor, mask: torch.Tensor, batch_size: int) -> Iterator[tuple]:
+    """Per batch of ``ids`` and per layer i: (the :class:`_Batch`, i, q, k, scores), each layer reading the
+    original's own hidden states through its q / k projections (the original's): q, k (b, heads, n, head_dim) in
+    float32, scores = q kᵀ / sqrt(head_dim) (b, heads, n, n)."""
     for index in torch.arange(ids.shape[0]).split(batch_size):
         batch = _Batch(model, source, ids[index], mask[index], targets=False)
-        n = batch.mask.shape[1]
-        window = _in_local_window(n, config.local_window, config.is_decoder, batch.mask.device)
-        for i, (layer, x) in enumerate(zip(layers, batch.inputs)):
+        for i, (layer, x) in enumerate(zip(model.base_model.layers, batch.inputs)):
             attention = layer.attention
-            q, k = (attention._split(proj(x)) for proj in (attention.q_proj, attention.k_proj))
-            scores = (q @ k.transpose(-1, -2)).float() * attention.head_dim**-0.5  # (b, h, n, n)
-            allowed = batch.mask[:, None, None, :]
-            if config.is_decoder:
-                allowed = allowed & window.new_ones(n, n).tril()
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            share = (probs * window).sum(-1)  # (b, h, n)
-            total[i] += (share * batch.mask[:, None, :]).sum((0, 2)).double().cpu()
-        queries += int(batch.mask.sum())
-    return (total / queries).tolist()
+            q, k = (attention._split(proj(x)).float() for proj in (attention.q_proj, attention.k_proj))
+            yield batch, i, q, k, (q @ k.transpose(-1, -2)) * attention.head_dim**-0.5
 
 
 def _reorder_heads(attention: LinearAttention, order: list[int]) -> None:
@@ -488,33 +492,28 @@ def calibrate_query_scale(
             "Performer with hybrid_window=W and hybrid_query_scale=True"
         )
     ids, mask = _check_blocks("input_ids", input_ids, attention_mask, model, source)
-    layers = [layer for layer in model.base_model.layers if layer.attention.query_scale_weight is not None]
-    if not layers:
+    layers = model.base_model.layers
+    if layers[0].attention.query_scale_weight is None:  # the config asks for a scale, and no head has a linear part
         raise ValueError("calibrate_query_scale: the model has no global heads, whose linear part the scale serves")
     g, d = layers[0].attention.num_global, layers[0].attention.head_dim
     gram = torch.zeros(len(layers), g, d + 1, d + 1, dtype=torch.float64)
     moment = torch.zeros(len(layers), g, d + 1, dtype=torch.float64)
     square = torch.zeros(len(layers), g, dtype=torch.float64)
     count = torch.zeros(len(layers), g, dtype=torch.float64)
-    for index in torch.arange(ids.shape[0]).split(batch_size):
-        batch = _Batch(model, source, ids[index], mask[index], targets=False)
+    for batch, i, q, k, scores in _original_scores(model, source, ids, mask, batch_size):
+        q, k, scores = q[:, :g], k[:, :g], scores[:, :g]  # the global heads, whose linear part the scale serves
         linear = _linear_keys(batch.mask, config.hybrid_window, config.hybrid_sinks, config.is_decoder)
-        for i, layer in enumerate(layers):
-            attention = layer.attention
-            x = batch.inputs[layer.attention.layer_idx]
-            q, k = (attention._split(proj(x))[:, :g].float() for proj in (attention.q_proj, attention.k_proj))
-            phi_q, phi_k, own = attention.map_features(q, k, batch.key_mask)
-            logits = (q @ k.transpose(-1, -2)) * attention.head_dim**-0.5
-            exact = logits.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
-            mass = ((phi_q.float() @ phi_k.float().transpose(-1, -2)) * linear).sum(-1)
-            target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())
-            use = batch.mask[:, None, :] & linear.any(-1) & (mass > 0)  # (b, h, n)
-            features = torch.cat([q, torch.ones_like(q[..., :1])], -1).double() * use[..., None]
-            target = torch.where(use, target, torch.zeros_like(target)).double()
-            gram[i] += torch.einsum("bhne,bhnf->hef", features, features).cpu()
-            moment[i] += torch.einsum("bhne,bhn->he", features, target).cpu()
-            square[i] += target.pow(2).sum((0, 2)).cpu()
-            count[i] += use.sum((0, 2)).double().cpu()
+        phi_q, phi_k, own = layers[i].attention.map_features(q, k, batch.key_mask)
+        exact = scores.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
+        mass = ((phi_q @ phi_k.transpose(-1, -2)) * linear).sum(-1)
+        target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())
+        use = batch.mask[:, None, :] & linear.any(-1) & (mass > 0)  # (b, h, n)
+        features = torch.cat([q, torch.ones_like(q[..., :1])], -1).double() * use[..., None]
+        target = torch.where(use, target, torch.zeros_like(target)).double()
+        gram[i] += torch.einsum("bhne,bhnf->hef", features, features).cpu()
+        moment[i] += torch.einsum("bhne,bhn->he", features, target).cpu()
+        square[i] += target.pow(2).sum((0, 2)).cpu()
+        count[i] += use.sum((0, 2)).double().cpu()
     residuals = []
     for i, layer in enumerate(layers):
         if not bool((count[i] > 0).all()):
