@@ -219,6 +219,24 @@ def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[st
     return name, shape
 
 
+# transformers 5.24 renamed the cache argument and output field from past_key_values to cache, and its generate()
+# passes cache=; 5.23's passes past_key_values=. The models take either name and return the field the installed
+# transformers declares, so generate() and user code work with both.
+CACHE_FIELD = (
+    "cache" if "cache" in BaseModelOutputWithPoolingAndCrossAttentions.__dataclass_fields__ else "past_key_values"
+)
+
+
+def _one_cache(cache, past_key_values):
+    """The cache passed as ``cache`` or, under its older name, as ``past_key_values``."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError(
+            "got both cache and past_key_values: they name the same argument (transformers >= 5.24 calls it cache); "
+            "pass the LinearAttentionCache once"
+        )
+    return cache if cache is not None else past_key_values
+
+
 def _padding_mask(attention_mask, past: int, inputs: str, shape: tuple[int, ...]) -> torch.Tensor | None:
     """The checked 0/1 padding mask of the cached and the new tokens, (batch, past + length), 1 = real token.
 
@@ -240,8 +258,8 @@ def _padding_mask(attention_mask, past: int, inputs: str, shape: tuple[int, ...]
         got = f"attention_mask has shape {tuple(attention_mask.shape)}"
         if past:
             raise ValueError(
-                f"{got} but the cache holds {past} tokens and {inputs} has shape {shape}; with past_key_values the "
-                f"mask covers the cached and the new tokens: pass shape ({batch}, {past + length})"
+                f"{got} but the cache holds {past} tokens and {inputs} has shape {shape}; with a cache the mask "
+                f"covers the cached and the new tokens: pass shape ({batch}, {past + length})"
             )
         raise ValueError(
             f"{got} but {inputs} has shape {shape}; pass one entry per token, shape ({batch}, {length}), with 1 "
@@ -371,8 +389,9 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         token_type_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: LinearAttentionCache | None = None,
+        cache: LinearAttentionCache | None = None,
         use_cache: bool | None = None,
+        past_key_values: LinearAttentionCache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         """Run the stack.
@@ -381,44 +400,47 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
             input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
             attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
                 integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
-                With past_key_values: (batch, past + length), covering the cached and the new tokens.
+                With a cache: (batch, past + length), covering the cached and the new tokens.
             token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
                 default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
             position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
                 real tokens (the cumulative sum of attention_mask), so left and right padding agree.
             inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
-            past_key_values: decoder only, the LinearAttentionCache of earlier calls: the fixed-size recurrent
-                state per layer (not keys and values). input_ids then holds only the new tokens.
-            use_cache: decoder only; return the cache as past_key_values (default config.use_cache). In eval mode
-                a new cache is built when none is passed.
+            cache: decoder only, the LinearAttentionCache of earlier calls: the fixed-size recurrent state per
+                layer (not keys and values). input_ids then holds only the new tokens.
+            use_cache: decoder only; return the cache (default config.use_cache). In eval mode a new cache is built
+                when none is passed.
+            past_key_values: the older name of cache (transformers < 5.24 passes it); give one or the other.
             **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
                 tuple. output_attentions=True raises: linear attention never forms the n x n map.
 
         Returns:
             BaseModelOutputWithPoolingAndCrossAttentions: last_hidden_state (batch, length, hidden_size);
             pooler_output (batch, hidden_size), the encoder's [CLS] pooler (None for a decoder or without a
-            pooler); past_key_values when caching; hidden_states when asked for.
+            pooler); the cache when caching (field ``cache`` with transformers >= 5.24, ``past_key_values``
+            before); hidden_states when asked for.
         """
         if kwargs.get("output_attentions"):
             raise ValueError(NO_ATTENTION_MAPS)
         inputs, shape = _checked_inputs(input_ids, inputs_embeds, self.embeddings)
         batch, length = shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
+        cache = _one_cache(cache, past_key_values)
         use_cache = bool(self.config.is_decoder and (self.config.use_cache if use_cache is None else use_cache))
-        if use_cache and past_key_values is None and not self.training:
-            past_key_values = LinearAttentionCache(self.config.num_hidden_layers)
-        if past_key_values is not None and not isinstance(past_key_values, LinearAttentionCache):
+        if use_cache and cache is None and not self.training:
+            cache = LinearAttentionCache(self.config.num_hidden_layers)
+        if cache is not None and not isinstance(cache, LinearAttentionCache):
             raise TypeError(
-                f"past_key_values must be a LinearAttentionCache (linear attention keeps a fixed-size state, not "
-                f"keys and values), got {type(past_key_values).__name__}"
+                f"the cache must be a LinearAttentionCache (linear attention keeps a fixed-size state, not keys and "
+                f"values), got {type(cache).__name__}"
             )
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        cached_batch = past_key_values.batch_size() if past_key_values is not None else None
+        past = cache.get_seq_length() if cache is not None else 0
+        cached_batch = cache.batch_size() if cache is not None else None
         if cached_batch is not None and cached_batch != batch:
             raise ValueError(
-                f"past_key_values holds the state of a batch of {cached_batch} sequences, but {inputs} has a batch "
+                f"the cache holds the state of a batch of {cached_batch} sequences, but {inputs} has a batch "
                 f"of {batch} (shape {shape}); a cache continues the sequences it was built with. Continue with the "
-                "same batch, or start over without past_key_values."
+                "same batch, or start over without a cache."
             )
         self.config.check_input_length(length, past=past)  # the config knows its longest input (host ints only)
         attention_mask = _padding_mask(attention_mask, past, inputs, shape)
@@ -442,18 +464,18 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
                 hidden_states,
                 attention_mask=key_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                past_key_values=cache,
                 position_ids=position_ids,
             )
-        if past_key_values is not None:
-            past_key_values.seen_tokens += length
+        if cache is not None:
+            cache.seen_tokens += length
         if self.final_norm is not None:
             hidden_states = self.final_norm(hidden_states)
         pooled = self.pooler(hidden_states, key_mask) if self.pooler is not None else None
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=pooled,
-            past_key_values=past_key_values if use_cache else None,
+            **{CACHE_FIELD: cache if use_cache else None},
         )
 
 
@@ -552,12 +574,13 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: LinearAttentionCache | None = None,
+        cache: LinearAttentionCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         token_type_ids: torch.LongTensor | None = None,
+        past_key_values: LinearAttentionCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Next-token logits, and the loss when labels are given; generate() calls this step by step.
@@ -566,18 +589,20 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             input_ids: (batch, length) token ids. Pass exactly one of input_ids and inputs_embeds.
             attention_mask: (batch, length) padding mask, 1 for real tokens and 0 for padding (bool or any
                 integer / float dtype holding 0 and 1; not an additive or 4-D mask). None: no padding.
-                With past_key_values: (batch, past + length), covering the cached and the new tokens.
+                With a cache: (batch, past + length), covering the cached and the new tokens.
             token_type_ids: (batch, length) segment ids in [0, type_vocab_size), or (1, length) for every sequence;
                 default all 0. The decoder has no segment embeddings: it checks their shape and ignores them.
             position_ids: (batch, length) or (1, length) positions; default each token's rank among its sequence's
                 real tokens (the cumulative sum of attention_mask), so left and right padding agree.
             inputs_embeds: (batch, length, hidden_size) vectors in place of input_ids' word embeddings.
-            past_key_values: the LinearAttentionCache returned by the previous call (the recurrent state of every
-                layer, a fixed size whatever the context length); input_ids then holds only the new tokens.
+            cache: the LinearAttentionCache returned by the previous call (the recurrent state of every layer, a
+                fixed size whatever the context length); input_ids then holds only the new tokens.
             labels: (batch, length) token ids, usually input_ids itself; shifted inside (position t predicts token
                 t + 1). -100 is ignored.
-            use_cache: return the cache as past_key_values (default config.use_cache; in eval mode a new cache is
-                built when none is passed).
+            use_cache: return the cache (default config.use_cache; in eval mode a new cache is built when none is
+                passed).
+            past_key_values: the older name of cache (transformers < 5.24's generate() passes it); give one or
+                the other.
             logits_to_keep: compute logits for the last this many positions only (0: all), or a tensor of the
                 positions to keep.
             **kwargs: output_hidden_states=True adds every layer's hidden states; return_dict=False returns a
@@ -585,7 +610,8 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
 
         Returns:
             CausalLMOutputWithPast: logits (batch, length or logits_to_keep, vocab_size); loss (scalar) when
-            labels are given; past_key_values when caching.
+            labels are given; the cache when caching (field ``cache`` with transformers >= 5.24,
+            ``past_key_values`` before).
         """
         # WordPiece tokenizers return token_type_ids, and generate(**tokenizer(text, return_tensors="pt")) passes
         # them on: accepted here (checked for shape), and unused, since the GPT-2-style stack has no segment
@@ -595,7 +621,7 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=_one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,
@@ -608,7 +634,10 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
 

@@ -271,3 +271,26 @@ def test_keys_of_large_norm_decode_like_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     offsets = torch.stack([cache.get_state(i)[2] for i in range(model.config.num_hidden_layers)])
     assert (offsets < -30).any(), "the keys must be large enough to need an offset"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cache_goes_by_either_name_and_comes_back_in_the_installed_field(family):
+    # transformers 5.24 renamed past_key_values to cache (its generate() passes cache=, 5.23's past_key_values=)
+    from linearformers.modeling.base import CACHE_FIELD
+
+    model = _lm(family, initializer_range=0.2)
+    ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        new_name, old_name = LinearAttentionCache(2), LinearAttentionCache(2)
+        first = model(ids[:, :5], cache=new_name, use_cache=True)
+        assert getattr(first, CACHE_FIELD) is new_name
+        assert getattr(model.model(ids[:, :5], use_cache=True), CACHE_FIELD) is not None
+        steps = [first.logits, model(ids[:, 5:], cache=new_name, use_cache=True).logits]
+        old = [model(ids[:, :5], past_key_values=old_name).logits, model(ids[:, 5:], past_key_values=old_name).logits]
+        for pieces in (steps, old):
+            torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="both cache and past_key_values"):
+            model(ids[:, :1], cache=new_name, past_key_values=old_name)
+        with pytest.raises(TypeError, match="must be a LinearAttentionCache"):
+            model(ids[:, :1], cache=(torch.zeros(1),))

@@ -242,5 +242,5 @@ def test_a_cache_built_for_one_batch_is_refused_for_another(family, local_heads)
     model = _model(family, AutoModelForCausalLM, **extra)
     with torch.no_grad():
         cache = model(_ids(length=5), use_cache=True).past_key_values
-        with pytest.raises(ValueError, match=r"past_key_values holds the state of a batch of 2.*batch of 3"):
+        with pytest.raises(ValueError, match=r"the cache holds the state of a batch of 2.*batch of 3"):
             model(_ids(batch=3, length=1), past_key_values=cache, use_cache=True)

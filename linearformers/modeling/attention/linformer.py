@@ -331,7 +331,7 @@ def causal_linformer_attention(
             raise ValueError(
                 "key_padding_mask marks padding among tokens that continue a state (initial_state or start): "
                 "padding belongs in the first (prefill) call, from position 0; continue with real tokens only "
-                "(for a model: call without past_key_values to recompute the prefix with its padding)"
+                "(for a model: call without a cache to recompute the prefix with its padding)"
             )
         mask = None  # all real: nothing to compact
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, e_proj, f_proj))
