@@ -39,7 +39,9 @@ outside the frame are linear keys: they come in through block states, the per-bl
 the blocks before c - 1 (and after c + 1, bidirectional) by a cumsum over blocks — no subtraction, so no
 cancellation. The sinks come in beside the frame: each query's S scores against the S sink keys, masked where the
 sink lies in its window (counted there) or, causal, ahead of it; their features are zeroed before any linear sum.
-Time O(n (w (m + d) + m d + S d)), memory O(n (w + S) + (n / w) m d), m features, d head_dim; no Python loop.
+Time O(n (w (m + d) + m d + S d)), memory O(n (w + S) + (n / w) m d), m features, d head_dim. On the CPU the
+query blocks go through in passes whose window scores stay within 16 MB (_PASS_BYTES says why), the block states
+carried from pass to pass as sums from the left and from the right (again no subtraction); elsewhere in one pass.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
@@ -61,6 +63,12 @@ from ._precision import outside_autocast
 # R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
 # times sums over a million keys of features up to a thousand
 _LOG_SCALE_HEADROOM = 50.0
+
+# the most bytes of window scores one pass of the CPU core makes: glibc serves an allocation above its mmap
+# threshold (which it raises by itself to at most 32 MB) from a fresh mapping and unmaps it when freed, so a step
+# whose temporaries pass it pays their page faults again every call; a pass's tensors stay below it, the heap
+# keeps them for the next pass and the next step (README, "Why the time per token grew with n")
+_PASS_BYTES = 16 * 2**20
 
 
 class HybridState(NamedTuple):
@@ -172,15 +180,51 @@ def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
     )
 
 
-def _blocks_before_after(block_sums: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Per query block c: Σ of block sums over blocks < c - 1 (and, bidirectional, > c + 1). (b, h, nb, m, e)."""
-    nb = block_sums.shape[2]
-    pre = block_sums.cumsum(2)
-    out = F.pad(pre, (0, 0, 0, 0, 2, 0))[:, :, :nb]  # pre[c - 2]: blocks 0 .. c - 2
-    if not causal:
-        suf = block_sums.flip(2).cumsum(2).flip(2)  # suf[c]: blocks c .. nb - 1
-        out = out + F.pad(suf, (0, 0, 0, 0, 0, 2))[:, :, 2:]  # suf[c + 2]
-    return out
+def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: int, device: torch.device) -> int:
+    """Query blocks per pass of the core: all of them off the CPU (one pass, fewest launches); on the CPU as many
+    as keep a pass's (b, h, blocks, blk, frame) scores within _PASS_BYTES, at least one."""
+    if device.type != "cpu":
+        return nb
+    return max(1, min(nb, _PASS_BYTES // (b * h * blk * frame * itemsize)))
+
+
+def _window_pass(
+    qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, lo, hi, c0, c1, blk, frame, window, causal, scale
+):
+    """One pass of the core over query blocks c0 .. c1 - 1 (tokens lo .. hi - 1): their window, sink and in-frame
+    linear scores against the frame keys, plus the linear part of the keys outside the frame through state
+    (b, h, nq, m, d + 1). Returns the accumulated [numerator, denominator] (b, h, nq, blk, d + 1)."""
+    nq, dev = c1 - c0, qb.device
+    t = torch.arange(lo, hi, device=dev).view(nq, blk, 1)
+    s = (torch.arange(c0, c1, device=dev) * blk - blk).view(nq, 1, 1) + torch.arange(frame, device=dev)
+    dist = t - s  # (nq, blk, frame): t - s
+    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
+    seen = (dist >= 0) if causal else torch.ones_like(in_window)
+    win = in_window & real
+    lin = seen & ~in_window & real
+
+    logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
+    c = logits.amax(-1, keepdim=True)
+    if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
+        sink_k, sink_v, sink_pos, sink_valid = sink
+        sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
+        near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
+        sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
+        sink_logits = (qb @ sink_k[:, :, None].transpose(-1, -2) * scale).masked_fill(~sees[:, None], float("-inf"))
+        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
+    if ell is not None:
+        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, cancels
+        pqb = pqb * torch.exp(ell - c)  # <= e^R: scales the in-frame linear scores and the block states alike
+    g = gamma.to(qb.dtype)[None, :, None, None, None]
+    scores = g * torch.exp(logits - c)
+    scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
+    acc = scores @ vf  # (b, h, nq, blk, d + 1)
+    if sink is not None:
+        sink_vaug = torch.cat([sink_v, torch.ones_like(sink_v[..., :1])], -1)
+        acc = acc + (g * torch.exp(sink_logits - c)) @ sink_vaug[:, :, None]
+
+    return acc + pqb @ state
 
 
 def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
@@ -197,54 +241,58 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     keep = linear[:, None, :, None].to(pk.dtype)
     pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
     vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
+    e = d + 1
+    step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
 
-    def frames(x):  # (b, h, n, e) -> (b, h, nb, frame, e): keys [(c - 1) blk, (c - 1) blk + frame) of block c
-        return F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2)
+    # every pass's pieces are split off views of whole-sequence tensors, so the backward puts each input's gradient
+    # together once (a split's backward is one cat) rather than once per pass
+    def passes(x):  # one pass: the tensor itself, with no split (whose backward would copy the gradient)
+        return (x,) if step >= nb else x.split(step, 2)
 
-    def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e)
-        return F.pad(x, (0, 0, 0, pad_end)).view(b, h, nb, blk, x.shape[-1])
+    def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [(c - 1) blk, (c - 1) blk + frame)
+        return passes(F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2))
 
-    kf, vf, pkf = frames(k), frames(vaug), frames(pk)
-    qb, pqb = blocks(q), blocks(pq)
+    def blocks(x):  # (b, h, n, e) -> per pass (b, h, nq, blk, e)
+        return passes(F.pad(x, (0, 0, 0, pad_end)).view(b, h, nb, blk, x.shape[-1]))
 
-    dev = q.device
-    t = torch.arange(nb * blk, device=dev).view(nb, blk, 1)
-    s = (torch.arange(nb, device=dev) * blk - blk).view(nb, 1, 1) + torch.arange(frame, device=dev)
-    dist = t - s  # (nb, blk, frame): t - s
-    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
-    seen = (dist >= 0) if causal else torch.ones_like(in_window)
-    real = F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :]  # (b, 1, nb, 1, frame)
-    win = in_window & real
-    lin = seen & ~in_window & real
+    kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
+    qbs, pqbs, pkbs, vbs = blocks(q), blocks(pq), blocks(pk), blocks(vaug)
+    reals = passes(F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :])
+    ells = [None] * len(qbs) if log_scale is None else blocks(log_scale[..., None])
 
-    logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
-    c = logits.amax(-1, keepdim=True)
-    if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
-        sink_k, sink_v, sink_pos, sink_valid = sink
-        sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nb, blk, S): t - s
-        near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
-        sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
-        sink_logits = (qb @ sink_k[:, :, None].transpose(-1, -2) * scale).masked_fill(~sees[:, None], float("-inf"))
-        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
-    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
-    if log_scale is not None:
-        ell = blocks(log_scale[..., None])  # (b, h, nb, blk, 1)
-        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, which cancels
-        pqb = pqb * torch.exp(ell - c)  # <= e^R: scales the in-frame linear scores and the block states alike
-    g = gamma.to(q.dtype)[None, :, None, None, None]
-    scores = g * torch.exp(logits - c)
-    scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
-    acc = scores @ vf  # (b, h, nb, blk, d + 1)
-    if sink is not None:
-        sink_vaug = torch.cat([sink_v, torch.ones_like(sink_v[..., :1])], -1)
-        acc = acc + (g * torch.exp(sink_logits - c)) @ sink_vaug[:, :, None]
+    sums = [pk_b.transpose(-1, -2) @ v_b for pk_b, v_b in zip(pkbs, vbs)]  # per-block phi_kᵀ [v, 1], (b, h, nq, m, e)
+    totals = [x.sum(2) for x in sums]  # (b, h, m, e) per pass
+    # Σ of the passes before pass i and after it, each summed from its own end: no subtraction anywhere
+    before, after_pass = [torch.zeros_like(totals[0])], [torch.zeros_like(totals[0])]
+    for i in range(1, len(totals)):
+        before.append(before[-1] + totals[i - 1])
+        after_pass.insert(0, after_pass[0] + totals[-i])
 
-    block_sums = blocks(pk).transpose(-1, -2) @ blocks(vaug)  # (b, h, nb, m, d + 1)
-    state = _blocks_before_after(block_sums, causal)
-    if base is not None:
-        state = state + base[:, :, None]
-    acc = acc + pqb @ state
-    acc = acc.reshape(b, h, nb * blk, d + 1)[:, :, :n]
+    outs = []
+    for i, qb in enumerate(qbs):
+        c0 = i * step
+        nq = qb.shape[2]
+        c1 = c0 + nq
+        lo, hi = c0 * blk, c1 * blk
+        # block c's linear state: the blocks up to c - 2 (and from c + 2, bidirectional): this pass's own by a
+        # cumsum over its blocks, the other passes' as carries (block c0 sees up to c0 - 2, the others up to
+        # c0 - 1; block c1 - 1 sees from c1 + 1, the others from c1)
+        state = F.pad(sums[i].cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nq]
+        if i:
+            short = before[i - 1] + sums[i - 1][:, :, :-1].sum(2)
+            state = state + torch.cat([short[:, :, None], before[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)], 2)
+        if not causal:
+            state = state + F.pad(sums[i].flip(2).cumsum(2).flip(2), (0, 0, 0, 0, 0, 2))[:, :, 2:]
+            if i + 1 < len(qbs):
+                short = after_pass[i + 1] + sums[i + 1][:, :, 1:].sum(2)
+                full = after_pass[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)
+                state = state + torch.cat([full, short[:, :, None]], 2)
+        if base is not None:
+            state = state + base[:, :, None]
+        args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], reals[i], ells[i], state, gamma, sink)
+        outs.append(_window_pass(*args, lo, hi, c0, c1, blk, frame, window, causal, scale))
+
+    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return torch.where(den > 0, num / safe, torch.zeros_like(num))

@@ -5,11 +5,22 @@ import pytest
 import torch
 
 from linearformers.modeling.attention import draw_random_features, favor_positive
+from linearformers.modeling.attention import hybrid as hybrid_module
 from linearformers.modeling.attention.feature_maps import favor_exponents
 from linearformers.modeling.attention.hybrid import HybridState, hybrid_attention, hybrid_step
 from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
 
 B, H, D, M = 2, 3, 4, 5
+
+
+@pytest.fixture(autouse=True, params=["one-pass", "passes-of-1-block", "passes-of-2-blocks"])
+def core_passes(request, monkeypatch):
+    """Every test runs with the core in one pass (as these small inputs get by default) and split into passes of
+    one and of two query blocks (as long CPU inputs get), whose block states carry across the passes."""
+    if request.param != "one-pass":
+        size = int(request.param.split("-")[2])
+        monkeypatch.setattr(hybrid_module, "_blocks_per_pass", lambda *args: min(size, args[4]))
+    return request.param
 
 
 def _inputs(n=11, dtype=torch.float64, seed=0):
