@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
+from linearformers.modeling.base import CACHE_FIELD  # transformers' name for the cache: cache from 5.24
 from linearformers.modeling.convert import convert_gpt2
 from linearformers.modeling.transfer import TransferArguments, attention_transfer, text_blocks
 from linearformers.training import train_bpe_tokenizer
@@ -226,25 +227,27 @@ def cache_bytes(cache) -> int:
 @torch.inference_mode()
 def timed_generation(model: PreTrainedModel, prompt: torch.Tensor, total: int) -> dict:
     """Greedy decoding of ``prompt`` (1, p) up to position ``total``: a prefill, then total - p forward calls of one
-    token each with the cache (``past_key_values``), each timed. The cache's bytes are read after the first quarter
-    of the calls and after the last."""
+    token each with the cache (``cache``; ``past_key_values`` before transformers 5.24), each timed. The cache's
+    bytes are read after the first quarter of the calls and after the last."""
     model.eval()
     steps = total - prompt.shape[1]
     quarter = steps // 4
     warm = model(input_ids=prompt, use_cache=True)  # untimed warm-up: first-call allocations
     for _ in range(4):
-        warm = model(input_ids=warm.logits[:, -1:].argmax(-1), past_key_values=warm.past_key_values, use_cache=True)
+        warm = model(
+            input_ids=warm.logits[:, -1:].argmax(-1), **{CACHE_FIELD: getattr(warm, CACHE_FIELD)}, use_cache=True
+        )
     out = model(input_ids=prompt, use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
     tokens, seconds, sizes = [token], [], {}
     for step in range(steps):
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=token, **{CACHE_FIELD: getattr(out, CACHE_FIELD)}, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         seconds.append(time.perf_counter() - start)
         tokens.append(token)
         if step + 1 in (quarter, steps):  # the cache now holds prompt + step + 1 tokens
-            sizes[prompt.shape[1] + step + 1] = cache_bytes(out.past_key_values)
+            sizes[prompt.shape[1] + step + 1] = cache_bytes(getattr(out, CACHE_FIELD))
     first, last = seconds[:quarter], seconds[-quarter:]
     return {
         "steps": steps,

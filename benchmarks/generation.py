@@ -31,6 +31,7 @@ from linearformers import (
     PerformerConfig,
     PerformerForCausalLM,
 )
+from linearformers.modeling.base import CACHE_FIELD  # transformers' name for the cache: cache from 5.24
 
 RESULTS = Path(__file__).parent / "results"
 MODELS = ("performer", "linformer", "gpt2")
@@ -82,13 +83,13 @@ def measure(model, name: str, context: int, steps: int) -> dict:
     if name == "linformer":
         chunk = context  # the causal Linformer prefills in one call, then steps one token at a time
     for start in range(0, context, chunk):
-        out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+        out = model(ids[:, start : start + chunk], **{CACHE_FIELD: cache}, use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
     memory = cache_bytes(cache)
     times = []
     for step in range(steps + 2):
         t0 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, **{CACHE_FIELD: cache}, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         if step >= 2:  # two warm-up steps
             times.append(time.perf_counter() - t0)

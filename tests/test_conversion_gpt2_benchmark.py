@@ -75,7 +75,7 @@ def test_cache_bytes_counts_gpt2_keys_and_values(bench):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)).eval()
     with torch.no_grad():
-        cache = model(input_ids=torch.randint(0, 50, (1, 5)), use_cache=True).past_key_values
+        cache = getattr(model(input_ids=torch.randint(0, 50, (1, 5)), use_cache=True), bench.CACHE_FIELD)
     assert bench.cache_bytes(cache) == 2 * 2 * 5 * 16 * 4  # layers x (keys, values) x tokens x hidden x float32
 
 
