@@ -183,9 +183,10 @@ def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
 def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: int, device: torch.device) -> int:
     """Query blocks per pass of the core: all of them off the CPU (one pass, fewest launches); on the CPU as many
     as keep a pass's (b, h, blocks, blk, frame) scores within _PASS_BYTES, at least one."""
-    if device.type != "cpu":
+    per_block = b * h * blk * frame * itemsize
+    if device.type != "cpu" or per_block == 0:  # an empty batch or no heads: nothing to split
         return nb
-    return max(1, min(nb, _PASS_BYTES // (b * h * blk * frame * itemsize)))
+    return max(1, min(nb, _PASS_BYTES // per_block))
 
 
 def _window_pass(
