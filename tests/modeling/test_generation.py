@@ -317,3 +317,15 @@ def test_generate_and_a_step_loop_raise_no_cache_deprecation(family, monkeypatch
         model(ids[:, :1], **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
     cache_words = [str(m) for m in said + [w.message for w in caught] if "past_key_values" in str(m)]
     assert cache_words == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_fills_a_cache_the_caller_hands_it(family):
+    from linearformers.modeling.base import CACHE_FIELD
+
+    model = _lm(family, initializer_range=0.2)
+    ids = torch.randint(1, 99, (2, 6), generator=torch.Generator().manual_seed(5))
+    cache = LinearAttentionCache(model.config.num_hidden_layers)
+    given = model.generate(ids, max_new_tokens=5, do_sample=False, **{CACHE_FIELD: cache})
+    assert torch.equal(given, model.generate(ids, max_new_tokens=5, do_sample=False))
+    assert cache.get_seq_length() == 6 + 5 - 1  # the last token is returned, never fed back
