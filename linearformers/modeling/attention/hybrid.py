@@ -263,11 +263,12 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
 
     sums = [pk_b.transpose(-1, -2) @ v_b for pk_b, v_b in zip(pkbs, vbs)]  # per-block phi_kᵀ [v, 1], (b, h, nq, m, e)
     totals = [x.sum(2) for x in sums]  # (b, h, m, e) per pass
-    # Σ of the passes before pass i and after it, each summed from its own end: no subtraction anywhere
+    # Σ of the passes before pass i (and, bidirectional, after it), each summed from its own end: no subtraction
     before, after_pass = [torch.zeros_like(totals[0])], [torch.zeros_like(totals[0])]
     for i in range(1, len(totals)):
         before.append(before[-1] + totals[i - 1])
-        after_pass.insert(0, after_pass[0] + totals[-i])
+        if not causal:
+            after_pass.insert(0, after_pass[0] + totals[-i])
 
     outs = []
     for i, qb in enumerate(qbs):
