@@ -621,7 +621,8 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
-            cache=_one_cache(cache, past_key_values),
+            cache=cache,
+            past_key_values=past_key_values,  # the stack settles the two names
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,

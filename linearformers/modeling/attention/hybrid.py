@@ -189,14 +189,13 @@ def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: in
     return max(1, min(nb, _PASS_BYTES // per_block))
 
 
-def _window_pass(
-    qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, lo, hi, c0, c1, blk, frame, window, causal, scale
-):
-    """One pass of the core over query blocks c0 .. c1 - 1 (tokens lo .. hi - 1): their window, sink and in-frame
-    linear scores against the frame keys, plus the linear part of the keys outside the frame through state
+def _window_pass(qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, c0, frame, window, causal, scale):
+    """One pass of the core over the nq query blocks qb (b, h, nq, blk, d) from block c0 on: their window, sink and
+    in-frame linear scores against the frame keys, plus the linear part of the keys outside the frame through state
     (b, h, nq, m, d + 1). Returns the accumulated [numerator, denominator] (b, h, nq, blk, d + 1)."""
-    nq, dev = c1 - c0, qb.device
-    t = torch.arange(lo, hi, device=dev).view(nq, blk, 1)
+    nq, blk, dev = qb.shape[2], qb.shape[3], qb.device
+    c1 = c0 + nq
+    t = torch.arange(c0 * blk, c1 * blk, device=dev).view(nq, blk, 1)
     s = (torch.arange(c0, c1, device=dev) * blk - blk).view(nq, 1, 1) + torch.arange(frame, device=dev)
     dist = t - s  # (nq, blk, frame): t - s
     in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
@@ -272,13 +271,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
 
     outs = []
     for i, qb in enumerate(qbs):
-        c0 = i * step
         nq = qb.shape[2]
-        c1 = c0 + nq
-        lo, hi = c0 * blk, c1 * blk
         # block c's linear state: the blocks up to c - 2 (and from c + 2, bidirectional): this pass's own by a
-        # cumsum over its blocks, the other passes' as carries (block c0 sees up to c0 - 2, the others up to
-        # c0 - 1; block c1 - 1 sees from c1 + 1, the others from c1)
+        # cumsum over its blocks, the other passes' as carries (for the pass's blocks c0 .. c1 - 1: block c0 sees
+        # up to c0 - 2, the others up to c0 - 1; block c1 - 1 sees from c1 + 1, the others from c1)
         state = F.pad(sums[i].cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nq]
         if i:
             short = before[i - 1] + sums[i - 1][:, :, :-1].sum(2)
@@ -292,7 +288,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         if base is not None:
             state = state + base[:, :, None]
         args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], reals[i], ells[i], state, gamma, sink)
-        outs.append(_window_pass(*args, lo, hi, c0, c1, blk, frame, window, causal, scale))
+        outs.append(_window_pass(*args, i * step, frame, window, causal, scale))
 
     acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]
