@@ -16,7 +16,8 @@ other standard-library files than the evaluation's.
 
 A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1): [CLS], which takes 21-26% of the
 original's attention in four of its six layers (benchmarks/attention_mass.py). "+scale" adds the learned log scale
-per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps.
+per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps;
+"+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps.
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
                 "hybrid_window": 64,
                 "hybrid_sinks": 1,
                 "hybrid_query_scale": True,
+            },
+            True,
+        ),
+        # and each key's features on a learned log scale of its own (hybrid_key_scale), trained with the maps
+        "hedgehog+window64+sink+scale+keyscale": (
+            "performer",
+            {
+                "kernel": "hedgehog",
+                "num_random_features": 64,
+                "hybrid_window": 64,
+                "hybrid_sinks": 1,
+                "hybrid_query_scale": True,
+                "hybrid_key_scale": True,
             },
             True,
         ),

@@ -62,6 +62,7 @@ SETTINGS = (
     "random-m256+window64",
     "hedgehog+window64+sink",
     "hedgehog+window64+scale",
+    "hedgehog+window64+scale+keyscale",
 )
 MODEL_FILES = ("config.json", "test.jsonl", "validation.jsonl")
 # --smoke's defaults: small enough to run every code path in seconds (stage 2 included); blocks longer than the
@@ -80,6 +81,10 @@ def settings(head_dim: int) -> dict[str, tuple[dict, bool]]:
         "random-m256+window64": ({**random, "hybrid_window": 64}, True),
         "hedgehog+window64+sink": ({**hedgehog, "hybrid_window": 64, "hybrid_sinks": 1}, True),
         "hedgehog+window64+scale": ({**hedgehog, "hybrid_window": 64, "hybrid_query_scale": True}, True),
+        "hedgehog+window64+scale+keyscale": (
+            {**hedgehog, "hybrid_window": 64, "hybrid_query_scale": True, "hybrid_key_scale": True},
+            True,
+        ),
     }
 
 

@@ -31,9 +31,10 @@ def test_smoke_runs_every_setting_and_stage(bench, tmp_path):
     original = result["original"]["perplexity"]
     assert math.isfinite(original) and original > 1
     rows = {row["setting"]: row for row in result["rows"]}
-    assert list(rows) == list(bench.SETTINGS) and len(rows) == 6  # every setting, by default
+    assert list(rows) == list(bench.SETTINGS) and len(rows) == 7  # every setting, by default
     assert rows["hedgehog+window64+sink"]["overrides"]["hybrid_sinks"] == 1
     assert rows["hedgehog+window64+scale"]["overrides"]["hybrid_query_scale"] is True
+    assert rows["hedgehog+window64+scale+keyscale"]["overrides"]["hybrid_key_scale"] is True
     assert list(rows["random-m256"]["stages"]) == ["converted"]  # nothing to transfer
     assert rows["hedgehog"]["overrides"] == {"kernel": "hedgehog", "num_random_features": 32}  # 2 x head_dim 16
     for name in list(rows)[1:]:

@@ -59,6 +59,12 @@ class PerformerConfig(LinearAttentionConfig):
             q_t and k_s alone, cannot follow. Parameters query_scale_weight (global heads, head_dim) and
             query_scale_bias (global heads,), zero at init; attention transfer fits them by least squares on the
             original's attention before stage 1 (``calibrate_query_scale``). Needs hybrid_window.
+        hybrid_key_scale: give each key's linear features a learned log scale (default False): phi(k_s) times
+            exp(r_s), r_s = 20 tanh((k_s·a'_h + b'_h) / 20), so that a key can weigh more or less with every query,
+            as exp(q·k) lets it. The learned map cannot do this by itself: each half of its features is a softmax,
+            so every key's features sum to the same. Parameters key_scale_weight (global heads, head_dim) and
+            key_scale_bias (global heads,), zero at init (r = 0); attention transfer trains them with the maps.
+            Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -74,6 +80,7 @@ class PerformerConfig(LinearAttentionConfig):
     hybrid_window: int | None = at_least_or_none(1)(default=None)
     hybrid_sinks: int = interval(min=0)(default=0)
     hybrid_query_scale: bool = False
+    hybrid_key_scale: bool = False
 
     @property
     def random_feature_kernel(self) -> bool:
@@ -97,6 +104,11 @@ class PerformerConfig(LinearAttentionConfig):
             raise ValueError(
                 "hybrid_query_scale=True needs a hybrid_window: it scales the linear scores of the hybrid heads "
                 "against their softmax window; set hybrid_window (e.g. 64), or hybrid_query_scale=False"
+            )
+        if self.hybrid_key_scale and not self.hybrid_window:
+            raise ValueError(
+                "hybrid_key_scale=True needs a hybrid_window: it scales the keys' features in the linear part of the "
+                "hybrid heads; set hybrid_window (e.g. 64), or hybrid_key_scale=False"
             )
 
     def sequence_limit(self) -> tuple[int, str] | None:

@@ -160,6 +160,11 @@ def _hybrid_text(config) -> str:
             if config.hybrid_query_scale
             else ""
         )
+        + (
+            " Each key's linear features take a learned log scale (hybrid_key_scale), its own weight with every query."
+            if config.hybrid_key_scale
+            else ""
+        )
     )
 
 

@@ -79,6 +79,8 @@ NEW_TENSORS = (
     "window_balance",
     "query_scale_weight",
     "query_scale_bias",
+    "key_scale_weight",
+    "key_scale_bias",
 )
 # modules whose every tensor is new: the learned feature maps, left at the model's initialization
 NEW_MODULES = ("feature_map",)
@@ -222,7 +224,7 @@ def _new_model(family: Family, head: Head, fields: dict, max_positions: int, ove
 def _init_new(model: nn.Module) -> list[str]:
     """Initialize the tensors no checkpoint holds (``NEW_TENSORS``, and those of ``NEW_MODULES``); returns their
     names. Linformer's E / F start as the identity (k = n) or window means, local-head biases at zero; Performer
-    features are already drawn, and learned feature maps, window balances and query scales keep the model's
+    features are already drawn, and learned feature maps, window balances and query and key scales keep the model's
     initialization."""
     initialized = []
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -542,6 +544,7 @@ CONFIG_FLAGS = {
     "hybrid_window": int,
     "hybrid_sinks": int,
     "hybrid_query_scale": bool,
+    "hybrid_key_scale": bool,
     "projected_length": int,
     "max_seq_length": int,
     "num_local_heads": int,

@@ -62,7 +62,16 @@ class PerformerAttention(LinearAttention):
 
     With ``config.hybrid_query_scale`` too, the linear scores take a learned log scale per query,
     l_t = q_t·``query_scale_weight``_h + ``query_scale_bias``_h (both zero at init), the ``query_log_scale`` of
-    ``attention.hybrid`` (added to the random map's own): the parameters exist only then."""
+    ``attention.hybrid`` (added to the random map's own): the parameters exist only then.
+
+    With ``config.hybrid_key_scale``, each linear key's features are multiplied by exp(r_s), a learned log scale
+    per key, r_s = R tanh((k_s·``key_scale_weight``_h + ``key_scale_bias``_h) / R) with R = ``KEY_SCALE_BOUND``
+    (both zero at init, so r = 0): a key's own weight in exp(q·k), which a learned map, whose features sum to
+    the same for every key, cannot give it. Again the parameters exist only then."""
+
+    # R of the key scale: |r_s| < 20, so a key's features grow at most e^20-fold and the linear sums stay far inside
+    # float32 (attention.hybrid's headroom allows features up to a thousand over a million keys after its own e^50)
+    KEY_SCALE_BOUND = 20.0
 
     kernel_name = "FAVOR+ (Performer)"
 
@@ -85,6 +94,9 @@ class PerformerAttention(LinearAttention):
         scaled = self.window_balance is not None and config.hybrid_query_scale
         self.query_scale_weight = nn.Parameter(torch.zeros(self.num_global, self.head_dim)) if scaled else None
         self.query_scale_bias = nn.Parameter(torch.zeros(self.num_global)) if scaled else None
+        keyed = self.window_balance is not None and config.hybrid_key_scale
+        self.key_scale_weight = nn.Parameter(torch.zeros(self.num_global, self.head_dim)) if keyed else None
+        self.key_scale_bias = nn.Parameter(torch.zeros(self.num_global)) if keyed else None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -93,6 +105,7 @@ class PerformerAttention(LinearAttention):
             f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
             f"{f', hybrid_window={c.hybrid_window}' if c.hybrid_window else ''}"
             f"{', hybrid_query_scale=True' if self.query_scale_weight is not None else ''}"
+            f"{', hybrid_key_scale=True' if self.key_scale_weight is not None else ''}"
         )
 
     def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
@@ -160,13 +173,27 @@ class PerformerAttention(LinearAttention):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The linear part's features of the hybrid: phi_q, phi_k (batch, global heads, n, m), float32, and the
         queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes: the map's own
-        (:meth:`map_features`) plus, with ``hybrid_query_scale``, the learned q_t·a_h + b_h, in float32."""
+        (:meth:`map_features`) plus, with ``hybrid_query_scale``, the learned q_t·a_h + b_h, in float32; with
+        ``hybrid_key_scale``, phi_k carries the keys' scale (:meth:`key_log_scale`)."""
         phi_q, phi_k, log_scale = self.map_features(q, k, attention_mask)
+        key_scale = self.key_log_scale(k)
+        if key_scale is not None:
+            phi_k = phi_k * torch.exp(key_scale)[..., None]
         if self.query_scale_weight is None:
             return phi_q, phi_k, log_scale
         learned = torch.einsum("bhnd,hd->bhn", q.float(), self.query_scale_weight.float())
         learned = learned + self.query_scale_bias.float()[None, :, None]
         return phi_q, phi_k, learned if log_scale is None else log_scale + learned
+
+    def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:
+        """The keys' learned log scale r (batch, global heads, n), float32, or None without ``hybrid_key_scale``:
+        r_s = R tanh((k_s·a_h + b_h) / R), R = ``KEY_SCALE_BOUND``; a smooth bound, so that no learned value can
+        take the linear sums out of float32, and close to k_s·a_h + b_h wherever that is a few units."""
+        if self.key_scale_weight is None:
+            return None
+        raw = torch.einsum("bhnd,hd->bhn", k.float(), self.key_scale_weight.float())
+        raw = raw + self.key_scale_bias.float()[None, :, None]
+        return self.KEY_SCALE_BOUND * torch.tanh(raw / self.KEY_SCALE_BOUND)
 
     def map_features(
         self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
@@ -244,6 +271,9 @@ class PerformerPreTrainedModel(LinearAttentionPreTrainedModel):
         if isinstance(module, PerformerAttention) and module.query_scale_weight is not None:
             init.zeros_(module.query_scale_weight)  # l_t = 0 until trained or calibrated
             init.zeros_(module.query_scale_bias)
+        if isinstance(module, PerformerAttention) and module.key_scale_weight is not None:
+            init.zeros_(module.key_scale_weight)  # r_s = 0 until trained
+            init.zeros_(module.key_scale_bias)
         if isinstance(module, PerformerModel):
             init.zeros_(module.feature_redraws)
 

@@ -48,6 +48,8 @@ TRANSFER_NAMES = (
     "window_balance",
     "query_scale_weight",
     "query_scale_bias",
+    "key_scale_weight",
+    "key_scale_bias",
     "e_proj",
     "f_proj",
     "shared_projection",
@@ -504,6 +506,9 @@ def calibrate_query_scale(
         q, k, scores = q[:, :g], k[:, :g], scores[:, :g]  # the global heads, whose linear part the scale serves
         linear = _linear_keys(batch.mask, config.hybrid_window, config.hybrid_sinks, config.is_decoder)
         phi_q, phi_k, own = layers[i].attention.map_features(q, k, batch.key_mask)
+        key_scale = layers[i].attention.key_log_scale(k)  # the keys' learned scale, as the hybrid applies it
+        if key_scale is not None:
+            phi_k = phi_k * torch.exp(key_scale)[..., None]
         exact = scores.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
         mass = ((phi_q @ phi_k.transpose(-1, -2)) * linear).sum(-1)
         target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())

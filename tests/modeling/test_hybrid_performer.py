@@ -20,6 +20,16 @@ ALL_KERNELS = ("softmax", "relu", "hedgehog")
 WINDOW = 3
 
 
+# the learned scales of the hybrid's linear part, by test id: none, the query's, the keys', both
+SCALES = {
+    "": {},
+    "query": {"hybrid_query_scale": True},
+    "key": {"hybrid_key_scale": True},
+    "both": {"hybrid_query_scale": True, "hybrid_key_scale": True},
+}
+BOTH = SCALES["both"]
+
+
 def _config(kernel, decoder, **overrides):
     overrides.setdefault("hybrid_window", WINDOW)
     if decoder:
@@ -38,13 +48,15 @@ def _layers(model):
 
 
 def _move_balance(model):
-    """Window balances (and query scales, where the model has them) away from their init and different per head,
-    so that a reload that re-initialized them, or a wiring that ignored them, would show."""
+    """Window balances (and query and key scales, where the model has them) away from their init and different per
+    head, so that a reload that re-initialized them, or a wiring that ignored them, would show."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for layer in _layers(model):
             attention = layer.attention
-            for param in (attention.window_balance, attention.query_scale_weight, attention.query_scale_bias):
+            scales = (attention.query_scale_weight, attention.query_scale_bias)
+            scales += (attention.key_scale_weight, attention.key_scale_bias)
+            for param in (attention.window_balance, *scales):
                 if param is not None:
                     param.copy_(torch.randn(param.shape, generator=g))
 
@@ -78,7 +90,16 @@ def test_layers_own_a_window_balance_at_zero_only_with_a_hybrid_window():
 
 def _reference_features(attention, q, k):
     """The linear part's features, computed here from the feature-map functions (not through the layer), and the
-    queries' log scale: the random map's own plus, with hybrid_query_scale, q_t·a_h + b_h."""
+    queries' log scale: the random map's own plus, with hybrid_query_scale, q_t·a_h + b_h; with hybrid_key_scale the
+    keys' features times exp(20 tanh((k_s·a'_h + b'_h) / 20))."""
+    phi_q, phi_k, log_scale = _reference_map_features(attention, q, k)
+    if attention.config.hybrid_key_scale:
+        raw = (k * attention.key_scale_weight[None, :, None, :]).sum(-1) + attention.key_scale_bias[:, None]
+        phi_k = phi_k * torch.exp(20.0 * torch.tanh(raw / 20.0))[..., None]
+    return phi_q, phi_k, log_scale
+
+
+def _reference_map_features(attention, q, k):
     projection, config = attention.random_features, attention.config
     learned = None
     if config.hybrid_query_scale:
@@ -93,12 +114,12 @@ def _reference_features(attention, q, k):
     return favor_positive(q, projection, is_query=True), favor_positive(k, projection, is_query=False), log_scale
 
 
-@pytest.mark.parametrize("scale", [False, True], ids=["", "query-scale"])
+@pytest.mark.parametrize("scale", list(SCALES))
 @pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("kernel", ALL_KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_global_heads_equal_the_hybrid_reference(kernel, decoder, sinks, scale):
-    model = _model(kernel, decoder, hybrid_sinks=sinks, hybrid_query_scale=scale)
+    model = _model(kernel, decoder, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     attention = _layers(model)[0].attention
     g = torch.Generator().manual_seed(3)
@@ -161,9 +182,11 @@ def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (2, False), (2, True)], ids=["", "sinks", "sinks-scale"])
+@pytest.mark.parametrize(
+    ("sinks", "scale"), [(0, ""), (2, ""), (2, "query"), (2, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
+)
 def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, sinks, scale):
-    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
+    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     n, pad = 8, 4
     ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
@@ -177,10 +200,12 @@ def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, 
     torch.testing.assert_close(both[:, pad:] if side == "left" else both[:, :n], alone, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (2, False), (2, True)], ids=["", "sinks", "sinks-scale"])
+@pytest.mark.parametrize(
+    ("sinks", "scale"), [(0, ""), (2, ""), (2, "query"), (2, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
+)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(4))
     changed = ids.clone()
@@ -194,20 +219,21 @@ def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
 @pytest.mark.parametrize(
     ("kernel", "window", "sinks", "scale"),
     [
-        *((k, w, 0, False) for k in ALL_KERNELS for w in (1, WINDOW)),
-        ("softmax", 1, 2, False),
-        ("hedgehog", WINDOW, 4, False),
-        ("softmax", WINDOW, 1, True),
-        ("hedgehog", WINDOW, 1, True),
+        *((k, w, 0, "") for k in ALL_KERNELS for w in (1, WINDOW)),
+        ("softmax", 1, 2, ""),
+        ("hedgehog", WINDOW, 4, ""),
+        ("softmax", WINDOW, 1, "query"),
+        ("hedgehog", WINDOW, 1, "query"),
+        ("softmax", WINDOW, 1, "both"),
+        ("hedgehog", 1, 0, "key"),
+        ("hedgehog", WINDOW, 1, "both"),
     ],
 )
 def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window, sinks, scale):
     """A left-padded batch fed as 2 tokens (fewer than the window), 3 more (a continued prefill), then one at a
     time (decoding steps): the same logits as one uncached forward. With sinks, row 1's padding puts its sinks
     across the pieces and steps."""
-    model = _model(
-        kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale
-    )
+    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids, mask = _left_padded()
     cuts = [0, 2, 5, *range(6, ids.shape[1] + 1)]
@@ -224,10 +250,12 @@ def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kern
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("sinks", "scale"), [(0, False), (1, False), (1, True)], ids=["", "sinks", "sinks-scale"])
+@pytest.mark.parametrize(
+    ("sinks", "scale"), [(0, ""), (1, ""), (1, "query"), (1, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
+)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_cached_greedy_generation_equals_uncached(kernel, sinks, scale):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, hybrid_query_scale=scale)
+    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids, mask = _left_padded(n=6, pad=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -259,15 +287,15 @@ def test_the_cache_does_not_grow_with_the_context():
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_save_and_reload_keeps_the_balance_and_the_outputs(kernel, decoder, tmp_path):
-    model = _model(kernel, decoder, hybrid_sinks=1, hybrid_query_scale=True)
+    model = _model(kernel, decoder, hybrid_sinks=1, **BOTH)
     _move_balance(model)
     ids, mask = _left_padded()
     model.save_pretrained(tmp_path)
     reloaded = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(tmp_path).eval()
     assert reloaded.config.hybrid_window == WINDOW and reloaded.config.hybrid_sinks == 1
-    assert reloaded.config.hybrid_query_scale is True
+    assert reloaded.config.hybrid_query_scale is True and reloaded.config.hybrid_key_scale is True
     for mine, theirs in zip(_layers(model), _layers(reloaded)):
-        for name in ("window_balance", "query_scale_weight", "query_scale_bias"):
+        for name in ("window_balance", "query_scale_weight", "query_scale_bias", "key_scale_weight", "key_scale_bias"):
             assert torch.equal(getattr(mine.attention, name), getattr(theirs.attention, name))
     with torch.no_grad():
         assert torch.equal(_output(model, ids, attention_mask=mask), _output(reloaded, ids, attention_mask=mask))
@@ -292,14 +320,16 @@ def test_the_cache_refuses_more_states_than_it_holds():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_gradients_reach_the_balance_the_query_scale_and_the_feature_map(kernel, decoder):
-    model = _model(kernel, decoder, initializer_range=0.2, hybrid_query_scale=True).train()
+def test_gradients_reach_the_balance_the_scales_and_the_feature_map(kernel, decoder):
+    model = _model(kernel, decoder, initializer_range=0.2, **BOTH).train()
+    _move_balance(model)  # the key scale's weight gets no gradient while the key scale's input is all zero
     ids, mask = _left_padded()
     _output(model, ids, attention_mask=mask).float().pow(2).mean().backward()
     for layer in _layers(model):
         attention = layer.attention
         params = [attention.window_balance, attention.q_proj.weight, attention.k_proj.weight]
         params += [attention.query_scale_weight, attention.query_scale_bias]
+        params += [attention.key_scale_weight, attention.key_scale_bias]
         if attention.feature_map is not None:
             params += list(attention.feature_map.parameters())
         for p in params:
@@ -309,7 +339,7 @@ def test_gradients_reach_the_balance_the_query_scale_and_the_feature_map(kernel,
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_bf16_autocast_forward_is_finite(kernel, decoder):
-    model = _model(kernel, decoder, hybrid_sinks=1, hybrid_query_scale=True)
+    model = _model(kernel, decoder, hybrid_sinks=1, **BOTH)
     _move_balance(model)
     ids, mask = _left_padded()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -326,9 +356,9 @@ def test_bf16_autocast_forward_is_finite(kernel, decoder):
 def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
     """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
     backward is traced too. aot_eager keeps the test quick; inductor compiles the same graph."""
-    eager = _model("softmax", decoder, hybrid_sinks=1, hybrid_query_scale=True).train()  # the sinks' path too
+    eager = _model("softmax", decoder, hybrid_sinks=1, **BOTH).train()  # the sinks' path too
     _move_balance(eager)
-    compiled_model = _model("softmax", decoder, hybrid_sinks=1, hybrid_query_scale=True).train()
+    compiled_model = _model("softmax", decoder, hybrid_sinks=1, **BOTH).train()
     compiled_model.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     ids, mask = _left_padded()
@@ -339,7 +369,8 @@ def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
     want.pow(2).mean().backward()
     got.pow(2).mean().backward()
     for mine, theirs in zip(_layers(compiled_model), _layers(eager)):
-        torch.testing.assert_close(mine.attention.window_balance.grad, theirs.attention.window_balance.grad)
+        for name in ("window_balance", "key_scale_weight"):
+            torch.testing.assert_close(getattr(mine.attention, name).grad, getattr(theirs.attention, name).grad)
 
 
 @pytest.mark.parametrize("value", [None, 1, 64])
@@ -411,6 +442,54 @@ def test_the_query_scale_moves_the_linear_part_against_the_window():
     )
 
 
+def test_a_key_scale_without_a_window_is_refused():
+    with pytest.raises(ValueError, match="hybrid_key_scale=True needs a hybrid_window"):
+        PerformerConfig(hybrid_key_scale=True)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_config_refuses_a_key_scale_that_is_not_a_bool(value):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_key_scale'"):
+        PerformerConfig(hybrid_window=8, hybrid_key_scale=value)
+
+
+def test_the_key_scale_exists_only_when_asked_for_and_starts_at_zero():
+    keyed, plain = _model("hedgehog", hybrid_key_scale=True), _model("hedgehog")
+    for layer in keyed.layers:
+        attention = layer.attention
+        assert attention.key_scale_weight.shape == (4, 8) and attention.key_scale_bias.shape == (4,)
+        assert not attention.key_scale_weight.any() and not attention.key_scale_bias.any()
+        assert attention.query_scale_weight is None  # the two are independent
+    assert "hybrid_key_scale=True" in repr(keyed.layers[0].attention)
+    assert not [k for k in plain.state_dict() if "key_scale" in k]  # checkpoints without it are unchanged
+    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():  # at zero it is the identity: the same outputs as without it
+        assert torch.equal(keyed.layers[0].attention(x), plain.layers[0].attention(x))
+
+
+def test_the_key_scale_weighs_keys_within_the_bound():
+    """r_s = 20 tanh((k_s·a + b) / 20): a key with a larger r takes a larger share of every query's linear part;
+    r stays inside (-20, 20) however large k_s·a + b grows, so the outputs stay finite."""
+    model = _model("hedgehog", hybrid_key_scale=True)
+    attention = model.layers[0].attention
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        attention.key_scale_weight.zero_()
+        attention.key_scale_bias.fill_(1e6)
+        assert torch.allclose(attention.key_log_scale(k), torch.full((1, 4, 12), 20.0))
+        attention.key_scale_bias.zero_()
+        attention.key_scale_weight[:, 0] = 3.0  # keys with a large first coordinate weigh more
+        r = attention.key_log_scale(k)
+        torch.testing.assert_close(r, 20.0 * torch.tanh(3.0 * k[..., 0] / 20.0))
+        out = attention.global_attention(q, k, v, None, None, None)
+        attention.key_scale_weight[:, 0] = 1e4
+        huge = attention.global_attention(q, k, v, None, None, None)
+        _, phi_k, _ = attention.hybrid_features(q, k, None)
+    assert torch.isfinite(huge).all() and phi_k.max() <= math.exp(20.0) * 1.001  # hedgehog features are at most 1
+    assert (out - huge).abs().max() > 1e-3
+
+
 def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -419,7 +498,7 @@ def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenize
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = _config(
         "softmax", True, vocab_size=tokenizer.vocab_size, num_local_heads=1, local_window=4, initializer_range=0.2,
-        hybrid_sinks=1, hybrid_query_scale=True,
+        hybrid_sinks=1, **BOTH,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg).eval()
     _move_balance(model)  # a remote load that re-initialized the balance, or ignored the window, would show
@@ -441,7 +520,10 @@ def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
     assert "first 1 real token(s) of each sequence are attention sinks" in card and "log scale" not in card
     scaled = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_query_scale=True))
     card = (save_for_hub(scaled, tokenizer, tmp_path / "scaled", repo_id="me/tiny") / "README.md").read_text()
-    assert "learned log scale per query (hybrid_query_scale)" in card
+    assert "learned log scale per query (hybrid_query_scale)" in card and "hybrid_key_scale" not in card
+    keyed = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_key_scale=True))
+    card = (save_for_hub(keyed, tokenizer, tmp_path / "keyed", repo_id="me/tiny") / "README.md").read_text()
+    assert "learned log scale (hybrid_key_scale)" in card
     plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
     assert "LoLCATs" not in card

@@ -442,6 +442,9 @@ def _log_mass_targets(attention, x, mask, window, sinks, causal):
         q = attention._split(attention.q_proj(x))[:, :g].double()
         k = attention._split(attention.k_proj(x))[:, :g].double()
         phi_q, phi_k, _ = attention.map_features(q.float(), k.float(), mask if not mask.all() else None)
+        if attention.key_scale_weight is not None:  # the keys' learned scale, written out
+            raw = (k.float() * attention.key_scale_weight[None, :, None, :]).sum(-1) + attention.key_scale_bias[:, None]
+            phi_k = phi_k * torch.exp(20.0 * torch.tanh(raw / 20.0))[..., None]
     rows = [[] for _ in range(g)]
     for b in range(x.shape[0]):
         real = [s for s in range(x.shape[1]) if mask[b, s]]
@@ -457,12 +460,22 @@ def _log_mass_targets(attention, x, mask, window, sinks, causal):
     return rows
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["", "key-scale"])
 @pytest.mark.parametrize("convert", ["bert", "gpt2"])
-def test_calibrate_query_scale_is_the_least_squares_fit_of_the_log_mass(convert):
+def test_calibrate_query_scale_is_the_least_squares_fit_of_the_log_mass(convert, keyed):
     """Against a key-by-key computation of l*_t = log Σ_far exp(q·k / sqrt(d)) - log Σ_far phi(q)·phi(k) and
-    torch.linalg.lstsq, with padding, a sink, and (for GPT-2) the causal window."""
+    torch.linalg.lstsq, with padding, a sink, and (for GPT-2) the causal window; with a key scale (set away from
+    zero), phi(k) carries it, as in the hybrid."""
     source = tiny_bert() if convert == "bert" else tiny_gpt2()
-    model, _ = (convert_bert if convert == "bert" else convert_gpt2)(source, "performer", **SCALED)
+    model, _ = (convert_bert if convert == "bert" else convert_gpt2)(
+        source, "performer", **SCALED, hybrid_key_scale=keyed
+    )
+    if keyed:
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for layer in model.base_model.layers:
+                for param in (layer.attention.key_scale_weight, layer.attention.key_scale_bias):
+                    param.copy_(0.3 * torch.randn(param.shape, generator=g))
     ids = blocks(3, 16)
     mask = torch.ones_like(ids)
     mask[1, 11:] = 0
@@ -500,6 +513,16 @@ def test_transfer_calibrates_the_query_scale_before_stage_1_and_trains_it():
     assert attention_transfer(plain, bert, blocks(), args=quick(steps=1)).error_calibrated is None
 
 
+def test_transfer_trains_the_key_scale_with_the_maps():
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", **SCALED, hybrid_key_scale=True)
+    report = attention_transfer(model, bert, blocks(), args=quick(steps=30))
+    assert {"layers.0.attention.key_scale_weight", "layers.1.attention.key_scale_bias"} <= set(report.parameters)
+    for layer in model.base_model.layers:
+        assert layer.attention.key_scale_weight.abs().sum() > 0 and layer.attention.key_scale_bias.abs().sum() > 0
+    assert all(a < b for b, a in zip(report.error_before, report.error_after))
+
+
 def test_query_scale_calibration_refuses_what_it_cannot_do():
     bert = tiny_bert()
     plain, _ = convert_bert(bert, "performer", hybrid_window=4, **HEDGEHOG)
@@ -517,11 +540,12 @@ def test_query_scale_calibration_refuses_what_it_cannot_do():
 def test_the_cli_converts_with_a_query_scale_and_calibrates_it(tokenizer_dir, tmp_path, capsys):
     out = _convert_with_a_short_transfer(
         tokenizer_dir, tmp_path, "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window", "4",
-        "--hybrid_query_scale",
+        "--hybrid_query_scale", "--hybrid_key_scale",
     )  # fmt: skip
     assert "query scale fitted by least squares" in capsys.readouterr().out
     import linearformers  # noqa: F401
 
     loaded = AutoModel.from_pretrained(out)
-    assert loaded.config.hybrid_query_scale is True
+    assert loaded.config.hybrid_query_scale is True and loaded.config.hybrid_key_scale is True
     assert loaded.layers[0].attention.query_scale_bias.abs().sum() > 0  # calibrated, then saved
+    assert loaded.layers[0].attention.key_scale_bias.abs().sum() > 0  # trained, then saved
