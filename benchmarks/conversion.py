@@ -17,7 +17,8 @@ other standard-library files than the evaluation's.
 A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1): [CLS], which takes 21-26% of the
 original's attention in four of its six layers (benchmarks/attention_mass.py). "+scale" adds the learned log scale
 per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps;
-"+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps.
+"+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps. "linformer-k64+window64+sink"
+is a Linformer whose heads take an exact window of 64 and [CLS] beside the k slots (LinformerConfig.hybrid_window).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
         f"linformer-k{n // 4}+local6-chosen": (
             "linformer",
             {"projected_length": n // 4, "max_seq_length": n, "num_local_heads": 6, "local_window": n // 2},
+            True,
+        ),
+        # the slots beside an exact window of 64 and one sink ([CLS]), in one softmax (hybrid_window for Linformer)
+        f"linformer-k{n // 4}+window64+sink": (
+            "linformer",
+            {"projected_length": n // 4, "max_seq_length": n, "hybrid_window": 64, "hybrid_sinks": 1},
             True,
         ),
         f"linformer-k{n // 2}": ("linformer", {"projected_length": n // 2, "max_seq_length": n}, True),

@@ -16,7 +16,7 @@ def _run(script: str, *args: str):
 
 def test_conversion_benchmark_runs_the_settings_it_names(tmp_path):
     out = tmp_path / "conversion.json"
-    settings = ["random-m256+window64+sink", "hedgehog+window64+sink", "linformer-k16"]
+    settings = ["random-m256+window64+sink", "hedgehog+window64+sink", "linformer-k16", "linformer-k16+window64+sink"]
     done = _run(
         "conversion.py", "--block", "64", "--eval_blocks", "2", "--steps", "2", "--batch_size", "2", "--threads", "1",
         "--settings", *settings, "--finetune_steps", "1", "--finetune", "full",
@@ -30,6 +30,7 @@ def test_conversion_benchmark_runs_the_settings_it_names(tmp_path):
         assert row["transfer"]["steps"] == 2 and len(row["transfer"]["layer_error_after"]) == 6
     assert rows["hedgehog+window64+sink"]["transfer"]["finetune_steps"] == 1
     assert rows["linformer-k16"]["transfer"]["finetune_steps"] == 0
+    assert rows["linformer-k16+window64+sink"]["overrides"]["hybrid_window"] == 64
     assert "| hedgehog+window64+sink |" in done.stdout
 
 

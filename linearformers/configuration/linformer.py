@@ -3,6 +3,7 @@
 from typing import Literal
 
 from huggingface_hub.dataclasses import as_validated_field, strict
+from transformers.utils.type_validators import interval
 
 from ..modeling.attention.linformer import METHODS
 from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
@@ -39,6 +40,14 @@ class LinformerConfig(LinearAttentionConfig):
             (default "learned"; e.g. "pool").
         causal_chunk_size: chunk of the causal Linformer's prefix sums, in tokens: a speed / memory trade-off
             that, up to rounding, does not change the result (default 128; e.g. 64).
+        hybrid_window: w, or None for plain Linformer heads (default None; e.g. 64). Encoders only. When set, each
+            global head takes exact softmax scores on the real keys with |s - t| < w and on the k slots in one
+            softmax, the window's scores weighted by a learned per-head balance gamma = exp(window_balance), which
+            starts at 1 (``attention.linformer_hybrid``): the window keeps the sharp local attention that pooled
+            slots blur. Time O(n (3 w + k) d).
+        hybrid_sinks: S, the number of attention sinks of the hybrid (default 0; e.g. 1 for BERT's [CLS]): the
+            first S real tokens of each sequence take exact softmax scores from every query, as if in its window.
+            Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -50,6 +59,8 @@ class LinformerConfig(LinearAttentionConfig):
     sharing: Literal["per_head", "headwise", "key_value", "layerwise"] = "headwise"
     projection: Literal[METHODS] = "learned"
     causal_chunk_size: int = positive(default=128)
+    hybrid_window: int | None = at_least_or_none(1)(default=None)
+    hybrid_sinks: int = interval(min=0)(default=0)
 
     def __post_init__(self, **kwargs):
         if self.max_seq_length is None:
@@ -91,6 +102,17 @@ class LinformerConfig(LinearAttentionConfig):
                     f"the {self.projection!r} projection uses kernel = stride = max_seq_length / k, so k={k} must "
                     f"divide max_seq_length={self.max_seq_length}"
                 )
+        if self.hybrid_sinks and not self.hybrid_window:
+            raise ValueError(
+                f"hybrid_sinks={self.hybrid_sinks} needs a hybrid_window: sinks join the exact softmax window of the "
+                "hybrid heads; set hybrid_window (e.g. 64), or hybrid_sinks=0"
+            )
+        if self.hybrid_window and self.is_decoder:
+            raise ValueError(
+                "hybrid_window is for Linformer encoders: a causal Linformer's slots fill as the sequence goes, which "
+                "the window + slots hybrid does not model. For a decoder use PerformerConfig(hybrid_window=...), or "
+                "hybrid_window=None"
+            )
         if self.is_decoder and self.projection != "learned":
             raise ValueError(
                 f"a causal Linformer (is_decoder=True) needs projection='learned'; {self.projection!r} pools over "

@@ -145,9 +145,12 @@ def _local_heads_text(config) -> str:
 def _hybrid_text(config) -> str:
     if not config.hybrid_window:
         return ""
+    rest = (
+        "Linformer slots, in one softmax" if config.model_type == "linformer" else "linear attention on the other keys"
+    )
     return (
-        f" Each global head adds exact softmax attention over a window of {config.hybrid_window} tokens to its linear "
-        "attention on the other keys, normalized together with a learned per-head balance (LoLCATs hybrid)."
+        f" Each global head adds exact softmax attention over a window of {config.hybrid_window} tokens to its "
+        f"{rest}, normalized together with a learned per-head balance (LoLCATs hybrid)."
         + (
             f" The first {config.hybrid_sinks} real token(s) of each sequence are attention sinks, in every query's "
             "window."
@@ -157,12 +160,12 @@ def _hybrid_text(config) -> str:
         + (
             " The linear scores take a learned log scale per query (hybrid_query_scale), which puts them on the "
             "window's scale."
-            if config.hybrid_query_scale
+            if getattr(config, "hybrid_query_scale", False)
             else ""
         )
         + (
             " Each key's linear features take a learned log scale (hybrid_key_scale), its own weight with every query."
-            if config.hybrid_key_scale
+            if getattr(config, "hybrid_key_scale", False)
             else ""
         )
     )
@@ -232,7 +235,7 @@ def _linformer_text(config) -> tuple[str, str, list[str]]:
     details = (
         f"- maximum sequence length n = {config.max_seq_length}\n- projected length k = {k}\n- projection: "
         f"{config.projection}, sharing: {config.sharing}\n- position embeddings: {config.position_embedding_type}"
-        f"{_local_heads_text(config)}"
+        f"{_local_heads_text(config)}{_hybrid_text(config)}"
     )
     limits = [
         f"Inputs longer than max_seq_length={config.max_seq_length} raise an error: E and F are "

@@ -537,7 +537,8 @@ def convert_gpt2(
     return model, report
 
 
-# CLI flags that set config fields when given: Performer's, then Linformer's (a flag of the other family raises)
+# CLI flags that set config fields when given: Performer's (the hybrid's window and sinks are both families'), then
+# Linformer's (a flag of the other family raises)
 CONFIG_FLAGS = {
     "num_random_features": int,
     "kernel": str,

@@ -18,6 +18,7 @@ from transformers import initialization as init
 from ..configuration.linformer import LinformerConfig
 from .attention import causal_linformer_attention, causal_linformer_step, linformer_attention
 from .attention.linformer import slot_first_writes
+from .attention.linformer_hybrid import linformer_hybrid_attention
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
@@ -34,7 +35,12 @@ from .layers import LinearAttention
 
 class LinformerAttention(LinearAttention):
     """Linformer heads: E / F projections along the sequence, owned here, or read from the model that owns them
-    when they are shared across layers (``sharing="layerwise"``, see :meth:`use_shared_projection`)."""
+    when they are shared across layers (``sharing="layerwise"``, see :meth:`use_shared_projection`).
+
+    With ``config.hybrid_window`` w set (encoders), each global head is the window + slots hybrid of
+    ``attention.linformer_hybrid``: exact softmax on the keys within w and on the sinks, Linformer's slots for the
+    rest, in one softmax, the window weighted by gamma = exp(``window_balance``), a parameter (global heads,) that
+    starts at 0. Without a hybrid_window the layer has no ``window_balance``."""
 
     kernel_name = "Linformer's E/F projections"
 
@@ -55,12 +61,16 @@ class LinformerAttention(LinearAttention):
             if config.sharing not in ("key_value", "layerwise"):
                 self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
         self._projection_owner = None
+        self.window_balance = (
+            nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
+        )
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"{super().extra_repr()}, projected_length={c.projected_length_for(self.layer_idx)}, "
             f"max_seq_length={c.max_seq_length}, sharing={c.sharing!r}, projection={c.projection!r}"
+            f"{f', hybrid_window={c.hybrid_window}' if c.hybrid_window else ''}"
         )
 
     def use_shared_projection(self, owner: nn.Module) -> None:
@@ -92,6 +102,21 @@ class LinformerAttention(LinearAttention):
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         e, f = self.projections()
+        if self.window_balance is not None:  # the config refuses a hybrid_window for decoders
+            return linformer_hybrid_attention(
+                q,
+                k,
+                v,
+                e,
+                f,
+                torch.exp(self.window_balance),
+                self.config.hybrid_window,
+                method=self.config.projection,
+                window=self.window,
+                key_padding_mask=attention_mask,
+                sinks=self.config.hybrid_sinks,
+                dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
+            )
         if not self.causal:
             return linformer_attention(
                 q,
@@ -153,6 +178,8 @@ class LinformerPreTrainedModel(LinearAttentionPreTrainedModel):
                     init.normal_(proj, mean=0.0, std=(proj.shape[1] * proj.shape[2]) ** -0.5)
                 else:  # learned E, F (.., k, n): std 1/sqrt(k), as in the reference implementation
                     init.normal_(proj, mean=0.0, std=proj.shape[-2] ** -0.5)
+            if module.window_balance is not None:
+                init.zeros_(module.window_balance)  # gamma = 1: the window and the slots on an equal footing
         if isinstance(module, LinformerModel) and module.shared_projection is not None:
             init.normal_(module.shared_projection, mean=0.0, std=module.shared_projection.shape[0] ** -0.5)
 

@@ -25,6 +25,7 @@ from .linformer import (
     linformer_attention,
     uncompact,
 )
+from .linformer_hybrid import linformer_hybrid_attention
 from .local import causal_local_attention, local_attention, local_attention_step, num_relative_positions
 from .softmax import softmax_attention
 
@@ -59,6 +60,7 @@ __all__ = [
     "linear_attention",
     "linear_step",
     "linformer_attention",
+    "linformer_hybrid_attention",
     "local_attention",
     "local_attention_step",
     "native_available",

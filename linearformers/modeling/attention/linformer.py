@@ -213,10 +213,35 @@ def linformer_attention(
         e_, f_ = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
         out = linformer_reference(q_, k_, v_, e_, f_, method=method, window=window, key_padding_mask=mask, scale=scale)
         return out.to(q.dtype)
+    kp, vp, slot_mask = project_slots(k, v, e_proj, f_proj, method=method, window=window, key_padding_mask=mask)
+    scale = d**-0.5 if scale is None else scale
+    bias = None
+    if slot_mask is not None:
+        bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
+        bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
+    # flash-style over the k slots (see _linformer_autograd): O(rows k) extra memory per head, dropout included
+    return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
+
+
+def project_slots(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e_proj: torch.Tensor | None,
+    f_proj: torch.Tensor,
+    *,
+    method: str,
+    window: int | None,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The k slots of bidirectional Linformer attention: E K and F V (batch, heads, k, head_dim) in k's dtype, over
+    the real tokens compacted to the front, and a (batch, 1 or heads, k) bool mask of the slots some real token
+    wrote to (None when every slot was). Inputs as :func:`linformer_attention` takes them, checked there;
+    ``key_padding_mask`` is a checked bool mask or None."""
+    b, _, n, _ = k.shape
     lengths = None
-    if mask is not None:
-        k, v = compact(k, mask), compact(v, mask)
-        lengths = mask.sum(1)
+    if key_padding_mask is not None:
+        k, v = compact(k, key_padding_mask), compact(v, key_padding_mask)
+        lengths = key_padding_mask.sum(1)
     if method == "learned":
         # by hand (see _linformer_autograd): E x per head in place, no permuted copies
         kp, vp = SequenceProjection.apply(k, e_proj), SequenceProjection.apply(v, f_proj)
@@ -226,17 +251,10 @@ def linformer_attention(
         real = torch.full((b,), n, device=k.device) if lengths is None else lengths
         written = first.view(1, -1, first.shape[-1]) < real.view(b, 1, 1)  # (b, 1 or h, k)
         # eagerly, skip the bias when every slot was written (one host sync); compiled, always keep it (no branch)
-        slot_mask = written if torch.compiler.is_compiling() or not bool(written.all()) else None
-    else:
-        kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
-        vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
-    scale = d**-0.5 if scale is None else scale
-    bias = None
-    if slot_mask is not None:
-        bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
-        bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
-    # flash-style over the k slots (see _linformer_autograd): O(rows k) extra memory per head, dropout included
-    return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
+        return kp, vp, written if torch.compiler.is_compiling() or not bool(written.all()) else None
+    kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
+    vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
+    return kp, vp, slot_mask
 
 
 def slot_first_writes(proj: torch.Tensor) -> torch.Tensor:

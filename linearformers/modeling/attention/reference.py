@@ -171,9 +171,19 @@ def linformer_reference(
     the sequence's end) takes no part in the softmax. ``dropout_multiplier``: optional (batch, heads, n, k) factor on the probabilities (0 or
     1 / (1 - p)), for checking dropout against a mask drawn elsewhere. Returns (batch, heads, n, d) in q's dtype.
     """
-    b, _, n, d = k.shape
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    kp, vp, allowed = _linformer_slots(q, k, v, e, f, method, window, key_padding_mask)
+    probs = _masked_softmax(q @ kp.transpose(-1, -2) * scale, allowed)
+    if dropout_multiplier is not None:
+        probs = probs * dropout_multiplier
+    return (probs @ vp).to(q.dtype)
+
+
+def _linformer_slots(q, k, v, e, f, method, window, key_padding_mask):
+    """Linformer's k slots of :func:`linformer_reference`: the projected keys and values (b, h, k, d) in q's dtype
+    and a (b, 1 | h, 1, k) bool, True for the slots some real token wrote to."""
+    b, _, n, _ = k.shape
     f = e if f is None else f
-    scale = d**-0.5 if scale is None else scale
     c = _compaction(key_padding_mask, b, n, q.device, q.dtype)
     kc, vc = _compact(c, k), _compact(c, v)
     lengths = c.sum((1, 2))  # (b,): real tokens per sequence
@@ -197,11 +207,45 @@ def linformer_reference(
         written = counts > 0
     else:
         raise ValueError(f"unknown Linformer projection method {method!r}")
-    allowed = written.view(b, -1, 1, written.shape[-1])  # (b, 1 | h, 1, k)
-    probs = _masked_softmax(q @ kp.transpose(-1, -2) * scale, allowed)
-    if dropout_multiplier is not None:
-        probs = probs * dropout_multiplier
-    return (probs @ vp).to(q.dtype)
+    return kp, vp, written.view(b, -1, 1, written.shape[-1])  # (b, 1 | h, 1, k)
+
+
+def linformer_hybrid_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor | None,
+    f: torch.Tensor | None,
+    gamma: torch.Tensor,
+    hybrid_window: int,
+    *,
+    method: str = "learned",
+    window: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    sinks: int = 0,
+) -> torch.Tensor:
+    """Sliding-window softmax + Linformer slots inside a head, bidirectional, as (n x n) matrices: one softmax over
+    query t's window keys (|s - t| < hybrid_window, real), its sinks (the first ``sinks`` real keys of the row,
+    wherever they lie) and the k slots of :func:`linformer_reference` (E K, F V, by compaction), the window's and
+    sinks' scores weighted by gamma_h:
+
+        out_t = (gamma_h Σ_{s in W(t)} e^{scale q_t·k_s} v_s + Σ_j e^{scale q_t·(E K)_j} (F V)_j) / (same, 1 for v)
+
+    A query with no real key and no written slot outputs 0. Computed in q's dtype; returns q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = q.shape[2]
+    kp, vp, written = _linformer_slots(q, k, v, e, f, method, window, key_padding_mask)
+    i = torch.arange(n, device=q.device)
+    real = _key_mask(key_padding_mask, k.shape[0], n, q.device)  # (b, 1, 1, n)
+    sink = real & (real.long().cumsum(-1) <= sinks)
+    win = (((i[:, None] - i[None, :]).abs() < hybrid_window) | sink) & real
+    log_gamma = gamma.to(q.dtype).log()[None, :, None, None]
+    scores = torch.cat([q @ k.transpose(-1, -2) * scale + log_gamma, q @ kp.transpose(-1, -2) * scale], -1)
+    heads = q.shape[1]
+    allowed = torch.cat([win.expand(-1, heads, n, -1), written.expand(-1, heads, n, -1)], -1)
+    probs = _masked_softmax(scores, allowed)
+    return (probs[..., :n] @ v + probs[..., n:] @ vp).to(q.dtype)
 
 
 def causal_linformer_reference(

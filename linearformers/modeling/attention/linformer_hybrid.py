@@ -1,0 +1,158 @@
+"""Sliding-window softmax + Linformer slots inside one head, bidirectional (LoLCATs' hybrid with Linformer's slots as
+the part that covers the whole sequence).
+
+Query t takes exact softmax scores on its window W(t) = {s : |s - t| < w} of real keys, on its sinks (the first S
+real tokens of its row, wherever they lie; StreamingLLM) and on the k slots of Linformer attention (E K, F V over
+the real tokens compacted to the front, :func:`linformer.project_slots`), all in one softmax, the window's and the
+sinks' scores weighted by a per-head balance gamma_h:
+
+    out_t = (gamma_h Σ_{s in W(t) ∪ sinks} e^{scale q_t·k_s} v_s + Σ_j e^{scale q_t·(E K)_j} (F V)_j) / (same, 1 for v)
+
+Why: the slots pool n / k tokens each, which blurs the sharp local attention of a pretrained BERT (half of each
+all-MiniLM-L6-v2 layer's attention lies within 64 tokens, benchmarks/attention_mass.py); the window keeps that part
+exact and leaves the slots the far keys. The slots also see the window's tokens (E cannot leave them out per query),
+which gamma and E learn around in attention transfer. [CLS], which most queries attend to from far away, is a sink.
+
+Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B) around query block c lies every
+window key of the block. Time O(n (3 w + k + S) d), memory O(n (3 w + k + S)) per head. Everything is computed in
+float32 (float64 for float64 inputs) with autocast off, through plain autograd; outputs come in v's dtype.
+Encoders only: a causal Linformer's slots fill as the sequence goes, which this op does not model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_mask, check_qkv
+from ._precision import outside_autocast
+from .linformer import METHODS, _check_learned, project_slots
+
+
+def _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout_p):
+    check_qkv(q, k, v, same_length=True)
+    if isinstance(hybrid_window, bool) or not isinstance(hybrid_window, int) or hybrid_window <= 0:
+        raise ValueError(f"hybrid_window must be a positive int, got {hybrid_window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    if not isinstance(gamma, torch.Tensor):
+        raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
+    if not gamma.is_floating_point():
+        raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
+    if tuple(gamma.shape) != (q.shape[1],):
+        raise ValueError(f"gamma must be shaped (heads,) = ({q.shape[1]},), got {tuple(gamma.shape)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+    if method == "learned":
+        if e_proj is None:
+            raise ValueError("the learned projection needs e_proj")
+        _check_learned(e_proj, "e_proj", q.shape[1], k.shape[2])
+        _check_learned(f_proj, "f_proj", q.shape[1], k.shape[2])
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+@outside_autocast
+def linformer_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e_proj: torch.Tensor | None,
+    f_proj: torch.Tensor | None,
+    gamma: torch.Tensor,
+    hybrid_window: int,
+    *,
+    method: str = "learned",
+    window: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    sinks: int = 0,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Bidirectional sliding-window softmax + Linformer slots (see the module docstring).
+
+    Args:
+        q, k, v: (batch, heads, n, head_dim).
+        e_proj, f_proj: Linformer's key and value projections, as :func:`linformer.linformer_attention` takes them
+            (``f_proj=None`` shares E); method, window: its projection method and pool / conv kernel.
+        gamma: (heads,) positive weight of the window's and the sinks' scores against the slots'.
+        hybrid_window: w, the window: keys with |s - t| < w.
+        key_padding_mask: (batch, n), True / 1 for real tokens. Padded keys take no part; the slots are formed
+            from the real tokens compacted to the front, so padding leaves the real tokens' outputs unchanged.
+        sinks: S, the first S real tokens of each row, which every query scores exactly.
+        scale: logit scale, head_dim ** -0.5 when None.
+        dropout_p: dropout on the attention probabilities, in [0, 1).
+    Returns: (batch, heads, n, head_dim) in v's dtype; a query with no real key and no written slot gets 0.
+    Gradients reach q, k, v, e_proj, f_proj and gamma.
+    """
+    f_proj = e_proj if f_proj is None else f_proj
+    _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout_p)
+    b, h, n, d = q.shape
+    mask = check_mask(key_padding_mask, b, n)
+    dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    out_dtype = v.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    e, f = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
+    scale = d**-0.5 if scale is None else scale
+    real = torch.ones(b, n, dtype=torch.bool, device=q.device) if mask is None else mask
+    log_gamma = gamma.to(dtype).log()[None, :, None, None]
+
+    # the slots: (b, h, n, k) scores, written slots only
+    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask)
+    slot_scores = q @ kp.transpose(-1, -2) * scale
+    if slot_mask is not None:
+        slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], -math.inf)
+
+    # the window, by blocks of B = w queries against frames of 3 B keys: (b, h, blocks, B, 3 B)
+    w = hybrid_window
+    blocks = -(-n // w)
+    tail = blocks * w - n
+    q_blocks = F.pad(q, (0, 0, 0, tail)).view(b, h, blocks, w, d)
+    frame = 3 * w
+
+    def frames(x):  # (b, h, n, d) -> (b, h, blocks, 3 w, d): keys [(c - 1) w, (c + 2) w) of block c
+        return F.pad(x, (0, 0, w, w + tail)).unfold(2, frame, w).transpose(-1, -2)
+
+    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_blocks, frames(k)) * scale + log_gamma[..., None]
+    t = torch.arange(blocks * w, device=q.device).view(blocks, w, 1)
+    s = (torch.arange(blocks, device=q.device) * w - w).view(blocks, 1, 1) + torch.arange(frame, device=q.device)
+    key_real = F.pad(real, (w, w + tail)).unfold(1, frame, w)  # (b, blocks, 3 w), False outside [0, n)
+    # real keys of the window; a sink in the window is scored here, once
+    in_window = ((t - s).abs() < w)[None] & key_real[:, :, None, :]  # (b, blocks, w, 3 w)
+    window_scores = window_scores.masked_fill(~in_window[:, None], -math.inf)
+
+    # the sinks outside each query's window: (b, h, n, S)
+    parts = [window_scores.reshape(b, h, blocks * w, frame)[:, :, :n], slot_scores]
+    if sinks:
+        rank = real.long().cumsum(1)  # 1 for the first real token
+        position = torch.where(real & (rank <= sinks), rank - 1, sinks)  # a sink's index, or S for the rest
+        order = torch.full((b, sinks + 1), n, dtype=torch.long, device=q.device)
+        order = order.scatter(1, position, torch.arange(n, device=q.device).expand(b, n))[:, :sinks]  # (b, S)
+        exists = order < n
+        safe = order.clamp_max(n - 1)
+        sink_k = k.gather(2, safe[:, None, :, None].expand(b, h, sinks, d))
+        sink_v = v.gather(2, safe[:, None, :, None].expand(b, h, sinks, d))
+        far = (torch.arange(n, device=q.device)[None, :, None] - order[:, None, :]).abs() >= w  # (b, n, S)
+        sink_scores = q @ sink_k.transpose(-1, -2) * scale + log_gamma
+        parts.append(sink_scores.masked_fill(~(far & exists[:, None, :])[:, None], -math.inf))
+
+    # one softmax over the three parts, with a row max that ignores empty rows
+    top = torch.stack([p.amax(-1) for p in parts], -1).amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    probs = [torch.exp(p - top) for p in parts]
+    den = sum(p.sum(-1, keepdim=True) for p in probs)
+    safe_den = torch.where(den > 0, den, torch.ones_like(den))
+    if dropout_p > 0:
+        probs = [F.dropout(p, dropout_p) for p in probs]
+    window_probs = F.pad(probs[0], (0, 0, 0, tail)).view(b, h, blocks, w, frame)
+    out = torch.einsum("bhcij,bhcjd->bhcid", window_probs, frames(v)).reshape(b, h, blocks * w, d)[:, :, :n]
+    out = out + probs[1] @ vp
+    if sinks:
+        out = out + probs[2] @ sink_v
+    out = torch.where(den > 0, out / safe_den, torch.zeros_like(out))
+    return out.to(out_dtype)
+
+
+__all__ = ["linformer_hybrid_attention"]
