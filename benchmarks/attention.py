@@ -1,7 +1,9 @@
 """One attention layer, forward + backward: time and peak memory vs sequence length.
 
 Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
-  SDPA softmax (bidirectional, causal), Linformer k=256, Performer FAVOR+ m=256 (bidirectional, causal; causal
+  SDPA softmax (bidirectional, causal), Linformer k=256, `linformer_hybrid` (the same slots beside an exact window of
+  w = 64 keys and one sink, in one softmax: LinformerConfig(hybrid_window=64, hybrid_sinks=1)), Performer FAVOR+
+  m=256 (bidirectional, causal; causal
   also through the chunked backend, `performer_causal_chunked` (`backend="chunked"`), the portable form GPUs run,
   which the native walk replaces on x86-64 CPUs), performer-pytorch FastAttention (bidirectional, causal).
   The learned map: `hedgehog` (bidirectional, causal), a HedgehogFeatureMap of m = 2 head_dim = 128 features
@@ -47,6 +49,7 @@ KERNELS = [
     "sdpa",
     "sdpa_causal",
     "linformer",
+    "linformer_hybrid",
     "performer",
     "performer_causal",
     "performer_causal_chunked",
@@ -94,6 +97,13 @@ def _kernel(name: str, n: int):
         e = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         return lambda q, k, v: linformer_attention(q, k, v, e, f)
+    if name == "linformer_hybrid":
+        from linearformers.modeling.attention import linformer_hybrid_attention
+
+        e = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
+        f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
+        balance = torch.zeros(HEADS, requires_grad=True)  # gamma's parameter: backward computes its gradient too
+        return lambda q, k, v: linformer_hybrid_attention(q, k, v, e, f, torch.exp(balance), WINDOW, sinks=1)
     if name.startswith("performer"):
         # the chunked backend (the portable form GPUs run) that the native walk replaces on x86-64 CPUs
         extra = {"backend": "chunked"} if name.endswith("_chunked") else {}
