@@ -149,6 +149,11 @@ def main() -> None:
     parser.add_argument("--finetune", choices=("lora", "full"), default="lora")
     parser.add_argument("--finetune_lr", type=float, default=1e-4)
     parser.add_argument(
+        "--finetune_new_lr",
+        type=float,
+        help="stage-2 rate of the new attention parameters (default: their stage-1 rates)",
+    )
+    parser.add_argument(
         "--finetune_settings", nargs="*", help="the settings that get --finetune_steps (default: every one run)"
     )
     parser.add_argument("--settings", nargs="*", help="names of the settings to run (default: all)")
@@ -188,6 +193,7 @@ def main() -> None:
                 finetune_steps=finetune,
                 finetune=args.finetune,
                 finetune_learning_rate=args.finetune_lr,
+                finetune_new_learning_rate=args.finetune_new_lr,
                 choose_local_heads=name.endswith("-chosen"),
                 progress=False,
             )

@@ -561,6 +561,7 @@ TRANSFER_FLAGS = {
     "finetune_steps": ("finetune_steps", int),
     "finetune": ("finetune", str),
     "finetune_lr": ("finetune_learning_rate", float),
+    "finetune_new_lr": ("finetune_new_learning_rate", float),
     "lora_r": ("lora_r", int),
     "choose_local_heads": ("choose_local_heads", bool),
 }

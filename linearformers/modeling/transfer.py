@@ -83,6 +83,10 @@ class TransferArguments:
             the new attention parameters, merged into plain weights afterwards) (default "full").
         finetune_learning_rate: AdamW learning rate of stage 2 for every pretrained weight (or LoRA weight)
             (default 1e-4).
+        finetune_new_learning_rate: AdamW learning rate of the new attention parameters in stage 2; None keeps
+            their stage-1 rates (default None; e.g. 3e-3). On all-MiniLM-L6-v2 after a stage 1 at 3e-2, stage 2
+            with the maps at 3e-2 raised the held-out distillation loss (0.0123 -> 0.0128), at 3e-3 lowered it
+            (0.0123 -> 0.0119).
         lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
         choose_local_heads: before stage 1, reorder each layer's heads so that its ``num_local_heads`` local heads
             are those whose original attention stays most inside ``local_window`` (:func:`choose_local_heads`, on
@@ -103,6 +107,7 @@ class TransferArguments:
     finetune_steps: int = 0
     finetune: str = "full"
     finetune_learning_rate: float = 1e-4
+    finetune_new_learning_rate: float | None = None
     lora_r: int = 8
     choose_local_heads: bool = False
     calibrate_query_scale: bool = True
@@ -115,7 +120,10 @@ class TransferArguments:
         if self.max_length is not None:
             _check_int("max_length", self.max_length, 1)
         _check_int("seed", self.seed, None)
-        for name in ("learning_rate", "projection_learning_rate", "finetune_learning_rate"):
+        rates = ["learning_rate", "projection_learning_rate", "finetune_learning_rate"]
+        if self.finetune_new_learning_rate is not None:
+            rates.append("finetune_new_learning_rate")
+        for name in rates:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"TransferArguments.{name} must be a number, got {type(value).__name__}")
@@ -800,11 +808,14 @@ def _learning_rate_groups(named: list[tuple[str, nn.Parameter]], args: TransferA
 
 def _finetune_groups(params, trained: list[tuple[str, nn.Parameter]], args: TransferArguments) -> list[dict]:
     """Stage 2's groups: the new attention parameters at their stage-1 rates (they started from scratch; at
-    ``finetune_learning_rate`` they would hardly move), every other parameter of ``params`` at
-    ``finetune_learning_rate``."""
+    ``finetune_learning_rate`` they would hardly move) or all at ``finetune_new_learning_rate`` when set, every
+    other parameter of ``params`` at ``finetune_learning_rate``."""
     new = {id(param) for _, param in trained}
     rest = [param for param in params if id(param) not in new]
-    groups = _learning_rate_groups(trained, args)
+    if args.finetune_new_learning_rate is None:
+        groups = _learning_rate_groups(trained, args)
+    else:
+        groups = [{"params": [param for _, param in trained], "lr": args.finetune_new_learning_rate}]
     return groups + ([{"params": rest, "lr": args.finetune_learning_rate}] if rest else [])
 
 

@@ -255,6 +255,25 @@ def test_finetune_trains_the_new_attention_parameters_at_their_own_rate():
     assert (query - model2.layers[0].attention.q_proj.weight).abs().max().item() < 1e-6
 
 
+def test_finetune_new_learning_rate_sets_every_new_parameters_stage_2_rate():
+    """With finetune_new_learning_rate tiny, stage 2 leaves the maps where stage 1 put them; the pretrained weights
+    still train at finetune_learning_rate."""
+    bert = tiny_bert()
+    stage1, _ = convert_bert(bert, "performer", hybrid_window=4, **HEDGEHOG)
+    attention_transfer(stage1, bert, blocks(), args=quick(steps=1, learning_rate=1e-2))
+    model, _ = convert_bert(bert, "performer", hybrid_window=4, **HEDGEHOG)
+    args = quick(steps=1, finetune_steps=10, learning_rate=1e-2, finetune_new_learning_rate=1e-12)
+    attention_transfer(model, bert, blocks(), args=args)
+    for (name, mine), (_, theirs) in zip(transfer_parameters(model), transfer_parameters(stage1)):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6, msg=name)
+    query = model.layers[0].attention.q_proj.weight
+    assert (query - stage1.layers[0].attention.q_proj.weight).abs().max().item() > 1e-4
+    with pytest.raises(ValueError, match=r"finetune_new_learning_rate must be a finite number > 0"):
+        TransferArguments(finetune_new_learning_rate=0.0)
+    with pytest.raises(TypeError, match=r"finetune_new_learning_rate must be a number"):
+        TransferArguments(finetune_new_learning_rate="3e-3")
+
+
 def test_bad_arguments_raise_naming_the_problem():
     with pytest.raises(ValueError, match=r"TransferArguments.steps must be >= 1, got 0"):
         TransferArguments(steps=0)
