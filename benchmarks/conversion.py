@@ -40,6 +40,13 @@ RESULTS = Path(__file__).parent / "results"
 
 def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
     """name -> (family, config overrides, whether it has new attention parameters to transfer)."""
+    scaled = {
+        "kernel": "hedgehog",
+        "num_random_features": 64,
+        "hybrid_window": 64,
+        "hybrid_sinks": 1,
+        "hybrid_query_scale": True,
+    }
     return {
         "random-m256": ("performer", {"num_random_features": 256, "feature_redraw_interval": None}, False),
         "random-m256+window64": (
@@ -75,30 +82,9 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
             True,
         ),
         # the linear scores on the window's scale through a learned log scale per query, calibrated before stage 1
-        "hedgehog+window64+sink+scale": (
-            "performer",
-            {
-                "kernel": "hedgehog",
-                "num_random_features": 64,
-                "hybrid_window": 64,
-                "hybrid_sinks": 1,
-                "hybrid_query_scale": True,
-            },
-            True,
-        ),
+        "hedgehog+window64+sink+scale": ("performer", scaled, True),
         # and each key's features on a learned log scale of its own (hybrid_key_scale), trained with the maps
-        "hedgehog+window64+sink+scale+keyscale": (
-            "performer",
-            {
-                "kernel": "hedgehog",
-                "num_random_features": 64,
-                "hybrid_window": 64,
-                "hybrid_sinks": 1,
-                "hybrid_query_scale": True,
-                "hybrid_key_scale": True,
-            },
-            True,
-        ),
+        "hedgehog+window64+sink+scale+keyscale": ("performer", {**scaled, "hybrid_key_scale": True}, True),
         f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),
         # half the heads local (window n / 2): the last six as converted, or the six most local (choose_local_heads)
         f"linformer-k{n // 4}+local6-last": (

@@ -47,3 +47,18 @@ def check_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tens
                 f"{'' if not mask.is_floating_point() else ' (an additive float mask, 0 / -inf, is not accepted)'}"
             )
     return mask.bool()
+
+
+def check_window_sinks_gamma(window_name: str, window: object, sinks: object, gamma: object, heads: int) -> None:
+    """The hybrids' window (a positive int, named ``window_name`` in the message), sinks (an int >= 0) and gamma (a
+    floating-point (heads,) tensor)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"{window_name} must be a positive int, got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    if not isinstance(gamma, torch.Tensor):
+        raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
+    if not gamma.is_floating_point():
+        raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
+    if tuple(gamma.shape) != (heads,):
+        raise ValueError(f"gamma must be shaped (heads,) = ({heads},), got {tuple(gamma.shape)}")

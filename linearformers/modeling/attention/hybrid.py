@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._precision import outside_autocast
 
 # R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
@@ -112,16 +112,7 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
         raise ValueError(
             f"phi_q and phi_k need the same number of features, got {phi_q.shape[-1]} and {phi_k.shape[-1]}"
         )
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-    if not isinstance(gamma, torch.Tensor):
-        raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
-    if not gamma.is_floating_point():
-        raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
-    if tuple(gamma.shape) != (q.shape[1],):
-        raise ValueError(f"gamma must be shaped (heads,) = ({q.shape[1]},), got {tuple(gamma.shape)}")
+    check_window_sinks_gamma("window", window, sinks, gamma, q.shape[1])
     if query_log_scale is not None:
         if not isinstance(query_log_scale, torch.Tensor):
             raise TypeError(f"query_log_scale must be a torch.Tensor or None, got {type(query_log_scale).__name__}")

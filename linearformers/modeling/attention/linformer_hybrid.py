@@ -26,23 +26,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._precision import outside_autocast
 from .linformer import METHODS, _check_learned, project_slots
 
 
 def _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout_p):
     check_qkv(q, k, v, same_length=True)
-    if isinstance(hybrid_window, bool) or not isinstance(hybrid_window, int) or hybrid_window <= 0:
-        raise ValueError(f"hybrid_window must be a positive int, got {hybrid_window!r}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-    if not isinstance(gamma, torch.Tensor):
-        raise TypeError(f"gamma must be a torch.Tensor of shape (heads,), got {type(gamma).__name__}")
-    if not gamma.is_floating_point():
-        raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
-    if tuple(gamma.shape) != (q.shape[1],):
-        raise ValueError(f"gamma must be shaped (heads,) = ({q.shape[1]},), got {tuple(gamma.shape)}")
+    check_window_sinks_gamma("hybrid_window", hybrid_window, sinks, gamma, q.shape[1])
     if method not in METHODS:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
     if method == "learned":
