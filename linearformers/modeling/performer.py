@@ -69,8 +69,10 @@ class PerformerAttention(LinearAttention):
     (both zero at init, so r = 0): a key's own weight in exp(q·k), which a learned map, whose features sum to
     the same for every key, cannot give it. Again the parameters exist only then."""
 
-    # R of the key scale: |r_s| < 20, so a key's features grow at most e^20-fold and the linear sums stay far inside
-    # float32 (attention.hybrid's headroom allows features up to a thousand over a million keys after its own e^50)
+    # R of the key scale: |r_s| < 20, so a key's features grow at most e^20-fold (5e8): with learned features (at
+    # most 1), a million keys and the largest factor attention.hybrid gives the linear part (e^50), the sums stay
+    # below 3e36 |v|, inside float32. Trained scales stay within a few units, where tanh is nearly the identity
+    # (all-MiniLM-L6-v2 after 300 transfer steps: k·a + b within -6.0 .. 6.2, std about 1, on held-out text)
     KEY_SCALE_BOUND = 20.0
 
     kernel_name = "FAVOR+ (Performer)"
