@@ -176,16 +176,24 @@ class PerformerAttention(LinearAttention):
         """The linear part's features of the hybrid: phi_q, phi_k (batch, global heads, n, m), float32, and the
         queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes: the map's own
         (:meth:`map_features`) plus, with ``hybrid_query_scale``, the learned q_t·a_h + b_h, in float32; with
-        ``hybrid_key_scale``, phi_k carries the keys' scale (:meth:`key_log_scale`)."""
-        phi_q, phi_k, log_scale = self.map_features(q, k, attention_mask)
-        key_scale = self.key_log_scale(k)
-        if key_scale is not None:
-            phi_k = phi_k * torch.exp(key_scale)[..., None]
+        ``hybrid_key_scale``, phi_k carries the keys' scale (:meth:`keyed_map_features`)."""
+        phi_q, phi_k, log_scale = self.keyed_map_features(q, k, attention_mask)
         if self.query_scale_weight is None:
             return phi_q, phi_k, log_scale
         learned = torch.einsum("bhnd,hd->bhn", q.float(), self.query_scale_weight.float())
         learned = learned + self.query_scale_bias.float()[None, :, None]
         return phi_q, phi_k, learned if log_scale is None else log_scale + learned
+
+    def keyed_map_features(
+        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`map_features` with, under ``hybrid_key_scale``, phi_k times exp(r) (:meth:`key_log_scale`): the
+        features of the linear part before the learned query scale."""
+        phi_q, phi_k, log_scale = self.map_features(q, k, attention_mask)
+        key_scale = self.key_log_scale(k)
+        if key_scale is not None:
+            phi_k = phi_k * torch.exp(key_scale)[..., None]
+        return phi_q, phi_k, log_scale
 
     def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:
         """The keys' learned log scale r (batch, global heads, n), float32, or None without ``hybrid_key_scale``:

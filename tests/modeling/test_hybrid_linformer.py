@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 from huggingface_hub.errors import StrictDataclassFieldValidationError
-from transformers import AutoModel, AutoModelForSequenceClassification, BertModel
+from transformers import AutoModel, AutoModelForSequenceClassification
 
 from linearformers import LinformerConfig
 from linearformers.modeling.attention import linformer_attention, linformer_hybrid_attention
@@ -12,6 +12,7 @@ from linearformers.modeling.attention.reference import linformer_hybrid_referenc
 from linearformers.modeling.convert import convert_bert
 from linearformers.modeling.transfer import attention_transfer
 from tests.conftest import tiny_config
+from tests.modeling.test_transfer import _convert_with_a_short_transfer, blocks, quick, tiny_bert
 
 WINDOW = 3
 
@@ -271,16 +272,8 @@ def test_config_refuses_sinks_without_a_window_and_a_window_in_a_decoder():
         LinformerConfig(hybrid_window=8, is_decoder=True)
 
 
-def _tiny_bert() -> BertModel:
-    from tests.modeling.test_transfer import tiny_bert
-
-    return tiny_bert()
-
-
 def test_conversion_and_transfer_train_the_balance_and_the_projections():
-    from tests.modeling.test_transfer import blocks, quick
-
-    bert = _tiny_bert()
+    bert = tiny_bert()
     model, report = convert_bert(
         bert, "linformer", projected_length=8, max_seq_length=32, hybrid_window=4, hybrid_sinks=1
     )
@@ -293,8 +286,6 @@ def test_conversion_and_transfer_train_the_balance_and_the_projections():
 
 
 def test_the_cli_converts_a_linformer_hybrid(tokenizer_dir, tmp_path):
-    from tests.modeling.test_transfer import _convert_with_a_short_transfer
-
     out = _convert_with_a_short_transfer(
         tokenizer_dir, tmp_path, "--family", "linformer", "--projected_length", "8", "--max_seq_length", "32",
         "--hybrid_window", "4", "--hybrid_sinks", "1",

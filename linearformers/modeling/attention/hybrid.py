@@ -171,6 +171,20 @@ def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
     )
 
 
+def sink_slots(
+    valid: torch.Tensor, sinks: int, seen_before: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens are sinks: the first ``sinks`` real tokens of each row, counting the ``seen_before`` (b,) real
+    tokens of earlier calls (None: none). valid (b, n) bool. Returns is_sink (b, n) bool and slot (b, S, n) bool,
+    slot[b, j, s] True where token s is sink j."""
+    rank = valid.long().cumsum(-1)  # (b, n): 1 for the first real token
+    if seen_before is not None:
+        rank = rank + seen_before[:, None]
+    is_sink = valid & (rank <= sinks)
+    slot = is_sink[:, None, :] & (rank[:, None, :] - 1 == torch.arange(sinks, device=valid.device)[None, :, None])
+    return is_sink, slot
+
+
 def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: int, device: torch.device) -> int:
     """Query blocks per pass of the core: all of them off the CPU (one pass, fewest launches); on the CPU as many
     as keep a pass's (b, h, blocks, blk, frame) scores within _PASS_BYTES, at least one."""
@@ -360,9 +374,7 @@ def hybrid_attention(
     sink = None
     if sinks:
         seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
-        rank = seen_before[:, None] + new_valid.long().cumsum(-1)  # (b, n): 1 for the first real token
-        is_sink = new_valid & (rank <= sinks)
-        slot = is_sink[:, None, :] & (rank[:, None, :] - 1 == torch.arange(sinks, device=q.device)[None, :, None])
+        is_sink, slot = sink_slots(new_valid, sinks, seen_before)
         pick = slot.to(dtype)  # (b, S, n): new token -> its sink slot
         sink_k, sink_v = pick[:, None] @ kc[:, :, p:], pick[:, None] @ vc[:, :, p:]
         sink_valid = slot.any(-1)
