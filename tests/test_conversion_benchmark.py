@@ -1,6 +1,7 @@
-"""benchmarks/conversion.py and benchmarks/attention_mass.py on the real all-MiniLM-L6-v2, in tiny runs: every
-setting kind (random hybrid, learned hybrid with a sink, Linformer) converts, transfers, fine-tunes and lands in the
-JSON; the attention-share table adds up. No timings or quality thresholds checked."""
+"""benchmarks/conversion.py, attention_mass.py and hybrid_anatomy.py on the real all-MiniLM-L6-v2, in tiny runs:
+every setting kind (random hybrid, learned hybrid with a sink, Linformer) converts, transfers, fine-tunes and lands
+in the JSON; the attention-share table adds up; the anatomy's oracles reach the original when every key is exact.
+No timings or quality thresholds checked."""
 
 import json
 from pathlib import Path
@@ -44,3 +45,32 @@ def test_attention_mass_shares_add_up_and_a_window_over_everything_is_exact():
         assert abs(sum(parts) - 1) < 2e-3, line  # window, [CLS], [SEP] and the rest partition each query's attention
     full = next(line for line in lines if line.startswith("| 32 |"))
     assert [float(x) for x in full.strip("| ").split(" | ")[1:]] == [0.0, 0.0, 0.0]  # |s - t| < 32 covers 32 tokens
+
+
+def test_hybrid_anatomy_decomposes_the_error_and_its_oracles_reach_the_original(tmp_path):
+    out = tmp_path / "anatomy.json"
+    saved = tmp_path / "stage1"
+    _run(
+        "hybrid_anatomy.py", "--block", "128", "--eval_blocks", "2", "--steps", "2", "--top_keys", "4", "128",
+        "--threads", "1", "--save", str(saved), "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert len(result["layers"]) == 6 and len(result["output"]["one_layer"]) == 6
+    for row in result["layers"]:
+        assert 0 < row["hybrid"] and 0 <= row["exact_far_mass"] and 0 <= row["exact_far_distribution"]
+        assert 0 < row["far_mass_original"] < 1 and 0 < row["far_mass_hybrid"] < 1
+        assert row["top_keys"]["4"] > 0
+        assert row["top_keys"]["128"] < 1e-4  # every key exact: the original's attention output
+    assert result["output"]["no_layer"] < 1e-4  # no layer approximated: the original's hidden states
+    assert result["output"]["every_layer"] > max(result["output"]["one_layer"]) > 0
+    # the saved model is reloaded, and section 4 trains the probe's forms on one layer
+    done = _run(
+        "hybrid_anatomy.py", "--block", "128", "--eval_blocks", "2", "--model_dir", str(saved), "--top_keys",
+        "--probe_layer", "0", "--probe_steps", "2", "--probe_blocks", "4", "--threads", "1", "--out", str(out),
+    )  # fmt: skip
+    reloaded = json.loads(out.read_text())
+    assert [row["hybrid"] for row in reloaded["layers"]] == [row["hybrid"] for row in result["layers"]]
+    assert [(row["form"], row["m"]) for row in reloaded["probe"]] == [
+        ("hedgehog", 64), ("hedgehog", 256), ("exp", 256), ("mlp", 64),
+    ]  # fmt: skip
+    assert all(row["error"] > 0 for row in reloaded["probe"]) and "| exp | 256 |" in done.stdout
