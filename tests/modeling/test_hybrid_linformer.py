@@ -8,6 +8,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 
 from linearformers import LinformerConfig
 from linearformers.modeling.attention import linformer_attention, linformer_hybrid_attention
+from linearformers.modeling.attention import linformer_hybrid as linformer_hybrid_module
 from linearformers.modeling.attention.reference import linformer_hybrid_reference, softmax_reference
 from linearformers.modeling.convert import convert_bert
 from linearformers.modeling.transfer import attention_transfer
@@ -71,7 +72,31 @@ def test_the_op_equals_the_dense_reference(method, per_head, window, sinks):
     torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-12)
 
 
-def test_gradients_equal_the_references():
+def _one_block_per_pass(monkeypatch):
+    """Every pass of the op one query block: the smallest budget (the rows of a pass are recomputed in backward)."""
+    monkeypatch.setattr(linformer_hybrid_module, "_PASS_BYTES", 1)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("window", [1, WINDOW, 40])
+def test_passes_of_one_block_equal_the_dense_reference(monkeypatch, window, sinks):
+    _one_block_per_pass(monkeypatch)
+    q, k, v = _qkv()
+    e, f, _ = _projections("learned", 3, 13, 4, 4)
+    gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[0, 11:] = mask[1, :4] = False
+    kwargs = dict(key_padding_mask=mask, sinks=sinks)
+    got = linformer_hybrid_attention(q, k, v, e, f, gamma, window, **kwargs)
+    want = linformer_hybrid_reference(q, k, v, e, f, gamma, window, **kwargs)
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("passes", ["one", "one block each"])
+def test_gradients_equal_the_references(monkeypatch, passes):
+    if passes != "one":
+        _one_block_per_pass(monkeypatch)
     q, k, v = (t.requires_grad_() for t in _qkv())
     e, f, _ = _projections("learned", 3, 13, 5, 4)
     e.requires_grad_(), f.requires_grad_()
@@ -133,6 +158,25 @@ def test_dropout_drops_probabilities_only_when_asked():
     assert not torch.allclose(plain, dropped)
     torch.manual_seed(0)
     assert torch.equal(dropped, linformer_hybrid_attention(q, k, v, e, f, gamma, WINDOW, dropout_p=0.5))
+
+
+def test_recomputed_passes_drop_the_same_probabilities_in_backward(monkeypatch):
+    """Under autograd each pass is recomputed in backward: with dropout, its gradients are those of the forward
+    that ran (the same masks), as without recomputation."""
+    _one_block_per_pass(monkeypatch)
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float32))
+    e, f, _ = _projections("learned", 3, 13, 5, 4, dtype=torch.float32)
+    gamma = torch.ones(3, requires_grad=True)
+    weights = torch.randn(2, 3, 13, 4, generator=torch.Generator().manual_seed(9))
+    results = []
+    for recompute in (True, False):
+        if not recompute:  # the pass runs under plain autograd, which keeps its own masks
+            monkeypatch.setattr(linformer_hybrid_module, "checkpoint", lambda fn, *args, **_: fn(*args))
+        torch.manual_seed(0)
+        out = linformer_hybrid_attention(q, k, v, e, f, gamma, WINDOW, sinks=1, dropout_p=0.5)
+        results.append((out, *torch.autograd.grad((out * weights).sum(), (q, k, v, gamma))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,11 @@ exact and leaves the slots the far keys. The slots also see the window's tokens 
 which gamma and E learn around in attention transfer. [CLS], which most queries attend to from far away, is a sink.
 
 Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B) around query block c lies every
-window key of the block. Time O(n (3 w + k + S) d), memory O(n (3 w + k + S)) per head. Everything is computed in
-float32 (float64 for float64 inputs) with autocast off, through plain autograd; outputs come in v's dtype.
+window key of the block. The blocks go through in passes whose scores stay within 16 MB (hybrid._PASS_BYTES); under
+autograd each pass is checkpointed, so backward keeps only the passes' inputs and makes a pass's scores again when
+it reaches it (dropout's RNG state kept, so the masks are the same). Each query's softmax is its own, so the passes
+give the one-pass result exactly. Time O(n (3 w + k + S) d), memory O(n d) plus one pass's scores per head.
+Everything is computed in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
 Encoders only: a causal Linformer's slots fill as the sequence goes, which this op does not model.
 """
 
@@ -25,10 +28,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._precision import outside_autocast
-from .hybrid import sink_slots
+from .hybrid import _PASS_BYTES, sink_slots
 from .linformer import METHODS, _check_learned, project_slots
 
 
@@ -91,56 +95,103 @@ def linformer_hybrid_attention(
     real = torch.ones(b, n, dtype=torch.bool, device=q.device) if mask is None else mask
     log_gamma = gamma.to(dtype).log()[None, :, None, None]
 
-    # the slots: (b, h, n, k) scores, written slots only
+    # the slots (b, h, k, d), written slots only; the sinks' keys and values (b, h, S, d) and where they lie
     kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask)
-    slot_scores = q @ kp.transpose(-1, -2) * scale
-    if slot_mask is not None:
-        slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], -math.inf)
-
-    # the window, by blocks of B = w queries against frames of 3 B keys: (b, h, blocks, B, 3 B)
-    w = hybrid_window
-    blocks = -(-n // w)
-    tail = blocks * w - n
-    q_blocks = F.pad(q, (0, 0, 0, tail)).view(b, h, blocks, w, d)
-    frame = 3 * w
-
-    def frames(x):  # (b, h, n, d) -> (b, h, blocks, 3 w, d): keys [(c - 1) w, (c + 2) w) of block c
-        return F.pad(x, (0, 0, w, w + tail)).unfold(2, frame, w).transpose(-1, -2)
-
-    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_blocks, frames(k)) * scale + log_gamma[..., None]
-    t = torch.arange(blocks * w, device=q.device).view(blocks, w, 1)
-    s = (torch.arange(blocks, device=q.device) * w - w).view(blocks, 1, 1) + torch.arange(frame, device=q.device)
-    key_real = F.pad(real, (w, w + tail)).unfold(1, frame, w)  # (b, blocks, 3 w), False outside [0, n)
-    # real keys of the window; a sink in the window is scored here, once
-    in_window = ((t - s).abs() < w)[None] & key_real[:, :, None, :]  # (b, blocks, w, 3 w)
-    window_scores = window_scores.masked_fill(~in_window[:, None], -math.inf)
-
-    # the sinks outside each query's window: (b, h, n, S)
-    parts = [window_scores.reshape(b, h, blocks * w, frame)[:, :, :n], slot_scores]
+    sink_k = sink_v = sink_position = sink_seen = None
     if sinks:
         _, slot = sink_slots(real, sinks)  # (b, S, n): token s is sink j
         pick = slot.to(dtype)[:, None]
-        sink_k, sink_v = pick @ k, pick @ v  # (b, h, S, d)
-        position = (slot.long() * torch.arange(n, device=q.device)).sum(-1)  # (b, S)
-        far = (torch.arange(n, device=q.device)[None, :, None] - position[:, None, :]).abs() >= w  # (b, n, S)
-        sink_scores = q @ sink_k.transpose(-1, -2) * scale + log_gamma
-        parts.append(sink_scores.masked_fill(~(far & slot.any(-1)[:, None, :])[:, None], -math.inf))
+        sink_k, sink_v = pick @ k, pick @ v
+        sink_position = (slot.long() * torch.arange(n, device=q.device)).sum(-1)  # (b, S)
+        sink_seen = slot.any(-1)  # (b, S): False where the row has fewer than S real tokens
+
+    # the window, by blocks of B = w queries against frames of 3 B keys, in passes of whole blocks. Each pass gets
+    # inputs of its own: its query blocks (one split of q) and its key / value blocks with one block of margin on
+    # either side (a cat of per-block views of the padded keys). Slicing q, k, v per pass instead would make the
+    # backward of every pass a zero-filled gradient as large as the whole input.
+    w = hybrid_window
+    blocks = -(-n // w)
+    tail = blocks * w - n
+    per_block = b * h * w * (3 * w + kp.shape[2] + sinks) * q.element_size()
+    step = max(1, min(blocks, _PASS_BYTES // max(1, per_block)))
+    q_passes = (F.pad(q, (0, 0, 0, tail)) if tail else q).split(step * w, dim=2)
+    k_blocks, v_blocks = (F.pad(x, (0, 0, w, w + tail)).split(w, dim=2) for x in (k, v))  # blocks + 2 each
+    key_real = F.pad(real, (w, w + tail))  # (b, (blocks + 2) w), False outside [0, n)
+    recompute = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, kp, vp, gamma, sink_k)
+    )
+    outs = []
+    for index, q_pass in enumerate(q_passes):
+        c0 = index * step
+        c1 = c0 + q_pass.shape[2] // w
+        k_pass, v_pass = (torch.cat(x[c0 : c1 + 2], dim=2) for x in (k_blocks, v_blocks))
+        real_pass = key_real[:, c0 * w : (c1 + 2) * w]
+        args = (q_pass, c0, log_gamma, k_pass, v_pass, real_pass, kp, vp, slot_mask, sink_k, sink_v)
+        args = (*args, sink_position, sink_seen, w, scale, dropout_p)
+        if recompute:  # keep only the inputs; the pass's scores are made again in backward (RNG state kept)
+            outs.append(checkpoint(_pass, *args, use_reentrant=False))
+        else:
+            outs.append(_pass(*args))
+    out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
+    return (out[:, :, :n] if tail else out).to(out_dtype)
+
+
+def _pass(
+    q_pass,
+    c0,
+    log_gamma,
+    k_pass,
+    v_pass,
+    real_pass,
+    kp,
+    vp,
+    slot_mask,
+    sink_k,
+    sink_v,
+    sink_position,
+    sink_seen,
+    w,
+    scale,
+    dropout_p,
+):
+    """The outputs of the query blocks c0 .. c0 + nq - 1, q_pass (b, h, nq w, d), rows past n included:
+    (b, h, nq w, d). k_pass, v_pass (b, h, (nq + 2) w, d) and real_pass (b, (nq + 2) w): the padded keys of blocks
+    c0 - 1 .. c0 + nq. Each query's softmax is its own, so passes over whole blocks compute the one-pass result."""
+    b, h, rows, d = q_pass.shape
+    nq, frame = rows // w, 3 * w
+    k_frames, v_frames = (x.unfold(2, frame, w).transpose(-1, -2) for x in (k_pass, v_pass))  # (b, h, nq, 3 w, d)
+    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_pass.view(b, h, nq, w, d), k_frames) * scale
+    window_scores = window_scores + log_gamma[..., None]
+    t = torch.arange(c0 * w, (c0 + nq) * w, device=q_pass.device).view(nq, w, 1)
+    s = (torch.arange(c0, c0 + nq, device=q_pass.device) * w - w).view(nq, 1, 1)
+    s = s + torch.arange(frame, device=q_pass.device)
+    # real keys of the window; a sink in the window is scored here, once
+    key_real = real_pass.unfold(1, frame, w)  # (b, nq, 3 w)
+    in_window = ((t - s).abs() < w)[None] & key_real[:, :, None, :]  # (b, nq, w, 3 w)
+    window_scores = window_scores.masked_fill(~in_window[:, None], -math.inf)
+    slot_scores = q_pass @ kp.transpose(-1, -2) * scale
+    if slot_mask is not None:
+        slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], -math.inf)
+    scores = [window_scores.reshape(b, h, nq * w, frame), slot_scores]
+    if sink_k is not None:  # the sinks outside each query's window: (b, h, nq w, S)
+        far = (t.reshape(-1)[None, :, None] - sink_position[:, None, :]).abs() >= w  # (b, nq w, S)
+        sink_scores = q_pass @ sink_k.transpose(-1, -2) * scale + log_gamma
+        scores.append(sink_scores.masked_fill(~(far & sink_seen[:, None, :])[:, None], -math.inf))
 
     # one softmax over the three parts, with a row max that ignores empty rows
-    top = torch.stack([p.amax(-1) for p in parts], -1).amax(-1, keepdim=True)
+    top = torch.stack([p.amax(-1) for p in scores], -1).amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
-    probs = [torch.exp(p - top) for p in parts]
+    probs = [torch.exp(p - top) for p in scores]
     den = sum(p.sum(-1, keepdim=True) for p in probs)
     safe_den = torch.where(den > 0, den, torch.ones_like(den))
     if dropout_p > 0:
         probs = [F.dropout(p, dropout_p) for p in probs]
-    window_probs = F.pad(probs[0], (0, 0, 0, tail)).view(b, h, blocks, w, frame)
-    out = torch.einsum("bhcij,bhcjd->bhcid", window_probs, frames(v)).reshape(b, h, blocks * w, d)[:, :, :n]
+    window_probs = probs[0].view(b, h, nq, w, frame)
+    out = torch.einsum("bhcij,bhcjd->bhcid", window_probs, v_frames).reshape(b, h, nq * w, d)
     out = out + probs[1] @ vp
-    if sinks:
+    if sink_v is not None:
         out = out + probs[2] @ sink_v
-    out = torch.where(den > 0, out / safe_den, torch.zeros_like(out))
-    return out.to(out_dtype)
+    return torch.where(den > 0, out / safe_den, torch.zeros_like(out))
 
 
 __all__ = ["linformer_hybrid_attention"]
