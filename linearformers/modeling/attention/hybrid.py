@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._precision import outside_autocast
@@ -69,6 +70,13 @@ _LOG_SCALE_HEADROOM = 50.0
 # whose temporaries pass it pays their page faults again every call; a pass's tensors stay below it, the heap
 # keeps them for the next pass and the next step (README, "Why the time per token grew with n")
 _PASS_BYTES = 16 * 2**20
+
+# above this many bytes of window scores in one call, the passes are checkpointed under autograd: backward keeps
+# their inputs and makes the scores again, one pass at a time. One layer forward + backward, m = 128, recomputing at
+# every length (benchmarks/results/attention_paired_hybrid_recompute.txt) against an earlier run without
+# (attention_paired_passes.txt): at n = 16384 (151 MB of scores) peak 3817 -> 2719 MB in about the same time; at
+# 4096 (38 MB) 925 -> 880 MB for 0.323 -> 0.412 s. Hence a threshold, between the two
+_RECOMPUTE_BYTES = 64 * 2**20
 
 
 class HybridState(NamedTuple):
@@ -274,6 +282,13 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         if not causal:
             after_pass.insert(0, after_pass[0] + totals[-i])
 
+    scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
+    recompute = (
+        len(qbs) > 1
+        and scores_bytes > _RECOMPUTE_BYTES
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base))
+    )
     outs = []
     for i, qb in enumerate(qbs):
         nq = qb.shape[2]
@@ -293,7 +308,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         if base is not None:
             state = state + base[:, :, None]
         args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], reals[i], ells[i], state, gamma, sink)
-        outs.append(_window_pass(*args, i * step, frame, window, causal, scale))
+        args = (*args, i * step, frame, window, causal, scale)
+        # in passes under autograd, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence
+        # tensors and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
+        outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
 
     acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]

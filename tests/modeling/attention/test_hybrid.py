@@ -13,13 +13,16 @@ from linearformers.modeling.attention.reference import hybrid_reference, softmax
 B, H, D, M = 2, 3, 4, 5
 
 
-@pytest.fixture(autouse=True, params=["one-pass", "passes-of-1-block", "passes-of-2-blocks"])
+@pytest.fixture(autouse=True, params=["one-pass", "passes-of-1-block", "passes-of-2-blocks-recomputed"])
 def core_passes(request, monkeypatch):
     """Every test runs with the core in one pass (as these small inputs get by default) and split into passes of
-    one and of two query blocks (as long CPU inputs get), whose block states carry across the passes."""
+    one and of two query blocks (as long CPU inputs get), whose block states carry across the passes; in passes
+    of two, each pass is checkpointed under autograd (as inputs with over _RECOMPUTE_BYTES of scores get)."""
     if request.param != "one-pass":
         size = int(request.param.split("-")[2])
         monkeypatch.setattr(hybrid_module, "_blocks_per_pass", lambda *args: min(size, args[4]))
+    if request.param.endswith("recomputed"):
+        monkeypatch.setattr(hybrid_module, "_RECOMPUTE_BYTES", 0)
     return request.param
 
 
