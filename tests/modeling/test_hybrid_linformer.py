@@ -271,7 +271,11 @@ def test_gradients_reach_the_balance_and_the_projections():
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
-def test_compiled_model_has_no_graph_breaks_and_equals_eager():
+@pytest.mark.parametrize("passes", ["one", "one block each in eager"])
+def test_compiled_model_has_no_graph_breaks_and_equals_eager(monkeypatch, passes):
+    """Compiled, the op runs in one pass whatever the budget (module comment on inductor); eager may run passes."""
+    if passes != "one":
+        _one_block_per_pass(monkeypatch)
     eager = _model(hybrid_sinks=1).train()
     _move_balance(eager)
     compiled_model = _model(hybrid_sinks=1).train()

@@ -16,7 +16,7 @@ which gamma and E learn around in attention transfer. [CLS], which most queries 
 Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B) around query block c lies every
 window key of the block. The blocks go through in passes whose scores stay within 16 MB (hybrid._PASS_BYTES); under
 autograd each pass is checkpointed, so backward keeps only the passes' inputs and makes a pass's scores again when
-it reaches it (dropout's RNG state kept, so the masks are the same). Each query's softmax is its own, so the passes
+it reaches it (dropout's RNG state kept, so the masks are the same). Under torch.compile the op runs in one pass. Each query's softmax is its own, so the passes
 give the one-pass result exactly. Time O(n (3 w + k + S) d), memory O(n d) plus one pass's scores per head.
 Everything is computed in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
 Encoders only: a causal Linformer's slots fill as the sequence goes, which this op does not model.
@@ -113,12 +113,16 @@ def linformer_hybrid_attention(
     blocks = -(-n // w)
     tail = blocks * w - n
     per_block = b * h * w * (3 * w + kp.shape[2] + sinks) * q.element_size()
-    step = max(1, min(blocks, _PASS_BYTES // max(1, per_block)))
+    # compiled, one pass: inductor (torch 2.13) miscompiled passes of one block each, with the checkpoints (heap
+    # corruption) and without them (a CPU bmm checked for a CUDA device), so a compiled graph keeps the one-pass form
+    step = blocks if torch.compiler.is_compiling() else max(1, min(blocks, _PASS_BYTES // max(1, per_block)))
     q_passes = (F.pad(q, (0, 0, 0, tail)) if tail else q).split(step * w, dim=2)
     k_blocks, v_blocks = (F.pad(x, (0, 0, w, w + tail)).split(w, dim=2) for x in (k, v))  # blocks + 2 each
     key_real = F.pad(real, (w, w + tail))  # (b, (blocks + 2) w), False outside [0, n)
-    recompute = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, kp, vp, gamma, sink_k)
+    recompute = (
+        len(q_passes) > 1
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (q, k, v, kp, vp, gamma, sink_k))
     )
     outs = []
     for index, q_pass in enumerate(q_passes):
