@@ -96,7 +96,8 @@ def layer_table(model, inputs: list[torch.Tensor], top_keys: list[int]) -> list[
     for index, layer in enumerate(model.layers):
         attention = layer.attention
         q, k, v = split_heads(attention, inputs[index])
-        p = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        p = scores.softmax(-1)
         exact = output(attention, p, v)
         phi_q, phi_k, log_scale = attention.hybrid_features(q, k, None)
         gamma = torch.exp(attention.window_balance)
@@ -125,7 +126,7 @@ def layer_table(model, inputs: list[torch.Tensor], top_keys: list[int]) -> list[
             chosen = torch.zeros_like(column, dtype=torch.bool)
             chosen.scatter_(-1, column.topk(count, dim=-1).indices, True)
             exact_part = near | chosen[:, :, None, :]
-            logits = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~exact_part, -math.inf)
+            logits = scores.masked_fill(~exact_part, -math.inf)
             top = logits.amax(-1, keepdim=True)
             a = gamma[None, :, None, None] * torch.exp(logits - top)
             linear = torch.exp(log_scale[..., None] - top) * (phi_q @ phi_k.transpose(-1, -2)) * ~exact_part
@@ -217,9 +218,9 @@ def probe(model, teacher, layer_index: int, train_ids, eval_input, steps: int, l
         ]
         eval_qkv = split_heads(attention, eval_input)
 
-    def run(form_map, q, k, v):
+    def run(form_map, balance, q, k, v):
         phi_q, phi_k, log_scale = form_map(q, k)
-        return output(attention, weights(q, k, phi_q, phi_k, torch.exp(gamma), log_scale, config), v)
+        return output(attention, weights(q, k, phi_q, phi_k, torch.exp(balance), log_scale, config), v)
 
     def exact(q, k, v):
         return output(attention, (q @ k.transpose(-1, -2) * head_dim**-0.5).softmax(-1), v)
@@ -228,8 +229,8 @@ def probe(model, teacher, layer_index: int, train_ids, eval_input, steps: int, l
     for form, m in (("hedgehog", 64), ("hedgehog", 256), ("exp", 256), ("mlp", 64)):
         torch.manual_seed(0)
         form_map = ProbeMap(form, heads, head_dim, m)
-        gamma = torch.nn.Parameter(torch.zeros(heads))
-        params = [*form_map.parameters(), gamma]
+        balance = torch.nn.Parameter(torch.zeros(heads))  # gamma = exp(balance), as window_balance
+        params = [*form_map.parameters(), balance]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         schedule = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
         start = time.perf_counter()
@@ -237,13 +238,13 @@ def probe(model, teacher, layer_index: int, train_ids, eval_input, steps: int, l
             q, k, v = train_qkv[step % len(train_qkv)]
             with torch.no_grad():
                 target = exact(q, k, v)
-            loss = F.mse_loss(run(form_map, q, k, v), target)
+            loss = F.mse_loss(run(form_map, balance, q, k, v), target)
             loss.backward()
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            error = rel(run(form_map, *eval_qkv), exact(*eval_qkv))
+            error = rel(run(form_map, balance, *eval_qkv), exact(*eval_qkv))
         row = {"form": form, "m": m, "error": error, "seconds": time.perf_counter() - start}
         print(f"| {form} | {m} | {error:.3f} | {row['seconds']:.0f} s |", flush=True)
         rows.append(row)

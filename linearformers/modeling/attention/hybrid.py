@@ -73,7 +73,7 @@ _PASS_BYTES = 16 * 2**20
 
 # above this many bytes of window scores in one call, the passes are checkpointed under autograd: backward keeps
 # their inputs and makes the scores again, one pass at a time. One layer forward + backward, m = 128, recomputing at
-# every length (benchmarks/results/attention_paired_hybrid_recompute.txt) against an earlier run without
+# every length (this at 0; benchmarks/results/attention_paired_hybrid_recompute.txt) against an earlier run without
 # (attention_paired_passes.txt): at n = 16384 (151 MB of scores) peak 3817 -> 2719 MB in about the same time; at
 # 4096 (38 MB) 925 -> 880 MB for 0.323 -> 0.412 s. Hence a threshold, between the two
 _RECOMPUTE_BYTES = 64 * 2**20
