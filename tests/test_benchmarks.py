@@ -143,3 +143,26 @@ def test_mmap_threshold_reaches_the_workers_and_names_the_results(tmp_path, monk
     monkeypatch.setenv(isolated.MMAP_THRESHOLD_ENV, "1073741824")
     row = isolated.run_isolated(BENCHMARKS / "attention.py", ["--worker", "hedgehog", 64, "--repeats", 1])
     assert row["malloc_mmap_threshold"] == "1073741824"
+
+
+def test_feature_map_backward_compares_the_two_maps_and_writes_to_out(tmp_path):
+    """The composed variant really runs the torch composition (it keeps more for backward than softmax_pair on the
+    plain learned map, the same outputs), and the CLI writes its rows where --out says."""
+    out = tmp_path / "rows.json"
+    done = run_script(
+        BENCHMARKS / "feature_map_backward.py", "--kernels", "hedgehog", "hybrid_causal", "--lengths", "64",
+        "--pairs", "1", "--repeats", "1", "--threads", "1", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["n"]) for r in rows] == [("hedgehog", 64), ("hybrid_causal", 64)]
+    plain = rows[0]
+    assert plain["softmax_pair"][0]["saved_mb"] < plain["composed"][0]["saved_mb"]
+    assert "| hedgehog | 64 |" in done.stdout
+
+
+def test_the_composed_map_equals_softmax_pair():
+    script = _load("feature_map_backward")
+    u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    from linearformers.modeling.attention.feature_maps import softmax_pair
+
+    assert torch.equal(script.composed(u), softmax_pair(u))

@@ -352,13 +352,15 @@ def test_bf16_autocast_forward_is_finite(kernel, decoder):
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
+def test_compiled_model_has_no_graph_breaks_and_equals_eager(kernel, decoder):
     """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
-    backward is traced too. aot_eager keeps the test quick; inductor compiles the same graph."""
-    eager = _model("softmax", decoder, hybrid_sinks=1, **BOTH).train()  # the sinks' path too
+    backward is traced too (the learned map's own autograd function included). aot_eager keeps the test quick;
+    inductor compiles the same graph."""
+    eager = _model(kernel, decoder, hybrid_sinks=1, **BOTH).train()  # the sinks' path too
     _move_balance(eager)
-    compiled_model = _model("softmax", decoder, hybrid_sinks=1, **BOTH).train()
+    compiled_model = _model(kernel, decoder, hybrid_sinks=1, **BOTH).train()
     compiled_model.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     ids, mask = _left_padded()
@@ -371,6 +373,10 @@ def test_compiled_model_has_no_graph_breaks_and_equals_eager(decoder):
     for mine, theirs in zip(_layers(compiled_model), _layers(eager)):
         for name in ("window_balance", "key_scale_weight"):
             torch.testing.assert_close(getattr(mine.attention, name).grad, getattr(theirs.attention, name).grad)
+        if kernel == "hedgehog":
+            for a, b in zip(mine.attention.feature_map.parameters(), theirs.attention.feature_map.parameters()):
+                assert b.grad is not None
+                torch.testing.assert_close(a.grad, b.grad)
 
 
 @pytest.mark.parametrize("value", [None, 1, 64])

@@ -168,6 +168,34 @@ class ReluFeatures:
         return relu_features(x, self.projection, scale=self.scale, eps=self.eps)
 
 
+class _SoftmaxPair(torch.autograd.Function):
+    """[softmax(u), softmax(-u)] whose backward reads the features alone (see :func:`softmax_pair`)."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor) -> torch.Tensor:
+        phi = torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+        ctx.save_for_backward(phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (phi,) = ctx.saved_tensors
+        halves = phi.unflatten(-1, (2, -1))
+        product = halves * grad.unflatten(-1, (2, -1))
+        # softmax's Jacobian-vector product y (g - Σ y g) in each half, both at once and in place (one temporary of
+        # the features' size, as torch's own softmax backward); the second half's sign is -u's
+        product.addcmul_(halves, product.sum(-1, keepdim=True), value=-1.0)
+        return product[..., 0, :] - product[..., 1, :]
+
+
+def softmax_pair(u: torch.Tensor) -> torch.Tensor:
+    """Hedgehog's features from their projection u (..., m / 2): [softmax(u), softmax(-u)] (..., m).
+
+    Autograd keeps only the result, which the products after it keep anyway: composed of torch's ops it would also
+    keep both softmaxes' outputs (a second copy of the m features, per position) until the backward."""
+    return _SoftmaxPair.apply(u)
+
+
 class HedgehogFeatureMap(torch.nn.Module):
     """Hedgehog's learned feature map (Zhang et al., ICLR 2024, arXiv 2402.04347), a :class:`FeatureMap`.
 
@@ -283,7 +311,7 @@ class HedgehogFeatureMap(torch.nn.Module):
         bias = self.bias if shared else self.key_bias
         dtype = torch.promote_types(compute_dtype(x), weight.dtype)
         u = torch.einsum("bhnd,hdf->bhnf", x.to(dtype), weight.to(dtype)) + bias.to(dtype)[None, :, None, :]
-        return torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+        return softmax_pair(u)
 
     def extra_repr(self) -> str:
         return (

@@ -265,8 +265,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [(c - 1) blk, (c - 1) blk + frame)
         return passes(F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2))
 
-    def blocks(x):  # (b, h, n, e) -> per pass (b, h, nq, blk, e)
-        return passes(F.pad(x, (0, 0, 0, pad_end)).view(b, h, nb, blk, x.shape[-1]))
+    def blocks(x):  # (b, h, n, e) -> per pass (b, h, nq, blk, e); views of x when n fills its blocks (F.pad copies)
+        return passes((F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1]))
 
     kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
     qbs, pqbs, pkbs, vbs = blocks(q), blocks(pq), blocks(pk), blocks(vaug)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linearformers.modeling.attention import FeatureMap, hybrid_attention, linear_attention, native_available
-from linearformers.modeling.attention.feature_maps import HedgehogFeatureMap
+from linearformers.modeling.attention.feature_maps import HedgehogFeatureMap, softmax_pair
 from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
 
 B, H, N, D = 2, 2, 32, 16  # multiples of 16, for the native walk
@@ -97,6 +97,32 @@ def test_position_independence():
         a, b = phi(q, is_query=is_query), phi(changed, is_query=is_query)
         assert torch.equal(a[:, :, 3:5], b[:, :, 3:5])
         assert not torch.equal(a[:, :, 5:], b[:, :, 5:])
+
+
+def test_the_softmax_pair_equals_torch_softmaxes_and_passes_gradcheck():
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(2, 3, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    composed = torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1)
+    assert torch.equal(softmax_pair(u), composed)
+    assert torch.autograd.gradcheck(softmax_pair, (u,))
+    cot = torch.randn(composed.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(
+        torch.autograd.grad(softmax_pair(u), u, cot)[0], torch.autograd.grad(composed, u, cot)[0], rtol=0, atol=1e-15
+    )
+
+
+def test_backward_keeps_one_copy_of_the_features():
+    """Through the map and a product after it, autograd keeps the features once (the product's own saved input):
+    no tensor of the features' size or more that is not the features themselves."""
+    phi = _map(dtype=torch.float32)
+    q = _data(dtype=torch.float32)[0]
+    w = torch.randn(2 * D, 4)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        features = phi(q, is_query=True)
+        (features @ w).sum()
+    big = [t for t in saved if t.numel() >= features.numel()]
+    assert big and all(t.untyped_storage().data_ptr() == features.untyped_storage().data_ptr() for t in big)
 
 
 # 2. on the attention paths

@@ -47,6 +47,22 @@ def _mask(n, padding):
     return mask
 
 
+@pytest.mark.parametrize("window", [3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_length_that_fills_its_blocks_with_strided_inputs_equals_the_reference(causal, window):
+    """n = 12, a multiple of the window: the blocks are views of the inputs, here laid out (b, n, h, ·) and
+    transposed, as a model's heads are; outputs and gradients as the reference's."""
+    x = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in _inputs(12)[:5]]
+    gamma = _inputs(12)[5]
+    assert not x[0].is_contiguous()
+    out = hybrid_attention(*x, gamma, window, causal=causal)
+    ref = hybrid_reference(*x, gamma, window, causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    cot = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, x, cot), torch.autograd.grad(ref, x, cot)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("window", [1, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
