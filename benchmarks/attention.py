@@ -172,6 +172,12 @@ def worker(name: str, n: int, repeats: int, threads: int) -> dict:
     else:
         fn = _kernel(name, n)
         inputs = tuple(torch.randn(1, HEADS, n, DIM, requires_grad=True) for _ in range(3))
+    return forward_backward(fn, inputs, repeats)
+
+
+def forward_backward(fn, inputs: tuple[torch.Tensor, ...], repeats: int) -> dict:
+    """Forward + backward of ``fn`` on ``inputs`` ``repeats`` times after one warm-up: the best time, and the peak
+    resident memory above this point."""
     # a fixed upstream gradient, as attention inside a model gets: the loss's own ops are not timed
     grad = torch.randn(inputs[0].shape)  # outputs are shaped like the first input
     baseline = peak_rss_mb()

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
-from attention import DIM, HEADS, LEARNED, RESULTS, _kernel
-from isolated import emit, peak_rss_mb, run_isolated
+from attention import DIM, HEADS, LEARNED, RESULTS, _kernel, forward_backward
+from isolated import emit, run_isolated
 
 from linearformers.modeling.attention import feature_maps
 
@@ -57,20 +56,7 @@ def worker(variant: str, name: str, n: int, repeats: int, threads: int) -> dict:
         feature_maps.softmax_pair = composed  # HedgehogFeatureMap.forward looks the name up at each call
     fn = _kernel(name, n)
     inputs = tuple(torch.randn(1, HEADS, n, DIM, requires_grad=True) for _ in range(3))
-    grad = torch.randn(inputs[0].shape)
-    baseline = peak_rss_mb()
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        out = fn(*inputs)
-        out.backward(grad)
-        if i:
-            times.append(time.perf_counter() - t0)
-        for t in inputs:
-            t.grad = None
-        del out
-    peak = peak_rss_mb() - baseline
-    return {"seconds": min(times), "peak_mb": peak, "saved_mb": saved_bytes(fn, inputs) / 2**20}
+    return {**forward_backward(fn, inputs, repeats), "saved_mb": saved_bytes(fn, inputs) / 2**20}
 
 
 def main() -> None:
