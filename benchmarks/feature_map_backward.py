@@ -76,7 +76,8 @@ def main() -> None:
         return
     rows = []
     print(
-        "| kernel | n | kept for backward, composed → softmax_pair (MB) | peak MB, composed / softmax_pair (each pair) | seconds, composed / softmax_pair (each pair) |"
+        "| kernel | n | kept for backward, composed → softmax_pair (MB) | "
+        "peak MB, composed / softmax_pair (each pair) | seconds, composed / softmax_pair (each pair) |"
     )
     print("|---|---:|---|---|---|")
     for n in args.lengths:

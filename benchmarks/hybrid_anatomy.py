@@ -15,8 +15,8 @@ scales) after stage 1 (attention transfer), on the same 8 held-out evaluation bl
      the queries, per sequence and head: an oracle choice, no real model knows it) join every query's exact part.
   4. With ``--probe_layer L``: linear parts of other forms trained on layer L alone (the same per-layer loss as
      stage 1, 8 blocks a step, AdamW at ``--probe_lr`` with a cosine schedule, query and key scales from zero),
-     512 training blocks cycled, evaluated as in 1: Hedgehog's map with m = 64 and m = 256, unnormalized exponential features
-     phi(x) = exp([u, -u]), u = W x + b (m = 256), and Hedgehog's map on u = W x + b + W2 gelu(W1 x).
+     512 training blocks cycled, evaluated as in 1: Hedgehog's map with m = 64 and m = 256, unnormalized exponential
+     features phi(x) = exp([u, -u]), u = W x + b (m = 256), and Hedgehog's map on u = W x + b + W2 gelu(W1 x).
 
     python benchmarks/hybrid_anatomy.py --save /tmp/hybrid_stage1        # stage 1 (about 5 min), then 1-3
     python benchmarks/hybrid_anatomy.py --model_dir /tmp/hybrid_stage1 --probe_layer 2

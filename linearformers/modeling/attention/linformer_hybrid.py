@@ -17,8 +17,9 @@ Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B)
 window key of the block. The blocks go through in passes whose scores stay within 16 MB (hybrid._PASS_BYTES); under
 autograd each pass is checkpointed, so backward keeps only the passes' inputs and makes a pass's scores again when
 it reaches it (dropout's RNG state kept, so the masks are the same). Each query's softmax is its own, so the passes
-give the one-pass result exactly. Under torch.compile the op runs in one pass. Time O(n (3 w + k + S) d), memory O(n d) plus one pass's scores per head.
-Everything is computed in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
+give the one-pass result exactly. Under torch.compile the op runs in one pass. Time O(n (3 w + k + S) d); memory
+O((n + k) d) plus one pass's scores per head (all of them in one pass, under torch.compile). Everything is computed
+in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
 Encoders only: a causal Linformer's slots fill as the sequence goes, which this op does not model.
 """
 
