@@ -96,6 +96,8 @@ def _features(
             phi = tl.exp(u - tl.load(QOFF + qrow + ot, mask=tmask, other=0.0)[:, None])
         else:
             phi = tl.exp(u)
+        # rows past n: x = 0 gives query features up to exp(|w|²/2), inf for wide heads, and inf x 0 = NaN
+        phi = tl.where(tmask[:, None], phi, 0.0)
     return phi, x, w
 
 
@@ -162,7 +164,6 @@ def _forward(
     bh = tl.program_id(0).to(tl.int64)
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
-    first = tl.program_id(2) == 0  # the d-block that also carries the denominator
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
     if HAS_S0:
         s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :])
@@ -207,8 +208,9 @@ def _feature_grad(
         else:
             du = dphi * phi
         dx = tl.dot(_operand(du, OPS), _operand(w, OPS), input_precision=PREC)
-        if MAP == 1 and not IS_QUERY:
-            dx -= scale * x * tl.sum(du, 1)[:, None]
+        if MAP == 1:
+            if not IS_QUERY:
+                dx -= scale * x * tl.sum(du, 1)[:, None]
     return dx
 
 

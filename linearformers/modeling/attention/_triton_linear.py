@@ -73,20 +73,30 @@ def _import_triton():
     return triton
 
 
-def refusal(v: torch.Tensor, num_features: int, head_dim: int, chunk_size: int | None) -> str | None:
-    """Why the Triton kernels cannot run this call, or None when they can. ``head_dim``: the width of q and k that
-    the feature map reads (its projection's columns), or of v for given features."""
-    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"it computes float32, bfloat16 and float16 inputs, got {v.dtype} (use backend='chunked')"
-    for name, value in (("num_features", num_features), ("v's head_dim", v.shape[-1]), ("head_dim", head_dim)):
+def refusal(
+    v: torch.Tensor, num_features: int, chunk_size: int | None, *, inputs: tuple[torch.Tensor, ...] = ()
+) -> str | None:
+    """Why the Triton kernels cannot run this call, or None when they can. ``inputs``: the other tensors the kernels
+    read (q and k, or the features), whose dtypes and widths count too."""
+    for t in (v, *inputs):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"it computes float32, bfloat16 and float16 inputs, got {t.dtype} (backend='chunked' takes it)"
+    widths = [("num_features", num_features), ("v's head_dim", v.shape[-1])]
+    widths += [("the head_dim of q and k", t.shape[-1]) for t in inputs[:1]]
+    for name, value in widths:
         if value % 16:
             return f"{name} must be a multiple of 16 (its tile width), got {value}"
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
-        return f"chunk_size must be a power of two >= 16 (a tile's height), got {chunk_size}"
-    if _import_triton() is None:
+        return f"chunk_size must be a power of two >= 16 (its tile height), got {chunk_size}"
+    if not triton_importable():
         return "triton is not installed (pip install triton)"
-    if v.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"its kernels run on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 runs them on CPU)"
+    if v.device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return (
+                f"it runs on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
+            )
+        if torch.compiler.is_compiling():
+            return "torch.compile cannot trace Triton's interpreter (off CUDA)"
     return None
 
 
@@ -96,7 +106,7 @@ def _block(size: int) -> int:
 
 
 def kernels():
-    """The kernel module, imported on first use (Triton is imported with it)."""
+    """The kernel module, imported on first use (Triton with it)."""
     from . import _triton_kernels
 
     return _triton_kernels
@@ -111,6 +121,8 @@ class _Launch:
         self.m = q.shape[-1] if kernel == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
         self.grid = (b * h, self.m // _block(self.m), d // _block(d))
+        # a program holds ~10 tiles of C x 64 float32 at the largest blocks: 8 warps keep them in registers
+        self.warps = 8 if chunk * _block(self.m) >= 64 * 64 else 4
         # bf16 operands for bf16 inputs; under the interpreter, float32 operands rounded to bf16 (see _operand)
         ops = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if v.dtype == torch.bfloat16 else 0
         self.constants = dict(
@@ -165,7 +177,8 @@ class TritonCausalLinear(torch.autograd.Function):
         z0 = z0.float().contiguous() if has_s0 else None
         kern._forward[launch.grid](
             q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), num, den, s_out, z_out,
-            n, h, scale, root, eps, HAS_KEEP=keep is not None, HAS_S0=has_s0, **cst,
+            n, h, scale, root, eps,
+            HAS_KEEP=keep is not None, HAS_S0=has_s0, num_warps=launch.warps, **cst,
         )  # fmt: skip
         den = den.view(b, h, n, 1)
         out = num.view(b, h, n, d) / den.clamp_min(_TINY)
@@ -199,11 +212,11 @@ class TritonCausalLinear(torch.autograd.Function):
         w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
         kern._backward_q[launch.grid](
             q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), gn, gd, dq, n, h, scale, root, eps,
-            HAS_KEEP=keep is not None, HAS_S0=s0 is not None, **cst,
+            HAS_KEEP=keep is not None, HAS_S0=s0 is not None, num_warps=launch.warps, **cst,
         )  # fmt: skip
         kern._backward_kv[launch.grid](
             q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, ds0, dz0, n, h, scale, root, eps,
-            HAS_KEEP=keep is not None, **cst,
+            HAS_KEEP=keep is not None, num_warps=launch.warps, **cst,
         )  # fmt: skip
         state = s0 is not None
         return (
