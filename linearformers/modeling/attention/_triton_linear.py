@@ -45,12 +45,10 @@ under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first use), wh
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ._precision import outside_autocast
 
@@ -59,18 +57,19 @@ _TINY = 1e-30
 MAPS = {"features": 0, "softmax": 1, "relu": 2}
 
 
+_FOUND: dict[str, bool] = {}  # whether triton imports, checked once (a plain dict: torch.compile traces it)
+
+
 def triton_importable() -> bool:
-    """Whether ``import triton`` succeeds here (checked once)."""
-    return _import_triton() is not None
-
-
-@functools.cache
-def _import_triton():
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton
+    """Whether ``import triton`` succeeds here."""
+    if "triton" not in _FOUND:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _FOUND["triton"] = False
+        else:
+            _FOUND["triton"] = True
+    return _FOUND["triton"]
 
 
 def refusal(
@@ -90,13 +89,8 @@ def refusal(
         return f"chunk_size must be a power of two >= 16 (its tile height), got {chunk_size}"
     if not triton_importable():
         return "triton is not installed (pip install triton)"
-    if v.device.type != "cuda":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            return (
-                f"it runs on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
-            )
-        if torch.compiler.is_compiling():
-            return "torch.compile cannot trace Triton's interpreter (off CUDA)"
+    if v.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it runs on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
     return None
 
 
@@ -124,7 +118,7 @@ class _Launch:
         # a program holds ~10 tiles of C x 64 float32 at the largest blocks: 8 warps keep them in registers
         self.warps = 8 if chunk * _block(self.m) >= 64 * 64 else 4
         # bf16 operands for bf16 inputs; under the interpreter, float32 operands rounded to bf16 (see _operand)
-        ops = (2 if os.environ.get("TRITON_INTERPRET") == "1" else 1) if v.dtype == torch.bfloat16 else 0
+        ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
         self.constants = dict(
             M=self.m,
             D=d,
@@ -144,86 +138,125 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
-class TritonCausalLinear(torch.autograd.Function):
-    """Causal linear attention through the Triton kernels (module docstring). Inputs: q, k (b, h, n, d) with w (m, d)
-    and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None and kernel "features";
-    v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C (a power of two
-    >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None. Returns (out in v's dtype,
-    S (b, h, m, d_v), z (b, h, m) float32, lost): the final state and the count (0-dim) of positions whose every
-    visible key underflowed are not differentiable."""
+_FORWARD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
+    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
+    "Tensor out, Tensor den, str kernel, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
 
-    @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0, z0):
-        kern = kernels()
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        w = None if w is None else w.float().contiguous()
-        keep = None if keep is None else keep.float().contiguous()
-        launch = _Launch(q, v, w, kernel, chunk)
-        b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
-        cst = launch.constants
-        dev = v.device
-        root = math.sqrt(scale)
-        qoff = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
-        if kernel == "softmax":
-            kern._query_offsets[(b * h, -(-n // chunk))](
-                q, w, qoff, n, scale, root, m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
-            )
-        num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
-        den = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
-        s_out = torch.empty(b, h, m, d, dtype=torch.float32, device=dev)
-        z_out = torch.empty(b, h, m, dtype=torch.float32, device=dev)
-        has_s0 = s0 is not None
-        s0 = s0.float().contiguous() if has_s0 else None
-        z0 = z0.float().contiguous() if has_s0 else None
-        kern._forward[launch.grid](
-            q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), num, den, s_out, z_out,
-            n, h, scale, root, eps,
-            HAS_KEEP=keep is not None, HAS_S0=has_s0, num_warps=launch.warps, **cst,
-        )  # fmt: skip
-        den = den.view(b, h, n, 1)
-        out = num.view(b, h, n, d) / den.clamp_min(_TINY)
-        lost = den <= _TINY
-        if keep is not None:
-            lost = lost & (keep.cumsum(1) > 0)[:, None, :, None]
-        ctx.settings = (kernel, scale, eps, chunk)
-        ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den)
-        ctx.mark_non_differentiable(s_out, z_out, lost)
-        return out.to(v.dtype), s_out, z_out, lost.sum()
 
-    @staticmethod
-    @once_differentiable
-    @outside_autocast  # loss.backward() may be called inside autocast
-    def backward(ctx, g, _gs, _gz, _lost):
-        kern = kernels()
-        q, k, v, w, keep, qoff, s0, z0, out, den = ctx.saved_tensors
-        kernel, scale, eps, chunk = ctx.settings
-        launch = _Launch(q, v, w, kernel, chunk)
-        b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
-        cst = launch.constants
-        root = math.sqrt(scale)
-        inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
-        gn = (g.float() * inv).contiguous()
-        gd = -(gn * out).sum(-1).contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        ds0 = torch.empty(b, h, m, d, dtype=torch.float32, device=v.device)
-        dz0 = torch.empty(b, h, m, dtype=torch.float32, device=v.device)
-        w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
-        kern._backward_q[launch.grid](
-            q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), gn, gd, dq, n, h, scale, root, eps,
-            HAS_KEEP=keep is not None, HAS_S0=s0 is not None, num_warps=launch.warps, **cst,
-        )  # fmt: skip
-        kern._backward_kv[launch.grid](
-            q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, ds0, dz0, n, h, scale, root, eps,
-            HAS_KEEP=keep is not None, num_warps=launch.warps, **cst,
-        )  # fmt: skip
-        state = s0 is not None
-        return (
-            dq.to(q.dtype),
-            dk.to(k.dtype),
-            dv.to(v.dtype),
-            *(None,) * 6,
-            ds0 if state and ctx.needs_input_grad[9] else None,
-            dz0 if state and ctx.needs_input_grad[10] else None,
+def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The kernels' forward: (out float32 (b, h, n, d), D (b, h, n, 1), the queries' offsets (b·h, n), final S, z)."""
+    kern = kernels()
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    w = None if w is None else w.float().contiguous()
+    keep = None if keep is None else keep.float().contiguous()
+    launch = _Launch(q, v, w, kernel, chunk)
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    cst = launch.constants
+    dev = v.device
+    root = math.sqrt(scale)
+    qoff = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
+    if kernel == "softmax":
+        kern._query_offsets[(b * h, -(-n // chunk))](
+            q, w, qoff, n, scale, root, m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
         )
+    num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
+    den = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
+    s_out = torch.empty(b, h, m, d, dtype=torch.float32, device=dev)
+    z_out = torch.empty(b, h, m, dtype=torch.float32, device=dev)
+    has_s0 = s0 is not None
+    s0 = s0.float().contiguous() if has_s0 else s_out
+    z0 = z0.float().contiguous() if has_s0 else z_out
+    kern._forward[launch.grid](
+        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, s0, z0, num, den, s_out, z_out, n, h, scale, root, eps,
+        HAS_KEEP=keep is not None, HAS_S0=has_s0, num_warps=launch.warps, **cst,
+    )  # fmt: skip
+    den = den.view(b, h, n, 1)
+    return num.view(b, h, n, d).div_(den.clamp_min(_TINY)), den, qoff, s_out, z_out
+
+
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
+    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (zeros without a state)."""
+    kern = kernels()
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    w = None if w is None else w.float().contiguous()
+    keep = None if keep is None else keep.float().contiguous()
+    launch = _Launch(q, v, w, kernel, chunk)
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    cst = launch.constants
+    inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
+    gn = (g.float() * inv).contiguous()
+    gd = -(gn * out).sum(-1).contiguous()
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    ds0 = torch.zeros(b, h, m, d, dtype=torch.float32, device=v.device)
+    dz0 = torch.zeros(b, h, m, dtype=torch.float32, device=v.device)
+    w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
+    common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **cst)
+    kern._backward_q[launch.grid](
+        q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), gn, gd, dq, n, h, scale, math.sqrt(scale), eps,
+        HAS_S0=s0 is not None, **common,
+    )  # fmt: skip
+    kern._backward_kv[launch.grid](
+        q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, ds0, dz0, n, h, scale, math.sqrt(scale), eps, **common
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds0, dz0
+
+
+def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    b, h, n, d = v.shape
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    shapes = ((b, h, n, d), (b, h, n, 1), (b * h, n), (b, h, m, d), (b, h, m))
+    return tuple(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
+
+
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
+    b, h, _, d = v.shape
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return *grads, v.new_empty((b, h, m, d), dtype=torch.float32), v.new_empty((b, h, m), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
+    out, den, qoff, _, _ = output
+    ctx.settings = (kernel, scale, eps, chunk)
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den)
+
+
+@outside_autocast  # loss.backward() may be called inside autocast
+def _autograd_backward(ctx, g, _g_den, _g_qoff, _g_s, _g_z):
+    q, k, v, w, keep, qoff, s0, z0, out, den = ctx.saved_tensors
+    dq, dk, dv, ds0, dz0 = _backward_op(g, q, k, v, w, keep, qoff, s0, z0, out, den, *ctx.settings)
+    state = s0 is not None
+    return dq, dk, dv, None, None, ds0 if state else None, dz0 if state else None, None, None, None, None
+
+
+# Custom ops: torch.compile keeps each whole, one node in its graph (no graph break, nothing traced inside)
+_forward_op = torch.library.custom_op(
+    "linearformers::triton_causal_linear", _forward, mutates_args=(), schema=_FORWARD_SCHEMA
+)
+_backward_op = torch.library.custom_op(
+    "linearformers::triton_causal_linear_backward", _backward, mutates_args=(), schema=_BACKWARD_SCHEMA
+)
+_forward_op.register_fake(_forward_fake)
+_backward_op.register_fake(_backward_fake)
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z0=None):
+    """Causal linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q, k
+    (b, h, n, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None
+    and kernel "features"; v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
+    chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
+    Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
+    lost): the final state (detached) and the count (0-dim) of positions that see a real key yet whose every visible
+    key underflowed."""
+    out, den, _, s, z = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    lost = den.detach() <= _TINY
+    if keep is not None:
+        lost = lost & (keep.cumsum(1) > 0)[:, None, :, None]
+    return out.to(v.dtype), s.detach(), z.detach(), lost.sum()

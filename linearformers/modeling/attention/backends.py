@@ -14,8 +14,9 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
   state in registers chunk by chunk and, for FAVOR+ (softmax and ReLU maps), compute the features inside the kernel
   from q, k and the projection, so neither the feature maps nor per-chunk states reach memory; bf16 operands with
   float32 sums for bf16 inputs. The causal default on CUDA where Triton imports and the shapes allow (m, head_dim
-  multiples of 16, chunk a power of two >= 16, no float64), outside torch.compile. Named on the CPU it runs under
-  Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is refused otherwise.
+  multiples of 16, chunk a power of two >= 16, no float64); custom ops, so torch.compile keeps them whole, without
+  a graph break. Named on the CPU it runs under Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is
+  refused otherwise.
 * ``"blockwise"`` (:mod:`_favor_autograd`, bidirectional FAVOR+ only): feature maps built a block of positions at a
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
@@ -115,8 +116,7 @@ def choose_backend(
     call has the FAVOR+ map to fuse (False for precomputed features, which "blockwise" does not take); ``inputs``:
     q and k (or the features), which the Triton kernels check too.
 
-    None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it, outside
-    torch.compile; else "native" where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
+    None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native" where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
     None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
     data), "chunked" otherwise. "reference" with a state in or out is refused, as are "native" for bidirectional
     attention and "blockwise" for causal attention or given features."""
@@ -153,8 +153,7 @@ def choose_backend(
     if not causal:
         on_cpu = v.device.type == "cpu" and not torch.compiler.is_compiling()
         return "blockwise" if fused and on_cpu else "chunked"
-    on_cuda = v.device.type == "cuda" and not torch.compiler.is_compiling()
-    if on_cuda and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:
+    if v.device.type == "cuda" and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:
         return "triton"
     chunk = NATIVE_CHUNK if chunk_size is None else chunk_size
     return "native" if native_refusal(v, num_features, chunk, state_in=state_in) is None else "chunked"

@@ -36,7 +36,7 @@ from ._favor_chunked import (
     half_operands,
 )
 from ._precision import outside_autocast
-from ._triton_linear import TritonCausalLinear
+from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .feature_maps import KERNELS, favor_exponents, random_features
 from .reference import favor_reference
@@ -247,7 +247,7 @@ def favor_attention(
     elif chosen == "triton":  # the feature maps computed inside the kernels
         mask_f = None if mask is None else mask.float()
         chunk = chunk_size or TRITON_CHUNK
-        out, s, z, lost = TritonCausalLinear.apply(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk, None, None)
+        out, s, z, lost = triton_causal_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk, None, None)
     else:
         out, s, z, lost = FavorCausalChunked.apply(
             q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)

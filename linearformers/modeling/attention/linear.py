@@ -15,7 +15,7 @@ from ._checks import check_mask
 from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
 from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
-from ._triton_linear import TritonCausalLinear
+from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .reference import linear_reference
 
@@ -131,7 +131,7 @@ def linear_attention(
     if initial_state is not None:
         s_in, z_in = _state(initial_state, b, h, m, d, v.device)
     if chosen == "triton":
-        out, s, z, _ = TritonCausalLinear.apply(
+        out, s, z, _ = triton_causal_linear(
             phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK, s_in, z_in
         )
         return (out, (s, z)) if return_state else out

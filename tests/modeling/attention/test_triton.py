@@ -19,7 +19,7 @@ from linearformers.modeling.attention import (
     linear_attention,
     set_triton_kernels,
 )
-from linearformers.modeling.attention._triton_linear import TritonCausalLinear
+from linearformers.modeling.attention._triton_linear import triton_causal_linear
 from linearformers.modeling.attention.backends import choose_backend
 from linearformers.modeling.attention.feature_maps import random_features
 from linearformers.modeling.attention.reference import favor_reference, linear_reference
@@ -184,7 +184,7 @@ def test_keys_of_large_norm_are_redone_with_offsets(device):
     w = draw_random_features(m, d, seed=5, device=device)
     q, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 8))
     k = _randn(b, h, n, d, device=device, seed=7, dtype=torch.float32, scale=15.0)
-    *_, lost = TritonCausalLinear.apply(q, k, v, w, None, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    *_, lost = triton_causal_linear(q, k, v, w, None, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
     assert lost.item() > 0  # at offset 0 every feature of these keys underflows
     out = favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
     if device == "cpu":
@@ -192,6 +192,22 @@ def test_keys_of_large_norm_are_redone_with_offsets(device):
     else:
         expected = favor_attention(q, k, v, w, causal=True, backend="chunked").double()
     assert (out.double() - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_break(device):
+    """The kernels are custom ops: torch.compile(fullgraph=True) takes the whole call, the large-key check
+    included, and gives the eager output and gradients."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    w = draw_random_features(m, d, seed=5, device=device)
+    inputs = [_randn(b, h, 37, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8)]
+    grad = _randn(b, h, 37, d, device=device, seed=9)
+
+    def fn(q, k, v):
+        return favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-6, "compiled")
 
 
 def test_refusals(monkeypatch):
