@@ -145,6 +145,8 @@ def _forward(
     Z_OUT,
     n,
     H,
+    P,
+    L,
     scale,
     root,
     eps,
@@ -161,17 +163,20 @@ def _forward(
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
     if HAS_S0:
-        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + bh * M + om)
+        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
+        z = tl.load(Z0 + seg * M + om)
     else:
         s = tl.zeros((BM, BD), tl.float32)
         z = tl.zeros((BM,), tl.float32)
-    for c in range(0, n, C):
+    for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
         if HAS_KEEP:
@@ -191,8 +196,8 @@ def _forward(
         tl.atomic_add(DEN + qrow + ot, den, mask=tmask & (ot * 0 + tl.program_id(2) == 0))
         s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
         z += tl.sum(pk, 0)
-    tl.store(S_OUT + bh * M * D + om[:, None] * D + od[None, :], s)
-    tl.store(Z_OUT + bh * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
+    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
 
 
 @triton.jit
@@ -239,6 +244,8 @@ def _backward_q(
     DQ,
     n,
     H,
+    P,
+    L,
     scale,
     root,
     eps,
@@ -255,18 +262,21 @@ def _backward_q(
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
     if HAS_S0:
-        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + bh * M + om)
+        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
+        z = tl.load(Z0 + seg * M + om)
     else:
         s = tl.zeros((BM, BD), tl.float32)
         z = tl.zeros((BM,), tl.float32)
-    for c in range(0, n, C):
+    for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
         if HAS_KEEP:
@@ -302,10 +312,14 @@ def _backward_kv(
     GD,
     DK,
     DV,
+    DS_IN,
+    DZ_IN,
     DS0,
     DZ0,
     n,
     H,
+    P,
+    L,
     scale,
     root,
     eps,
@@ -318,19 +332,27 @@ def _backward_kv(
     BD: tl.constexpr,
     MAP: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    HAS_LATER: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    ds = tl.zeros((BM, BD), tl.float32)
-    dz = tl.zeros((BM,), tl.float32)
-    chunks = tl.cdiv(n, C)
+    if HAS_LATER:  # the gradient of this segment's end state from later segments
+        ds = tl.load(DS_IN + seg * M * D + om[:, None] * D + od[None, :])
+        dz = tl.load(DZ_IN + seg * M + om)
+    else:
+        ds = tl.zeros((BM, BD), tl.float32)
+        dz = tl.zeros((BM,), tl.float32)
+    chunks = tl.cdiv(end - start, C)
     for i in range(0, chunks):
-        ot = (chunks - 1 - i) * C + tl.arange(0, C)
+        ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
         tmask = ot < n
         if HAS_KEEP:
             keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
@@ -357,5 +379,65 @@ def _backward_kv(
         tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None])
         ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
         dz += tl.sum(pq * gd[:, None], 0)
-    tl.store(DS0 + bh * M * D + om[:, None] * D + od[None, :], ds)
-    tl.store(DZ0 + bh * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
+    tl.store(DS0 + seg * M * D + om[:, None] * D + od[None, :], ds)
+    tl.store(DZ0 + seg * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
+
+
+@triton.jit
+def _segment_sums(
+    X,
+    Y,
+    G,
+    W,
+    KEEP,
+    QOFF,
+    S_OUT,
+    Z_OUT,
+    n,
+    H,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    QUERIES: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Each segment's sums, which the segments before (forward) or after it (backward) need: keys (X = K, Y = V),
+    Σ phi_k vᵀ and Σ phi_k; queries (X = Q, Y = gn, G = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
+    seg = tl.program_id(0).to(tl.int64)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    s = tl.zeros((BM, BD), tl.float32)
+    z = tl.zeros((BM,), tl.float32)
+    for c in range(start, end, C):
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        phi, _x, _w = _features(
+            X, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, QUERIES, OPS, PREC
+        )
+        if QUERIES:
+            weight = tl.load(G + qrow + ot, mask=tmask, other=0.0)
+        else:
+            weight = tmask.to(tl.float32)
+            if HAS_KEEP:
+                phi = phi * tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)[:, None]
+        y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        s += tl.dot(_operand(tl.trans(phi), OPS), _operand(y, OPS), input_precision=PREC)
+        z += tl.sum(phi * weight[:, None], 0)
+    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
+    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)

@@ -14,6 +14,13 @@ computed from q, k and BM rows of the projection: they never reach HBM), the int
 to float32 buffers with ``tl.atomic_add``: every m-block's share of N and D adds up to the whole (phi_q·phi_k is a
 sum over features), so out = N / D afterwards, in torch. Then S += phi_kᵀ V, z += Σ phi_k.
 
+Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
+H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
+(:func:`_segments`: about two programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
+phi_kᵀ V and phi_k; their exclusive prefix over segments (P (m, d) states per head, in torch) is the state each
+segment's walk starts from. Backward does the same with the queries' Σ phi_q gnᵀ and Σ phi_q gd, summed over the
+segments after each one.
+
 Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, float32, from the saved output and D):
 
     dphi_q,t = Σ_{s <= t, same chunk} (gn_t·v_s + gd_t) phi_k,s + S gn_t + z gd_t       (forward walk, ``_backward_q``)
@@ -26,21 +33,28 @@ m-blocks for dv) is again atomically added. Through the FAVOR+ maps (inside the 
 ``_favor_chunked._through_features``): du = dphi · phi (softmax) or dphi where W x' > 0 (relu), dx = s^½ du W, less
 s x Σ_m du for the softmax map's keys (their -|x'|²/2); the queries' per-row terms cancel in N / D.
 
-Kept for backward: the inputs, the output and D in float32, the queries' row offsets (softmax map, one float per
-position), and the initial state; nothing of size (n, m) and no per-chunk state. Backward recomputes the features.
+The softmax map's queries are taken relative to their largest exponent over all m features (a factor per query,
+which cancels in N / D, but must be the same in every m-block): a first small kernel (``_query_offsets``) computes
+it, one float per position.
+
+Kept for backward: the inputs, the output and D in float32, the queries' offsets and the initial state; nothing of
+size (n, m) and no per-chunk state. Backward recomputes the features and the segments' starting states.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
 products' operands are bf16 (tensor cores), as in the chunked backend: features, v, scores, the state read by the
 queries, gn; the exponents' product x W runs as two bf16 products, x W_hi + x W_lo with W = W_hi + W_lo, exact to
-~2⁻¹⁶ since x is bf16 already, so the features keep float32 accuracy. Other inputs compute in float32 throughout
-(``input_precision="ieee"``: no TF32). float64 is refused (:func:`refusal`).
+~2⁻¹⁶ since x is bf16 already, so the features keep float32 accuracy. Under the interpreter, whose bf16 products
+are wrong, the same operands are float32 values rounded to bf16. float32 and fp16 inputs compute in float32
+throughout (``input_precision="ieee"``: no TF32). float64 is refused (:func:`refusal`).
 
 Keys of large norm: keys' features are taken at offset 0 (exp(-|w - k'|²/2) <= 1), as in the chunked backend; a
 position whose every visible key underflowed has D = 0 and is counted in ``lost``, so favor_attention redoes such
 calls with the per-position offsets of :func:`_favor_chunked.favor_causal_offsets`.
 
-Triton is imported on first use (:func:`kernels`), so the library imports without it. Off CUDA the kernels run only
-under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first use), which the CPU tests use.
+The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
+torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
+the library imports without it. Off CUDA the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is first imported), which the CPU tests use.
 """
 
 from __future__ import annotations
@@ -109,8 +123,9 @@ def kernels():
 class _Launch:
     """One call's shapes, grid and the kernels' compile-time settings."""
 
-    def __init__(self, q, v, w, kernel, chunk):
+    def __init__(self, q, v, w, kernel, chunk, scale, eps):
         b, h, n, d = v.shape
+        self.chunk, self.scale, self.eps = chunk, scale, eps
         self.b, self.h, self.n, self.d = b, h, n, d
         self.m = q.shape[-1] if kernel == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
@@ -148,62 +163,117 @@ _BACKWARD_SCHEMA = (
 )
 
 
-def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
-    """The kernels' forward: (out float32 (b, h, n, d), D (b, h, n, 1), the queries' offsets (b·h, n), final S, z)."""
-    kern = kernels()
+def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
+    """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
+    has about two programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
+    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_starts`). The
+    interpreter takes 8 programs, so that the CPU tests cross segments."""
+    chunks = -(-launch.n // launch.chunk)
+    programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    per_segment = -(-chunks // max(1, min(chunks, -(-target // programs))))
+    length = per_segment * launch.chunk
+    return -(-launch.n // length), length
+
+
+def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, queries):
+    """The state each segment starts from, ((b·h·P, m, d), (b·h·P, m)) float32: forward (keys), ``first`` (the
+    initial state or None) plus the sums of the segments before; backward (queries), the sums of those after."""
+    (count, length), b, h, m, d = segments, launch.b, launch.h, launch.m, launch.d
+    sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
+    z_sums = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
+    kern._segment_sums[(b * h * count, *launch.grid[1:])](
+        x, y, _or(g, qoff), _or(w, qoff), _or(keep, qoff), qoff, sums, z_sums, launch.n, h, count, length,
+        launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
+        num_warps=launch.warps, **launch.constants,
+    )  # fmt: skip
+    sums, z_sums = sums.view(b * h, count, m, d), z_sums.view(b * h, count, m)
+    if queries:  # Σ over later segments: a reverse cumsum, shifted
+        sums, z_sums = (t.flip(1).cumsum(1).flip(1) - t for t in (sums, z_sums))
+    else:
+        sums, z_sums = (t.cumsum(1) - t for t in (sums, z_sums))
+        if first is not None:
+            sums = sums + first[0].float().reshape(b * h, 1, m, d)
+            z_sums = z_sums + first[1].float().reshape(b * h, 1, m)
+    return sums.reshape(b * h * count, m, d).contiguous(), z_sums.reshape(b * h * count, m).contiguous()
+
+
+def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
     q, k, v = (t.contiguous() for t in (q, k, v))
     w = None if w is None else w.float().contiguous()
     keep = None if keep is None else keep.float().contiguous()
-    launch = _Launch(q, v, w, kernel, chunk)
+    launch = _Launch(q, v, w, kernel, chunk, scale, eps)
+    return q, k, v, w, keep, launch, _segments(launch, v.device)
+
+
+def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The kernels' forward: (out float32 (b, h, n, d), D (b, h, n, 1), the queries' offsets (b·h, n), final S, z)."""
+    kern = kernels()
+    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     cst = launch.constants
     dev = v.device
-    root = math.sqrt(scale)
     qoff = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
     if kernel == "softmax":
         kern._query_offsets[(b * h, -(-n // chunk))](
-            q, w, qoff, n, scale, root, m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
+            q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
         )
+    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
     num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
     den = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
-    s_out = torch.empty(b, h, m, d, dtype=torch.float32, device=dev)
-    z_out = torch.empty(b, h, m, dtype=torch.float32, device=dev)
-    has_s0 = s0 is not None
-    s0 = s0.float().contiguous() if has_s0 else s_out
-    z0 = z0.float().contiguous() if has_s0 else z_out
-    kern._forward[launch.grid](
-        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, s0, z0, num, den, s_out, z_out, n, h, scale, root, eps,
-        HAS_KEEP=keep is not None, HAS_S0=has_s0, num_warps=launch.warps, **cst,
+    count, length = segments
+    s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
+    z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
+    kern._forward[(b * h * count, *launch.grid[1:])](
+        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, *(starts or (s_out, z_out)), num, den, s_out, z_out, n, h,
+        count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_S0=starts is not None,
+        num_warps=launch.warps, **cst,
     )  # fmt: skip
     den = den.view(b, h, n, 1)
-    return num.view(b, h, n, d).div_(den.clamp_min(_TINY)), den, qoff, s_out, z_out
+    s_end = s_out.view(b, h, count, m, d)[:, :, -1].contiguous()
+    z_end = z_out.view(b, h, count, m)[:, :, -1].contiguous()
+    return num.view(b, h, n, d).div_(den.clamp_min(_TINY)), den, qoff, s_end, z_end
+
+
+def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
+    """Each segment's starting state (:func:`_segment_starts`), or the initial state itself (or None) for one."""
+    if segments[0] > 1:
+        first = None if s0 is None else (s0, z0)
+        return _segment_starts(kern, launch, k, v, None, w, keep, qoff, first, segments, queries=False)
+    return None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
 
 
 def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (zeros without a state)."""
     kern = kernels()
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    w = None if w is None else w.float().contiguous()
-    keep = None if keep is None else keep.float().contiguous()
-    launch = _Launch(q, v, w, kernel, chunk)
+    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
-    cst = launch.constants
+    count, length = segments
     inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
     gn = (g.float() * inv).contiguous()
     gd = -(gn * out).sum(-1).contiguous()
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    ds0 = torch.zeros(b, h, m, d, dtype=torch.float32, device=v.device)
-    dz0 = torch.zeros(b, h, m, dtype=torch.float32, device=v.device)
+    ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
+    dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
+    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
+    later = None
+    if count > 1:
+        later = _segment_starts(kern, launch, q, gn, gd, w, keep, qoff, None, segments, queries=True)
+    grid = (b * h * count, *launch.grid[1:])
     w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
-    common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **cst)
-    kern._backward_q[launch.grid](
-        q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), gn, gd, dq, n, h, scale, math.sqrt(scale), eps,
-        HAS_S0=s0 is not None, **common,
+    common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **launch.constants)
+    root = math.sqrt(scale)
+    kern._backward_q[grid](
+        q, k, v, w_arg, keep_arg, qoff, *(starts or (ds0, dz0)), gn, gd, dq, n, h, count, length, scale, root, eps,
+        HAS_S0=starts is not None, **common,
     )  # fmt: skip
-    kern._backward_kv[launch.grid](
-        q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, ds0, dz0, n, h, scale, math.sqrt(scale), eps, **common
-    )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds0, dz0
+    kern._backward_kv[grid](
+        q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, *(later or (ds0, dz0)), ds0, dz0, n, h, count, length, scale,
+        root, eps, HAS_LATER=later is not None, **common,
+    )  # fmt: skip
+    ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()  # the first segment's walk ends at the start
+    dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds_first, dz_first
 
 
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
