@@ -207,7 +207,7 @@ def test_compiles_without_graph_break(device):
         return favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-6, "compiled")
+    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-5, "compiled")  # atomics: any order
 
 
 def test_refusals(monkeypatch):
