@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA, Triton's interpreter runs the Triton kernels' tests (tests/modeling/attention/test_triton.py). It
+# must be set before triton is first imported (torch imports it with torch._dynamo), since triton's own library
+# functions are decorated then. Scripts started by run_script do not inherit it.
+_INTERPRET = "TRITON_INTERPRET"
+if not torch.cuda.is_available():
+    os.environ.setdefault(_INTERPRET, "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
@@ -59,10 +65,12 @@ def load_script(path: Path):
 
 
 def run_script(path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a script in a fresh interpreter from its own folder; fails the test with its stderr's tail unless it
-    exits 0."""
+    """Run a script in a fresh interpreter from its own folder, without TRITON_INTERPRET (scripts measure or use the
+    compiled backends); fails the test with its stderr's tail unless it exits 0."""
+    env = {key: value for key, value in os.environ.items() if key != _INTERPRET}
     done = subprocess.run(
         [sys.executable, str(path), *args],
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,7 +1,15 @@
-"""Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch."""
+"""Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch (and Triton,
+lazily, when a call runs its kernels)."""
 
 from ._native import available as native_available
-from .backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS, native_walk_enabled, set_native_walk
+from .backends import (
+    BACKENDS,
+    BIDIRECTIONAL_BACKENDS,
+    CAUSAL_BACKENDS,
+    native_walk_enabled,
+    set_native_walk,
+    set_triton_kernels,
+)
 from .favor import draw_random_features, favor_attention, favor_features, favor_step
 from .feature_maps import (
     KERNELS,
@@ -68,6 +76,7 @@ __all__ = [
     "num_relative_positions",
     "relu_features",
     "set_native_walk",
+    "set_triton_kernels",
     "softmax_attention",
     "uncompact",
 ]

@@ -10,26 +10,36 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
 * ``"native"`` (:mod:`_native`, causal only): the compiled CPU walk, carrying one state chunk by chunk with every
   product in its own AVX2 GEMM, which keeps its operands in cache; the causal default on x86-64 CPUs where it is
   built and the shapes allow (head_dim, m and the chunk multiples of 16).
+* ``"triton"`` (:mod:`_triton_linear`, causal only): fused Triton kernels, forward and backward, that carry the
+  state in registers chunk by chunk and, for FAVOR+ (softmax and ReLU maps), compute the features inside the kernel
+  from q, k and the projection, so neither the feature maps nor per-chunk states reach memory; bf16 operands with
+  float32 sums for bf16 inputs. The causal default on CUDA where Triton imports and the shapes allow (m, head_dim
+  multiples of 16, chunk a power of two >= 16, no float64); custom ops, so torch.compile keeps them whole, without
+  a graph break. Named on the CPU it runs under Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is
+  refused otherwise.
 * ``"blockwise"`` (:mod:`_favor_autograd`, bidirectional FAVOR+ only): feature maps built a block of positions at a
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
 
 ``backend=None`` picks as above. :func:`set_native_walk` is the public switch that turns the native walk off for
-automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being built at all); a named backend is always
-taken as asked, or refused with a ValueError saying why it cannot run.
+automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being built at all), :func:`set_triton_kernels`
+the one for the Triton kernels; a named backend is always taken as asked, or refused with a ValueError saying why
+it cannot run.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _triton_linear
 from ._native import available as native_available
 
-BACKENDS = ("reference", "chunked", "native", "blockwise")
-CAUSAL_BACKENDS = ("reference", "chunked", "native")  # what causal calls may name
+BACKENDS = ("reference", "chunked", "native", "blockwise", "triton")
+CAUSAL_BACKENDS = ("reference", "chunked", "native", "triton")  # what causal calls may name
 BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise")  # what bidirectional FAVOR+ may name
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
-_SETTINGS = {"native": True}
+TRITON_CHUNK = _triton_linear.DEFAULT_CHUNK
+_SETTINGS = {"native": True, "triton": True}
 
 
 def set_native_walk(enabled: bool) -> bool:
@@ -41,6 +51,26 @@ def set_native_walk(enabled: bool) -> bool:
         raise TypeError(f"set_native_walk takes a bool, got {type(enabled).__name__}")
     previous, _SETTINGS["native"] = _SETTINGS["native"], enabled
     return previous
+
+
+def set_triton_kernels(enabled: bool) -> bool:
+    """Switch the Triton kernels on or off for ``backend=None`` calls; returns the previous setting.
+
+    Off, causal attention on CUDA runs the chunked backend. A call that names ``backend="triton"`` is refused while
+    it is off."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_triton_kernels takes a bool, got {type(enabled).__name__}")
+    previous, _SETTINGS["triton"] = _SETTINGS["triton"], enabled
+    return previous
+
+
+def triton_refusal(
+    v: torch.Tensor, num_features: int, chunk_size: int | None, *, inputs: tuple[torch.Tensor, ...] = ()
+) -> str | None:
+    """Why the Triton kernels cannot run this call, or None when they can (``inputs``: q and k, or the features)."""
+    if not _SETTINGS["triton"]:
+        return "it is switched off (set_triton_kernels(False))"
+    return _triton_linear.refusal(v, num_features, chunk_size, inputs=inputs)
 
 
 def native_walk_enabled() -> bool:
@@ -80,11 +110,13 @@ def choose_backend(
     state_in: bool = False,
     state_out: bool = False,
     fused: bool = True,
+    inputs: tuple[torch.Tensor, ...] = (),
 ) -> str:
     """The backend a call runs, from BACKENDS; ``chunk_size`` None means each backend's default; ``fused``: the
-    call has the FAVOR+ map to fuse (False for precomputed features, which "blockwise" does not take).
+    call has the FAVOR+ map to fuse (False for precomputed features, which "blockwise" does not take); ``inputs``:
+    q and k (or the features), which the Triton kernels check too.
 
-    None, causal: "native" where :func:`native_refusal` finds nothing against it, "chunked" otherwise.
+    None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native" where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
     None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
     data), "chunked" otherwise. "reference" with a state in or out is refused, as are "native" for bidirectional
     attention and "blockwise" for causal attention or given features."""
@@ -103,6 +135,15 @@ def choose_backend(
         if reason is not None:
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "native"
+    if backend == "triton":
+        if not causal:
+            raise ValueError(
+                "backend='triton' is the causal kernel; bidirectional attention runs 'chunked' or 'blockwise'"
+            )
+        reason = triton_refusal(v, num_features, chunk_size, inputs=inputs)
+        if reason is not None:
+            raise ValueError(f"backend='triton' cannot run this call: {reason}")
+        return "triton"
     if backend == "blockwise":
         if causal or not fused:
             raise ValueError("backend='blockwise' is bidirectional FAVOR+ with its own feature map; use 'chunked'")
@@ -112,5 +153,7 @@ def choose_backend(
     if not causal:
         on_cpu = v.device.type == "cpu" and not torch.compiler.is_compiling()
         return "blockwise" if fused and on_cpu else "chunked"
+    if v.device.type == "cuda" and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:
+        return "triton"
     chunk = NATIVE_CHUNK if chunk_size is None else chunk_size
     return "native" if native_refusal(v, num_features, chunk, state_in=state_in) is None else "chunked"

@@ -36,7 +36,8 @@ from ._favor_chunked import (
     half_operands,
 )
 from ._precision import outside_autocast
-from .backends import NATIVE_CHUNK, choose_backend
+from ._triton_linear import triton_causal_linear
+from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .feature_maps import KERNELS, favor_exponents, random_features
 from .reference import favor_reference
 from .seeds import mix_seed
@@ -160,15 +161,17 @@ def favor_attention(
         projection: (num_features, head_dim) random features from :func:`draw_random_features`.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked), 32 for the native walk.
+        chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked) and the Triton kernels, 32
+            for the native walk.
         block_size: positions per block: the bidirectional kernel builds its feature maps this many positions at a
             time (default 256), and the native walk keeps its state for backward every block (rounded to whole
             chunks; default 16 chunks). Memory against per-block overhead; results do not depend on it.
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
             S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
         return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
-        backend: None, "chunked", "native" (causal), "blockwise" (bidirectional) or "reference"; see
-            :mod:`backends` (None: causal, the compiled CPU walk where it runs and the chunked backend elsewhere;
+        backend: None, "chunked", "native" or "triton" (causal), "blockwise" (bidirectional) or "reference"; see
+            :mod:`backends` (None: causal, the Triton kernels on CUDA, the compiled CPU walk where it runs and the
+            chunked backend elsewhere;
             bidirectional, the blockwise kernel on the CPU and the chunked one elsewhere and under torch.compile).
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
@@ -196,7 +199,14 @@ def favor_attention(
         )
     state_in = initial_state is not None
     chosen = choose_backend(
-        backend, v, projection.shape[0], chunk_size, causal=causal, state_in=state_in, state_out=return_state
+        backend,
+        v,
+        projection.shape[0],
+        chunk_size,
+        causal=causal,
+        state_in=state_in,
+        state_out=return_state,
+        inputs=(q, k),
     )
     if chosen == "reference":
         return favor_reference(
@@ -234,6 +244,10 @@ def favor_attention(
         chunk = chunk_size or NATIVE_CHUNK
         block_chunks = None if block_size is None else max(1, block_size // chunk)
         out, s, z, lost = FavorCausalNative.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk, block_chunks)
+    elif chosen == "triton":  # the feature maps computed inside the kernels
+        mask_f = None if mask is None else mask.float()
+        chunk = chunk_size or TRITON_CHUNK
+        out, s, z, lost = triton_causal_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk, None, None)
     else:
         out, s, z, lost = FavorCausalChunked.apply(
             q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)

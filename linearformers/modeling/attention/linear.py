@@ -15,7 +15,8 @@ from ._checks import check_mask
 from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
 from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
-from .backends import NATIVE_CHUNK, choose_backend
+from ._triton_linear import triton_causal_linear
+from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .reference import linear_reference
 
 _TINY = 1e-30
@@ -62,6 +63,11 @@ def _state(state, b, h, m, d, device):
     return s.float(), z.float()
 
 
+def _keep(mask):
+    """The Triton kernels' key mask: (b, n) float, 1 for real keys, or None."""
+    return None if mask is None else mask.float()
+
+
 @outside_autocast
 def linear_attention(
     phi_q: torch.Tensor,
@@ -82,10 +88,10 @@ def linear_attention(
         v: (batch, heads, length, d_v).
         causal: position t attends to keys <= t.
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk; None: each backend's default (64 chunked, 32 native).
+        chunk_size: causal chunk; None: each backend's default (64 chunked and triton, 32 native).
         initial_state: causal only, the (S, z) of an earlier call (continued prefill).
         return_state: causal only, also return the final (S, z).
-        backend: None (see :mod:`backends`), "reference", "chunked" or "native".
+        backend: None (see :mod:`backends`), "reference", "chunked", "native" or "triton" (causal).
 
     Gradients reach phi_q, phi_k and v (and the initial state), so a learned map trains through any backend.
     Returns (batch, heads, length, d_v) in v's dtype, and the state when ``return_state``.
@@ -107,6 +113,7 @@ def linear_attention(
         state_in=initial_state is not None,
         state_out=return_state,
         fused=False,
+        inputs=(phi_q, phi_k),
     )
     if chosen == "native" and d % 16:  # the walk's tile also spans v's width
         if backend == "native":
@@ -120,9 +127,16 @@ def linear_attention(
     if chosen == "native":
         out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, keep, chunk_size or NATIVE_CHUNK, None)
         return (out, (s, z)) if return_state else out
-    s0 = None
+    s_in = z_in = None
     if initial_state is not None:
         s_in, z_in = _state(initial_state, b, h, m, d, v.device)
+    if chosen == "triton":
+        out, s, z, _ = triton_causal_linear(
+            phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK, s_in, z_in
+        )
+        return (out, (s, z)) if return_state else out
+    s0 = None
+    if initial_state is not None:
         s0 = torch.cat([s_in, z_in[..., None]], -1)
     out, s, z, _ = FavorCausalChunked.apply(
         phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, chunk_size or DEFAULT_CHUNK, s0, half_operands(v)

@@ -1,0 +1,443 @@
+"""The Triton kernels of :mod:`_triton_linear` (read its docstring for the algorithm, the grid and the precision).
+
+Imported only when a call runs them, so that the library imports without Triton. Only long-stable ``tl`` APIs
+(loads and stores with masks, ``tl.dot``, ``tl.atomic_add``, ``tl.exp``, reductions): the kernels must compile with
+Triton 3.6 as with the current release, and run under its interpreter (``TRITON_INTERPRET=1``) on the CPU.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _operand(x, OPS: tl.constexpr):
+    """A product's operand: OPS 0 float32 as it is, 1 bf16 (tensor cores), 2 bf16-rounded float32 (the interpreter,
+    whose bf16 products are wrong, computes the same rounding this way)."""
+    if OPS == 1:
+        x = x.to(tl.bfloat16)
+    elif OPS == 2:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _exponents(
+    X,
+    W,
+    row,
+    ot,
+    tmask,
+    om,
+    scale,
+    root,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    MAP: tl.constexpr,
+    IS_QUERY: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The exponents u (C, BM) of the chunk's rows ``ot`` (row-major (n, XD) at X + row) for the BM rows ``om``
+    of W, float32, with the inputs x (C, XDP) and W' = s^½ W (BM, XDP) they came from. Softmax map: keys
+    w·x' - |x'|²/2 - |w|²/2, queries w·x' - |x'|²/2 + |w|²/2; relu map: w·x'."""
+    ox = tl.arange(0, XDP)
+    xmask = ox < XD
+    x = tl.load(X + row + ot[:, None] * XD + ox[None, :], mask=tmask[:, None] & xmask[None, :], other=0.0)
+    x = x.to(tl.float32)
+    w = tl.load(W + om[:, None] * XD + ox[None, :], mask=xmask[None, :], other=0.0) * root
+    if OPS > 0:  # x is bf16 already; W' = W_hi + W_lo, each bf16: the product keeps ~16 bits
+        w_hi = _operand(w, OPS)
+        w_lo = _operand(w - w_hi.to(tl.float32), OPS)
+        xb = _operand(x, OPS)
+        u = tl.dot(xb, tl.trans(w_hi), input_precision=PREC) + tl.dot(xb, tl.trans(w_lo), input_precision=PREC)
+    else:
+        u = tl.dot(x, tl.trans(w), input_precision=PREC)
+    if MAP == 1:
+        half_x = 0.5 * scale * tl.sum(x * x, 1)
+        half_w = 0.5 * tl.sum(w * w, 1)
+        if IS_QUERY:
+            u = u - half_x[:, None] + half_w[None, :]
+        else:
+            u = u - half_x[:, None] - half_w[None, :]
+    return u, x, w
+
+
+@triton.jit
+def _features(
+    X,
+    W,
+    QOFF,
+    row,
+    qrow,
+    ot,
+    tmask,
+    om,
+    scale,
+    root,
+    eps,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    MAP: tl.constexpr,
+    IS_QUERY: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(C, BM) float32 features of the chunk's rows for the m-block ``om``, and the x, W' of
+    :func:`_exponents` (MAP 0, given features: X holds them, and the two others are the features again)."""
+    if MAP == 0:
+        phi = tl.load(X + row + ot[:, None] * XD + om[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        x = phi
+        w = phi
+    else:
+        u, x, w = _exponents(X, W, row, ot, tmask, om, scale, root, XD, XDP, MAP, IS_QUERY, OPS, PREC)
+        if MAP == 2:
+            phi = tl.maximum(u, 0.0) + eps
+        elif IS_QUERY:  # the row's largest exponent taken off: cancels in N / D
+            phi = tl.exp(u - tl.load(QOFF + qrow + ot, mask=tmask, other=0.0)[:, None])
+        else:
+            phi = tl.exp(u)
+        # rows past n: x = 0 gives query features up to exp(|w|²/2), inf for wide heads, and inf x 0 = NaN
+        phi = tl.where(tmask[:, None], phi, 0.0)
+    return phi, x, w
+
+
+@triton.jit
+def _query_offsets(
+    Q,
+    W,
+    QOFF,
+    n,
+    scale,
+    root,
+    M: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The softmax map's query offsets: the largest of the m exponents w·q' - |q'|²/2 + |w|²/2, per position."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * C + tl.arange(0, C)
+    tmask = ot < n
+    top = tl.full((C,), -float("inf"), tl.float32)
+    for mb in range(0, M, BM):
+        om = mb + tl.arange(0, BM)
+        u, _x, _w = _exponents(Q, W, bh * n * XD, ot, tmask, om, scale, root, XD, XDP, 1, True, OPS, PREC)
+        top = tl.maximum(top, tl.max(u, 1))
+    tl.store(QOFF + bh * n + ot, top, mask=tmask)
+
+
+@triton.jit
+def _forward(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    S0,
+    Z0,
+    NUM,
+    DEN,
+    S_OUT,
+    Z_OUT,
+    n,
+    H,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    if HAS_S0:
+        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
+        z = tl.load(Z0 + seg * M + om)
+    else:
+        s = tl.zeros((BM, BD), tl.float32)
+        z = tl.zeros((BM,), tl.float32)
+    for c in range(start, end, C):
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        if HAS_KEEP:
+            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
+        else:
+            keep = tmask.to(tl.float32)
+        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        scores = tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
+        scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
+        num = tl.dot(_operand(scores, OPS), _operand(vv, OPS), input_precision=PREC)
+        num += tl.dot(_operand(pq, OPS), _operand(s, OPS), input_precision=PREC)
+        den = tl.sum(scores, 1) + tl.sum(pq * z[None, :], 1)
+        tl.atomic_add(NUM + vrow + ot[:, None] * D + od[None, :], num, mask=tmask[:, None])
+        tl.atomic_add(DEN + qrow + ot, den, mask=tmask & (ot * 0 + tl.program_id(2) == 0))
+        s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
+        z += tl.sum(pk, 0)
+    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
+    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+
+
+@triton.jit
+def _feature_grad(
+    dphi, phi, x, w, scale, eps, MAP: tl.constexpr, IS_QUERY: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr
+):
+    """dL/dx (C, XDP) of this m-block's features from dL/dphi (C, BM); MAP 0: dphi itself."""
+    if MAP == 0:
+        dx = dphi
+    else:
+        if MAP == 2:
+            du = tl.where(phi > eps, dphi, 0.0)
+        else:
+            du = dphi * phi
+        dx = tl.dot(_operand(du, OPS), _operand(w, OPS), input_precision=PREC)
+        if MAP == 1:
+            if not IS_QUERY:
+                dx -= scale * x * tl.sum(du, 1)[:, None]
+    return dx
+
+
+@triton.jit
+def _add_input_grad(DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr):
+    """Add this program's share of dL/dx (C, XDP), or of dL/dphi (C, BM) for given features, into DX."""
+    if MAP == 0:
+        tl.atomic_add(DX + row + ot[:, None] * XD + om[None, :], dx, mask=tmask[:, None])
+    else:
+        ox = tl.arange(0, XDP)
+        tl.atomic_add(DX + row + ot[:, None] * XD + ox[None, :], dx, mask=tmask[:, None] & (ox[None, :] < XD))
+
+
+@triton.jit
+def _backward_q(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    S0,
+    Z0,
+    GN,
+    GD,
+    DQ,
+    n,
+    H,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    first = (tl.program_id(2) == 0).to(tl.float32)
+    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    if HAS_S0:
+        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
+        z = tl.load(Z0 + seg * M + om)
+    else:
+        s = tl.zeros((BM, BD), tl.float32)
+        z = tl.zeros((BM,), tl.float32)
+    for c in range(start, end, C):
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        if HAS_KEEP:
+            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
+        else:
+            keep = tmask.to(tl.float32)
+        pq, x, w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0)
+        gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0) * first
+        d_scores = tl.dot(_operand(gn, OPS), _operand(tl.trans(vv), OPS), input_precision=PREC) + gd[:, None]
+        d_scores = tl.where(ot[:, None] >= ot[None, :], d_scores, 0.0)
+        dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
+        dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC)
+        dpq += gd[:, None] * z[None, :]
+        dq = _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
+        _add_input_grad(DQ, row, ot, tmask, om, dq, XD, XDP, MAP)
+        s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
+        z += tl.sum(pk, 0)
+
+
+@triton.jit
+def _backward_kv(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    GN,
+    GD,
+    DK,
+    DV,
+    DS_IN,
+    DZ_IN,
+    DS0,
+    DZ0,
+    n,
+    H,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_LATER: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    first = (tl.program_id(2) == 0).to(tl.float32)
+    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    if HAS_LATER:  # the gradient of this segment's end state from later segments
+        ds = tl.load(DS_IN + seg * M * D + om[:, None] * D + od[None, :])
+        dz = tl.load(DZ_IN + seg * M + om)
+    else:
+        ds = tl.zeros((BM, BD), tl.float32)
+        dz = tl.zeros((BM,), tl.float32)
+    chunks = tl.cdiv(end - start, C)
+    for i in range(0, chunks):
+        ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
+        tmask = ot < n
+        if HAS_KEEP:
+            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
+        else:
+            keep = tmask.to(tl.float32)
+        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, x, w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0)
+        gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0)
+        causal = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
+        d_scores_t = tl.dot(_operand(vv, OPS), _operand(tl.trans(gn), OPS), input_precision=PREC)
+        d_scores_t = tl.where(causal, d_scores_t + first * gd[None, :], 0.0)
+        dpk = tl.dot(_operand(d_scores_t, OPS), _operand(pq, OPS), input_precision=PREC)
+        dpk += tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC)
+        dpk = (dpk + first * dz[None, :]) * keep[:, None]
+        scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
+        scores_t = tl.where(causal, scores_t, 0.0)
+        dv = tl.dot(_operand(scores_t, OPS), _operand(gn, OPS), input_precision=PREC)
+        dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
+        dk = _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
+        _add_input_grad(DK, row, ot, tmask, om, dk, XD, XDP, MAP)
+        tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None])
+        ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
+        dz += tl.sum(pq * gd[:, None], 0)
+    tl.store(DS0 + seg * M * D + om[:, None] * D + od[None, :], ds)
+    tl.store(DZ0 + seg * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
+
+
+@triton.jit
+def _segment_sums(
+    X,
+    Y,
+    G,
+    W,
+    KEEP,
+    QOFF,
+    S_OUT,
+    Z_OUT,
+    n,
+    H,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    QUERIES: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Each segment's sums, which the segments before (forward) or after it (backward) need: keys (X = K, Y = V),
+    Σ phi_k vᵀ and Σ phi_k; queries (X = Q, Y = gn, G = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
+    seg = tl.program_id(0).to(tl.int64)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    s = tl.zeros((BM, BD), tl.float32)
+    z = tl.zeros((BM,), tl.float32)
+    for c in range(start, end, C):
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        phi, _x, _w = _features(
+            X, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, QUERIES, OPS, PREC
+        )
+        if QUERIES:
+            weight = tl.load(G + qrow + ot, mask=tmask, other=0.0)
+        else:
+            weight = tmask.to(tl.float32)
+            if HAS_KEEP:
+                phi = phi * tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)[:, None]
+        y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        s += tl.dot(_operand(tl.trans(phi), OPS), _operand(y, OPS), input_precision=PREC)
+        z += tl.sum(phi * weight[:, None], 0)
+    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
+    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)

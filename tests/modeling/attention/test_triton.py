@@ -1,0 +1,248 @@
+"""The Triton causal kernels (backend="triton") against reference.py: given features and the fused FAVOR+ maps,
+forward and backward, float32 and bf16 operands.
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py
+sets before triton is imported), at small sizes with
+chunks of 16 so that several chunks, m-blocks and d-blocks are crossed. With CUDA the same comparisons run on the GPU
+(``pytest -m cuda``) at real sizes: n = 4099, 12 heads x 64, m = 256, against the chunked PyTorch backend, and at
+n = 1000 against a float64 quadratic reference (the n = 4099 one would not fit in host memory).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from linearformers.modeling.attention import (
+    draw_random_features,
+    favor_attention,
+    linear_attention,
+    set_triton_kernels,
+)
+from linearformers.modeling.attention._triton_linear import triton_causal_linear
+from linearformers.modeling.attention.backends import choose_backend
+from linearformers.modeling.attention.feature_maps import random_features
+from linearformers.modeling.attention.reference import favor_reference, linear_reference
+
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+# (batch, heads, m, head_dim, chunk) per device; the CPU's m and head_dim give several m-blocks or d-blocks of 16
+SIZES = {"cpu": (2, 1, 48, 32, 16), "cuda": (1, 12, 256, 64, None)}
+FAVOR_SIZES = {"cpu": (2, 1, 32, 48, 16), "cuda": (1, 12, 256, 64, None)}
+LENGTHS = {"cpu": (1, 13, 37), "cuda": (1000,)}  # one position, less than a chunk, several chunks and a partial one
+LONG = 4099  # CUDA: against the chunked backend
+# max error / max |reference|: float32 computes in float32 throughout; bf16 rounds its operands (and the output)
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
+
+
+def _randn(*shape, device, seed, dtype=torch.float64, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+
+
+def _mask(b, n, device):
+    """Left padding in the first sequence, right padding in the second (both keep a real key)."""
+    mask = torch.ones(b, n, dtype=torch.bool, device=device)
+    if b > 1 and n > 2:
+        mask[0, : n // 3] = False
+        mask[1, n - n // 3 :] = False
+    return mask
+
+
+def _run(fn, inputs, grad):
+    """fn's output and its inputs' gradients under the upstream gradient ``grad``, all in float64."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach().double(), *(t.grad.double() for t in leaves)]
+
+
+def _assert_close(got, expected, tol, what):
+    for name, a, b in zip(("out", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"), got, expected):
+        error = (a - b).abs().max().item()
+        bound = tol * max(b.abs().max().item(), 1.0)  # an exact 0 (dphi_q at n = 1) gets the scale of 1
+        assert error <= bound, f"{what}: {name} max error {error:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_given_features_match_the_reference(device, dtype):
+    """linear_attention(backend="triton") on given features: output and dphi_q, dphi_k, dv as the float64
+    reference of the same (rounded) inputs, at every length of LENGTHS, with keys padded left and right."""
+    b, h, m, d, chunk = SIZES[device]
+    for n in LENGTHS[device]:
+        pq, pk = (
+            torch.rand(b, h, n, m, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (1, 2)
+        )
+        inputs = [t.to(device=device, dtype=dtype) for t in (pq, pk, _randn(b, h, n, d, device="cpu", seed=3))]
+        grad = _randn(b, h, n, d, device=device, seed=4)
+        mask = _mask(b, n, device)
+        got = _run(
+            lambda *x, mask=mask: linear_attention(
+                *x, causal=True, key_padding_mask=mask, chunk_size=chunk, backend="triton"
+            ),
+            inputs,
+            grad,
+        )
+        expected = _run(
+            lambda *x, mask=mask: linear_reference(*x, causal=True, key_padding_mask=mask),
+            [t.double() for t in inputs],
+            grad,
+        )
+        _assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
+    """favor_attention(backend="triton"), its feature map computed inside the kernels: output and dq, dk, dv as the
+    float64 reference of the same (rounded) inputs, keys padded left and right."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = LENGTHS[device][-1]
+    w = draw_random_features(m, d, seed=5, device=device)
+    inputs = [_randn(b, h, n, d, device=device, seed=s, dtype=dtype) for s in (6, 7, 8)]
+    grad = _randn(b, h, n, d, device=device, seed=9)
+    mask = _mask(b, n, device)
+    got = _run(
+        lambda *x: favor_attention(
+            *x, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=chunk, backend="triton"
+        ),
+        inputs,
+        grad,
+    )
+
+    def reference(q, k, v):
+        if device == "cpu":
+            return favor_reference(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask)
+        # the same attention through float64 features (the log-space reference holds n² m values)
+        pq, pk = (random_features(x, w.double(), is_query=t, kernel=kernel) for x, t in ((q, True), (k, False)))
+        return linear_reference(pq, pk, v, causal=True, key_padding_mask=mask)
+
+    expected = _run(reference, [t.double() for t in inputs], grad)
+    _assert_close(got, expected, TOLERANCE[dtype], kernel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_long_sequences_match_the_chunked_backend_on_cuda(dtype):
+    """n = 4099 (64 chunks and a partial one), 12 heads x 64, m = 256: the fused softmax map's output and gradients
+    as the chunked PyTorch backend's (whose float64 reference would not fit in memory)."""
+    n, (b, h, m, d, _) = LONG, FAVOR_SIZES["cuda"]
+    w = draw_random_features(m, d, seed=5, device="cuda")
+    inputs = [_randn(b, h, n, d, device="cuda", seed=s, dtype=dtype) for s in (6, 7, 8)]
+    grad = _randn(b, h, n, d, device="cuda", seed=9)
+    got, expected = (
+        _run(lambda *x, backend=backend: favor_attention(*x, w, causal=True, backend=backend), inputs, grad)
+        for backend in ("triton", "chunked")
+    )
+    _assert_close(got, expected, TOLERANCE[dtype], "n=4099")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_initial_state_continues_a_prefill(device):
+    """With the state of a first call, a second call gives the full sequence's outputs; the final state is the
+    whole sequence's, and gradients reach the initial state as through the chunked backend."""
+    b, h, m, d, chunk = SIZES[device]
+    n, cut = (37, 21) if device == "cpu" else (1000, 611)
+    pq, pk = (torch.rand(b, h, n, m, generator=torch.Generator().manual_seed(s)).to(device) for s in (1, 2))
+    v = _randn(b, h, n, d, device=device, seed=3, dtype=torch.float32)
+    kw = dict(causal=True, chunk_size=chunk, return_state=True, backend="triton")
+    full, (s_full, z_full) = linear_attention(pq, pk, v, **kw)
+    _, state = linear_attention(pq[:, :, :cut], pk[:, :, :cut], v[:, :, :cut], **kw)
+    rest, (s_end, z_end) = linear_attention(pq[:, :, cut:], pk[:, :, cut:], v[:, :, cut:], initial_state=state, **kw)
+    torch.testing.assert_close(rest, full[:, :, cut:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s_end, s_full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(z_end, z_full, rtol=1e-4, atol=1e-4)
+
+    grad = _randn(b, h, n - cut, d, device=device, seed=4)
+    inputs = [pq[:, :, cut:], pk[:, :, cut:], v[:, :, cut:], *state]
+    got, expected = (
+        _run(
+            lambda q, k, x, s, z, backend=backend: linear_attention(
+                q, k, x, causal=True, initial_state=(s, z), backend=backend
+            ),
+            inputs,
+            grad,
+        )
+        for backend in ("triton", "chunked")
+    )
+    _assert_close(got, expected, TOLERANCE[torch.float32], "continued")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_keys_of_large_norm_are_redone_with_offsets(device):
+    """Keys whose every feature underflows at offset 0 (|k'| ~ 20) are counted as lost by the kernel, and
+    favor_attention's redo with per-position offsets still gives the reference's output."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = LENGTHS[device][-1]
+    w = draw_random_features(m, d, seed=5, device=device)
+    q, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 8))
+    k = _randn(b, h, n, d, device=device, seed=7, dtype=torch.float32, scale=15.0)
+    *_, lost = triton_causal_linear(q, k, v, w, None, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    assert lost.item() > 0  # at offset 0 every feature of these keys underflows
+    out = favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
+    if device == "cpu":
+        expected = favor_reference(q.double(), k.double(), v.double(), w, causal=True)
+    else:
+        expected = favor_attention(q, k, v, w, causal=True, backend="chunked").double()
+    assert (out.double() - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_break(device):
+    """The kernels are custom ops: torch.compile(fullgraph=True) takes the whole call, the large-key check
+    included, and gives the eager output and gradients."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    w = draw_random_features(m, d, seed=5, device=device)
+    inputs = [_randn(b, h, 37, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8)]
+    grad = _randn(b, h, 37, d, device=device, seed=9)
+
+    def fn(q, k, v):
+        return favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-5, "compiled")  # atomics: any order
+
+
+def test_refusals(monkeypatch):
+    """backend="triton" says why it cannot run a call; backend=None then takes another backend."""
+    v = torch.zeros(1, 1, 8, 32)
+    w = torch.randn(32, 32)
+
+    def refused(match, *args, **kwargs):
+        with pytest.raises(ValueError, match=match):
+            favor_attention(*args, **{"causal": True, "backend": "triton", **kwargs})
+
+    refused("float64", v.double(), v.double(), v.double(), w)
+    refused("num_features must be a multiple of 16", v, v, v, torch.randn(24, 32))
+    refused("chunk_size must be a power of two", v, v, v, w, chunk_size=24)
+    refused("bidirectional", v, v, v, w, causal=False)
+    with pytest.raises(ValueError, match="v's head_dim must be a multiple of 16"):
+        linear_attention(v[..., :16], v[..., :16], v[..., :24], causal=True, backend="triton")
+    previous = set_triton_kernels(False)
+    try:
+        refused("set_triton_kernels", v, v, v, w)
+    finally:
+        set_triton_kernels(previous)
+    if not CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        refused("runs on CUDA tensors", v, v, v, w)
+        assert choose_backend(None, v, 32, None, causal=True, inputs=(v, v)) in ("native", "chunked")
+    with pytest.raises(TypeError, match="bool"):
+        set_triton_kernels(1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_triton_is_the_causal_default_on_cuda():
+    """backend=None on CUDA tensors of tile-sized shapes runs the Triton kernels; other shapes the chunked backend."""
+    v = torch.zeros(1, 1, 8, 64, device="cuda")
+    assert choose_backend(None, v, 256, None, causal=True, inputs=(v, v)) == "triton"
+    assert choose_backend(None, v[..., :40], 256, None, causal=True, inputs=(v, v)) == "chunked"
+    assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "chunked"
