@@ -20,9 +20,16 @@ def test_gpu_benchmark_cpu_quick(tmp_path):
     lengths = {"64", "128"}
 
     rows = result["attention"]["rows"]
-    names = ("sdpa", "sdpa_causal", "favor/auto", "favor_causal/auto", "favor_causal/chunked", "linformer")
+    names = ("sdpa", "sdpa_causal", "favor/auto", "favor_causal/auto", "favor_causal/chunked", "linformer/auto")
     # linear_causal: linear_attention on precomputed FAVOR+ features, the same inputs as the fla row
-    for name in (*names, "linformer_causal/auto", "linear_causal/auto", "linear_causal/chunked"):
+    for name in (
+        *names,
+        "linformer/sdpa",
+        "linformer_hybrid",
+        "linformer_causal/auto",
+        "linear_causal/auto",
+        "linear_causal/chunked",
+    ):
         assert set(rows[name]) == lengths
         for row in rows[name].values():
             assert row["status"] == "ok" and row["seconds"] > 0 and row["peak_mb"] is None  # no memory on CPU

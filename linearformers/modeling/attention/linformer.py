@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv
+from ._favor_chunked import half_operands
 from ._linformer_autograd import _ROWS, SequenceProjection, SlotAttention
 from ._precision import outside_autocast
 from .reference import causal_linformer_reference, linformer_reference
@@ -510,8 +511,17 @@ def _as_heads(proj: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start):
+    """The chunked form of causal_linformer_attention over positions [start, start + n): every chunk at once by
+    batched products, in float32 (sums, prefix sums and the softmax), with the products' operands in bf16 for bf16
+    inputs on CUDA (``half_operands``: tensor cores, half the traffic; results back in float32 before any sum).
+    Returns (out (b, h, n, d) float32, the state (K̃, Ṽ) after the last position)."""
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
+    half = half_operands(v)
+
+    def mm(x, y):
+        return torch.matmul(x, y) if half is None else torch.matmul(x.to(half), y.to(half)).float()
+
     c = min(chunk_size, n)
     pad = (-n) % c
     nc = (n + pad) // c
@@ -527,8 +537,8 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
     vc = v.float().view(b, h, nc, c, d)
     ec = e.view(*e.shape[:3], nc, c).transpose(2, 3)  # (1, h', nc, k, c)
     fc = f.view(*f.shape[:3], nc, c).transpose(2, 3)
-    k_writes = torch.matmul(ec, kc)  # (b, h, nc, k, d)
-    v_writes = torch.matmul(fc, vc)
+    k_writes = mm(ec, kc)  # (b, h, nc, k, d)
+    v_writes = mm(fc, vc)
     k_prefix = torch.cat([torch.zeros_like(k_writes[:, :, :1]), torch.cumsum(k_writes, 2)[:, :, :-1]], dim=2)
     v_prefix = torch.cat([torch.zeros_like(v_writes[:, :, :1]), torch.cumsum(v_writes, 2)[:, :, :-1]], dim=2)
     if initial_state is not None:
@@ -538,14 +548,14 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
         k_prefix = k_prefix + k0.float().unsqueeze(2)
         v_prefix = v_prefix + v0.float().unsqueeze(2)
     tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    qk = torch.matmul(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    logits = (torch.matmul(qc, k_prefix.transpose(-1, -2)) + torch.matmul(qk, ec.transpose(-1, -2))) * scale
+    qk = mm(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    logits = (mm(qc, k_prefix.transpose(-1, -2)) + mm(qk, ec.transpose(-1, -2))) * scale
     positions = torch.arange(start, start + n + pad, device=q.device).view(nc, c)
     active = first.to(q.device)[..., None, None, :] <= positions[..., None]  # (h'?, nc, c, k)
     logits = logits.masked_fill(~active, float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no active slot reads nothing
-    pf = torch.matmul(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    out = torch.matmul(probs, v_prefix) + torch.matmul(pf, vc)
+    pf = mm(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    out = mm(probs, v_prefix) + mm(pf, vc)
     state = (k_prefix[:, :, -1] + k_writes[:, :, -1], v_prefix[:, :, -1] + v_writes[:, :, -1])
     return out.reshape(b, h, nc * c, -1)[:, :, :n], state
 

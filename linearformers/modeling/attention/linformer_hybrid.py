@@ -14,7 +14,9 @@ exact and leaves the slots the far keys. The slots also see the window's tokens 
 which gamma and E learn around in attention transfer. [CLS], which most queries attend to from far away, is a sink.
 
 Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B) around query block c lies every
-window key of the block. The blocks go through in passes whose scores stay within 16 MB (hybrid._PASS_BYTES); under
+window key of the block. The blocks go through in passes whose scores stay within 16 MB on the CPU
+(hybrid._PASS_BYTES), 512 MB on a GPU (_GPU_PASS_BYTES: one pass at 12 heads x 16K, where many small passes would
+leave it waiting on the host; its sequence projections are then one product each, not one per head); under
 autograd each pass is checkpointed, so backward keeps only the passes' inputs and makes a pass's scores again when
 it reaches it (dropout's RNG state kept, so the masks are the same). Each query's softmax is its own, so the passes
 give the one-pass result exactly. Under torch.compile the op runs in one pass. Time O(n (3 w + k + S) d); memory
@@ -97,7 +99,8 @@ def linformer_hybrid_attention(
     log_gamma = gamma.to(dtype).log()[None, :, None, None]
 
     # the slots (b, h, k, d), written slots only; the sinks' keys and values (b, h, S, d) and where they lie
-    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask)
+    gpu = _gpu_form(q.device)
+    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask, batched=gpu)
     sink_k = sink_v = sink_position = sink_seen = None
     if sinks:
         _, slot = sink_slots(real, sinks)  # (b, S, n): token s is sink j
@@ -114,9 +117,7 @@ def linformer_hybrid_attention(
     blocks = -(-n // w)
     tail = blocks * w - n
     per_block = b * h * w * (3 * w + kp.shape[2] + sinks) * q.element_size()
-    # compiled, one pass: inductor (torch 2.13) miscompiled passes of one block each, with the checkpoints (heap
-    # corruption) and without them (a CPU bmm checked for a CUDA device), so a compiled graph keeps the one-pass form
-    step = blocks if torch.compiler.is_compiling() else max(1, min(blocks, _PASS_BYTES // max(1, per_block)))
+    step = _blocks_per_pass(blocks, per_block, gpu)
     q_passes = (F.pad(q, (0, 0, 0, tail)) if tail else q).split(step * w, dim=2)
     k_blocks, v_blocks = (F.pad(x, (0, 0, w, w + tail)).split(w, dim=2) for x in (k, v))  # blocks + 2 each
     key_real = F.pad(real, (w, w + tail))  # (b, (blocks + 2) w), False outside [0, n)
@@ -139,6 +140,25 @@ def linformer_hybrid_attention(
             outs.append(_pass(*args))
     out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
     return (out[:, :, :n] if tail else out).to(out_dtype)
+
+
+_GPU_PASS_BYTES = 512 * 2**20  # a GPU's budget of scores per pass: one pass at 12 heads x 16K, window 64, k 256
+
+
+def _gpu_form(device: torch.device) -> bool:
+    """Whether the op takes a GPU's form: batched sequence projections and passes within _GPU_PASS_BYTES. The CPU
+    keeps per-head projections and 16 MB passes (hybrid._PASS_BYTES), which stay in its caches; a GPU would spend
+    its time on the host launching their many small kernels (and recomputing the checkpointed passes)."""
+    return device.type != "cpu"
+
+
+def _blocks_per_pass(blocks: int, per_block: int, gpu: bool) -> int:
+    """Query blocks per pass: as many as keep a pass's scores (``per_block`` bytes a block) within the device's
+    budget, at least one. Compiled, one pass: inductor (torch 2.13) miscompiled passes of one block each, with the
+    checkpoints (heap corruption) and without them (a CPU bmm checked for a CUDA device)."""
+    if torch.compiler.is_compiling():
+        return blocks
+    return max(1, min(blocks, (_GPU_PASS_BYTES if gpu else _PASS_BYTES) // max(1, per_block)))
 
 
 def _pass(

@@ -4,13 +4,21 @@ at real sizes on CUDA (``-m cuda``)."""
 import pytest
 import torch
 
-from linearformers.modeling.attention import linformer_attention
+from linearformers.modeling.attention import (
+    causal_linformer_attention,
+    linformer_attention,
+    linformer_hybrid_attention,
+)
+from linearformers.modeling.attention import linformer as linformer_module
+from linearformers.modeling.attention import linformer_hybrid as hybrid_module
 from linearformers.modeling.attention.linformer import _choose_backend
-from linearformers.modeling.attention.reference import linformer_reference
+from linearformers.modeling.attention.reference import (
+    causal_linformer_reference,
+    linformer_hybrid_reference,
+    linformer_reference,
+)
 
 from .helpers import CountOps
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _qkv(b=2, h=3, n=30, d=16, seed=0, dtype=torch.float32, device="cpu"):
@@ -28,6 +36,12 @@ def _padding(b, n):
 def _grads(out, inputs, seed=3):
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
     return torch.autograd.grad((out * weights).sum(), inputs)
+
+
+def _assert_near(name, got, want, tolerance):
+    """Max error as a share of the largest value: the measure for bf16, whose error scales with the magnitudes."""
+    err = ((got.double().cpu() - want.double().cpu()).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    assert err < tolerance, f"{name}: max error {err:.2e} of the largest value"
 
 
 PROJECTIONS = [
@@ -122,3 +136,160 @@ def test_default_backend_is_blockwise_on_the_cpu_and_sdpa_elsewhere():
     assert _choose_backend("blockwise", torch.empty(1, device="meta")) == "blockwise"
     with pytest.raises(ValueError, match="unknown Linformer backend 'flash'"):
         _choose_backend("flash", torch.empty(1))
+
+
+# ---------------------------------------------------------------------------------------- the Linformer hybrid
+
+
+def _gpu_form(monkeypatch):
+    """The hybrid's GPU form on the CPU: batched projections and the GPU's pass budget."""
+    monkeypatch.setattr(hybrid_module, "_gpu_form", lambda device: True)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("method,shape,window", PROJECTIONS)
+def test_hybrid_gpu_form_equals_the_reference_gradients_included(monkeypatch, sinks, method, shape, window):
+    _gpu_form(monkeypatch)
+    q, k, v = (x.double().detach().requires_grad_() for x in _qkv(n=32))
+    g = torch.Generator().manual_seed(1)
+    e, f = (None if shape is None else torch.randn(shape, generator=g).double().requires_grad_() for _ in range(2))
+    gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    mask = _padding(2, 32)
+    kwargs = dict(method=method, window=window, key_padding_mask=mask, sinks=sinks)
+    got = linformer_hybrid_attention(q, k, v, e, f, gamma, 4, **kwargs)
+    want = linformer_hybrid_reference(q, k, v, e, f, gamma, 4, **kwargs)
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-12)
+    inputs = tuple(x for x in (q, k, v, e, f, gamma) if x is not None)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(9), dtype=got.dtype) * real
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    want_grads = torch.autograd.grad((want * weights).sum(), inputs)
+    for a, c in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-11)
+
+
+def test_hybrid_gpu_form_dropout_is_drawn_from_the_seed(monkeypatch):
+    _gpu_form(monkeypatch)
+    q, k, v = _qkv(n=32)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    gamma = torch.ones(3)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        out = linformer_hybrid_attention(q, k, v, e, None, gamma, 4, sinks=1, dropout_p=0.5)
+        runs.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v))))
+    for a, c in zip(runs[0], runs[1]):
+        assert torch.equal(a, c)
+    assert not torch.allclose(runs[0][0], runs[2][0])
+    assert not torch.allclose(runs[0][0], linformer_hybrid_attention(q, k, v, e, None, gamma, 4, sinks=1))
+
+
+def test_hybrid_gpu_budget_runs_the_benchmark_shape_at_16k_in_one_pass():
+    blocks, per_block = 16384 // 64, 1 * 12 * 64 * (3 * 64 + 256 + 1) * 4  # b, h, w, frame + k + S, float32
+    assert hybrid_module._blocks_per_pass(blocks, per_block, gpu=True) == blocks
+    assert hybrid_module._blocks_per_pass(blocks, per_block, gpu=False) < 16  # the CPU's passes stay in cache
+    assert not hybrid_module._gpu_form(torch.device("cpu"))
+    assert hybrid_module._gpu_form(torch.device("meta"))
+
+
+# ------------------------------------------------------------------------------------------- causal Linformer
+
+
+def test_causal_bf16_operands_follow_the_float32_reference(monkeypatch):
+    # on CUDA, bf16 inputs take bf16 operands for the products (tensor cores); here the same casts on the CPU
+    monkeypatch.setattr(linformer_module, "half_operands", lambda v: torch.bfloat16)
+    q, k, v = (x.bfloat16().detach().requires_grad_() for x in _qkv(n=40))
+    e = (torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(1)) * 0.3).requires_grad_()
+    mask = _padding(2, 40)
+    out = causal_linformer_attention(q, k, v, e, key_padding_mask=mask, chunk_size=16)
+    assert out.dtype == torch.bfloat16
+    q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
+    ref = causal_linformer_reference(q32, k32, v32, e, e, key_padding_mask=mask)
+    got, want = (out, *_grads(out, (q, k, v, e))), (ref, *_grads(ref, (q32, k32, v32, e)))
+    for name, a, c in zip(("out", "dq", "dk", "dv", "de"), got, want):
+        _assert_near(name, a, c, 2e-2)  # bf16 operands: ~2^-8 of each product's scale
+
+
+def test_causal_products_stay_float32_off_cuda():
+    from linearformers.modeling.attention._favor_chunked import half_operands
+
+    assert half_operands(torch.empty(1, dtype=torch.bfloat16)) is None
+    assert half_operands(torch.empty(1, dtype=torch.bfloat16, device="meta")) is None  # CUDA only
+
+
+# ------------------------------------------------------------------------------------- on CUDA, at real sizes
+
+N, HEADS, DIM, SLOTS = 4099, 12, 64, 256
+
+
+def _real_inputs(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, HEADS, N, DIM, generator=g) for _ in range(3))
+    e, f = (torch.randn(SLOTS, N, generator=g) / SLOTS**0.5 for _ in range(2))
+    mask = torch.ones(1, N, dtype=torch.bool)
+    mask[0, :37] = False  # left padding
+    return [x.to(dtype) for x in (q, k, v)], e, f, mask
+
+
+def _cuda_against_cpu(fn, dtype, tolerance):
+    """fn(q, k, v, e, f, mask) on CUDA in ``dtype`` against the CPU in float32, outputs and gradients, real rows."""
+    (q, k, v), e, f, mask = _real_inputs(dtype)
+    weights = torch.randn(1, HEADS, N, DIM, generator=torch.Generator().manual_seed(7)) * mask[:, None, :, None]
+    results = []
+    for device, dt in (("cuda", dtype), ("cpu", torch.float32)):
+        inputs = [x.to(device, dt).requires_grad_() for x in (q, k, v)]
+        projections = [x.to(device).requires_grad_() for x in (e, f)]
+        out = fn(*inputs, *projections, mask.to(device))
+        grads = torch.autograd.grad((out.float() * weights.to(device)).sum(), (*inputs, *projections))
+        results.append([x.float().cpu() for x in (out, *grads)])
+    for name, a, c in zip(("out", "dq", "dk", "dv", "de", "df"), *results):
+        _assert_near(name, a, c, tolerance)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("family", ["bidirectional", "causal", "hybrid"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_paths_equal_the_cpu_at_real_size(family, dtype, tolerance):
+    gamma = torch.full((HEADS,), 0.5)
+
+    def fn(q, k, v, e, f, mask):
+        if family == "bidirectional":
+            return linformer_attention(q, k, v, e, f, key_padding_mask=mask)
+        if family == "causal":
+            return causal_linformer_attention(q, k, v, e, f, key_padding_mask=mask)
+        return linformer_hybrid_attention(q, k, v, e, f, gamma.to(q.device), 64, key_padding_mask=mask, sinks=1)
+
+    _cuda_against_cpu(fn, dtype, tolerance)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bidirectional_bf16_gradients_against_float64_near_1000():
+    n, g = 1000, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, HEADS, n, DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    e = torch.randn(SLOTS, n, generator=g, dtype=torch.float64) / SLOTS**0.5
+    weights = torch.randn(1, HEADS, n, DIM, generator=g, dtype=torch.float64)
+    got_in = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    want_in = [x.requires_grad_() for x in (q, k, v)]
+    got = linformer_attention(*got_in, e.cuda())
+    want = linformer_reference(*want_in, e)
+    got_grads = torch.autograd.grad((got.double() * weights.cuda()).sum(), got_in)
+    want_grads = torch.autograd.grad((want * weights).sum(), want_in)
+    for name, a, c in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (want, *want_grads)):
+        _assert_near(name, a, c, 3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bidirectional_dispatches_a_constant_number_of_ops():
+    def count(n):
+        q, k, v = (
+            torch.randn(1, HEADS, n, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"
+        )
+        e = torch.randn(SLOTS, 16384, device="cuda")
+        with CountOps() as ops:
+            linformer_attention(q, k, v, e, e).sum().backward()
+        return ops.count
+
+    assert count(4096) == count(16384) < 100
