@@ -532,7 +532,7 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         e, f = F.pad(e, (0, pad)), F.pad(f, (0, pad))
-    qc = q.float().view(b, h, nc, c, d)
+    qc = (q.float() * scale).view(b, h, nc, c, d)  # the scale on q (n x d), not on the (n x k) logits
     kc = k.float().view(b, h, nc, c, d)
     vc = v.float().view(b, h, nc, c, d)
     ec = e.view(*e.shape[:3], nc, c).transpose(2, 3)  # (1, h', nc, k, c)
@@ -549,13 +549,15 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
         v_prefix = v_prefix + v0.float().unsqueeze(2)
     tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     qk = mm(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    logits = (mm(qc, k_prefix.transpose(-1, -2)) + mm(qk, ec.transpose(-1, -2))) * scale
+    logits = mm(qc, k_prefix.transpose(-1, -2)) + mm(qk, ec.transpose(-1, -2))
     positions = torch.arange(start, start + n + pad, device=q.device).view(nc, c)
     active = first.to(q.device)[..., None, None, :] <= positions[..., None]  # (h'?, nc, c, k)
-    logits = logits.masked_fill(~active, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no active slot reads nothing
+    # inactive slots get a finite floor, not -inf: a row with no active slot has a finite softmax, zeroed below,
+    # so no NaN reaches the gradients (and no pass over the (n x k) probabilities replaces it)
+    probs = torch.softmax(logits.masked_fill(~active, -1e30), dim=-1)
     pf = mm(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
     out = mm(probs, v_prefix) + mm(pf, vc)
+    out = torch.where(active.any(-1, keepdim=True), out, torch.zeros_like(out))  # a row with no active slot: 0
     state = (k_prefix[:, :, -1] + k_writes[:, :, -1], v_prefix[:, :, -1] + v_writes[:, :, -1])
     return out.reshape(b, h, nc * c, -1)[:, :, :n], state
 

@@ -293,3 +293,18 @@ def test_cuda_bidirectional_dispatches_a_constant_number_of_ops():
         return ops.count
 
     assert count(4096) == count(16384) < 100
+
+
+def test_causal_rows_before_any_slot_is_written_read_nothing_and_keep_gradients_finite():
+    q, k, v = _qkv(n=20)
+    e = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    e[:, :3] = 0  # positions 0..2 write no slot: their queries have nothing to read
+    e.requires_grad_()
+    f = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).requires_grad_()  # F writes from position 0
+    out = causal_linformer_attention(q, k, v, e, f, chunk_size=8)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    ref = causal_linformer_reference(q, k, v, e, f)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for a, c in zip(_grads(out, (q, k, v, e, f)), _grads(ref, (q, k, v, e, f))):
+        assert bool(a.isfinite().all())
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
