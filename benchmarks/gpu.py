@@ -7,8 +7,9 @@ fixed upstream gradient:
   * ``favor/<backend>`` / ``favor_causal/<backend>``: FAVOR+ (m = 256), once per ``backend=`` value that
     ``favor_attention`` accepts (``auto`` = no ``backend=`` argument, the library's own choice); a backend that
     refuses the device / dtype is recorded as ``unavailable``;
-  * ``linformer`` (k = 256, learned E, F) and ``linformer_causal/<backend>`` (``causal_linformer_attention``, once
-    per name of ``linformer.CAUSAL_BACKENDS``);
+  * ``linformer/<backend>`` (k = 256, learned E, F; once per name of ``linformer.BACKENDS``),
+    ``linformer_causal/<backend>`` (``causal_linformer_attention``, once per name of ``linformer.CAUSAL_BACKENDS``)
+    and ``linformer_hybrid`` (``linformer_hybrid_attention``: k = 256, window 64, one sink, gamma 1);
   * ``linear_causal/<backend>``: ``linear_attention(phi_q, phi_k, v, causal=True)`` on FAVOR+ features computed
     beforehand by ``favor_features`` and *not timed* (gradients stop at the features), once per ``backend=`` value:
     the prefix-sum kernel alone, the same inputs as the fla row, where ``favor_causal`` rows include the feature maps;
@@ -88,10 +89,12 @@ def attention_kernels() -> list[str]:
     from linearformers.modeling.attention import (
         BIDIRECTIONAL_BACKENDS,
         CAUSAL_BACKENDS,
+        LINFORMER_BACKENDS,
         LINFORMER_CAUSAL_BACKENDS,
         causal_linformer_attention,
         favor_attention,
         linear_attention,
+        linformer_attention,
     )
 
     # "auto" is backend=None
@@ -100,7 +103,8 @@ def attention_kernels() -> list[str]:
         "sdpa_causal",
         *(f"favor/{b}" for b in _backends(favor_attention, BIDIRECTIONAL_BACKENDS)),
         *(f"favor_causal/{b}" for b in _backends(favor_attention, CAUSAL_BACKENDS)),
-        "linformer",
+        *(f"linformer/{b}" for b in _backends(linformer_attention, LINFORMER_BACKENDS)),
+        "linformer_hybrid",
         *(f"linformer_causal/{b}" for b in _backends(causal_linformer_attention, LINFORMER_CAUSAL_BACKENDS)),
         *(f"linear_causal/{b}" for b in _backends(linear_attention, CAUSAL_BACKENDS)),
         "fla_causal",
@@ -108,7 +112,6 @@ def attention_kernels() -> list[str]:
         *(f"hedgehog_causal/{b}" for b in _backends(linear_attention, CAUSAL_BACKENDS)),
         "hybrid",
         "hybrid_causal",
-        "linformer_hybrid",
     ]
 
 
@@ -189,7 +192,13 @@ def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, 
         if family == "linformer":
 
             def fn(q, k, v):
-                return linformer_attention(q, k, v, e, f)
+                return linformer_attention(q, k, v, e, f, **extra)
+
+        elif family == "linformer_hybrid":
+            gamma = torch.ones(HEADS, device=device)
+
+            def fn(q, k, v):
+                return linformer_hybrid_attention(q, k, v, e, f, gamma, 64, sinks=1)
 
         else:
 
@@ -221,14 +230,6 @@ def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, 
             def fn(q, k, v):
                 phi_q, phi_k = fmap(q, is_query=True), fmap(k, is_query=False)
                 return hybrid_attention(q, k, v, phi_q, phi_k, gamma, HYBRID_WINDOW, causal=causal, sinks=1)
-
-    elif family == "linformer_hybrid":
-        kp = min(k_proj, n)
-        e, f = (randn(kp, n, grad=False) / math.sqrt(kp) for _ in range(2))
-        gamma = torch.ones(HEADS, device=device)
-
-        def fn(q, k, v):
-            return linformer_hybrid_attention(q, k, v, e, f, gamma, HYBRID_WINDOW, sinks=1)
 
     elif family == "fla_causal":
         call = _fla_call()

@@ -18,7 +18,9 @@ math is the same.
 
 Backends, named at the call (``backend=``; None picks, in one place each):
   * bidirectional (:data:`BACKENDS`): "blockwise", the hand-written flash-style :class:`SlotAttention` over the
-    k slots (the default), or "reference", the plain formula of :func:`reference.linformer_reference`;
+    k slots (the default on the CPU); "sdpa", E K and F V as one product each in the inputs' dtype, then
+    ``scaled_dot_product_attention`` over the k slots (the default on every other device, see
+    :func:`_choose_backend`); or "reference", the plain formula of :func:`reference.linformer_reference`;
   * causal (:data:`CAUSAL_BACKENDS`): "chunked", the chunked prefix sums (:func:`_choose_causal_backend`), or
     "reference", :func:`reference.causal_linformer_reference`.
 The references are for tests and checks: O(n k d) memory and plain autograd, no state in or out, no dropout.
@@ -30,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_mask, check_qkv
+from ._favor_chunked import half_operands
 from ._linformer_autograd import _ROWS, SequenceProjection, SlotAttention
 from ._precision import outside_autocast
 from .reference import causal_linformer_reference, linformer_reference
 
 METHODS = ("learned", "pool", "conv")
-BACKENDS = ("reference", "blockwise")  # bidirectional linformer_attention
+BACKENDS = ("reference", "blockwise", "sdpa")  # bidirectional linformer_attention
 CAUSAL_BACKENDS = ("reference", "chunked")  # causal_linformer_attention
 
 
@@ -49,6 +52,20 @@ def _check_size(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def _choose_backend(backend: str | None, q: torch.Tensor) -> str:
+    """The one place where linformer_attention picks how to compute: a name from BACKENDS.
+
+    ``backend=None`` picks "blockwise" on the CPU: its query blocks keep each block's (rows x k) probabilities in
+    cache and a per-(batch, head) product costs nothing there. Elsewhere (a GPU) it picks "sdpa": a loop of small
+    float32 products leaves a GPU waiting on the host (at 16K, 448 launches), where two sequence projections in
+    the inputs' dtype and one fused attention kernel over the k slots take a handful of launches whatever n is,
+    with bf16 operands on tensor cores. A named backend is taken as asked."""
+    _check_backend(backend, BACKENDS, "Linformer")
+    if backend is not None:
+        return backend
+    return "blockwise" if q.device.type == "cpu" else "sdpa"
 
 
 def _reference_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -172,17 +189,21 @@ def linformer_attention(
         key_padding_mask: (batch, n), True / 1 for real tokens.
         scale: logit scale, head_dim ** -0.5 when None.
         dropout_p: dropout on the attention probabilities, in [0, 1).
-        backend: None or "blockwise" (the default: :class:`SlotAttention`, flash-style over the k slots in
-            blocks of ``block_size`` queries, O(block_size k) extra memory per head, hand-written backward), or
-            "reference" (:func:`reference.linformer_reference`, the plain formula with autograd, computed in
-            float32 or wider; for tests, no dropout). See :data:`BACKENDS`.
-        block_size: queries per block of the blockwise backend, a positive int; None: ``_linformer_autograd._ROWS``
+        backend: None (see :func:`_choose_backend`: "blockwise" on the CPU, "sdpa" elsewhere), "blockwise"
+            (:class:`SlotAttention`, flash-style over the k slots in blocks of ``block_size`` queries, float32,
+            O(block_size k) extra memory per head, hand-written backward), "sdpa" (:func:`_slot_sdpa`: E K and F V
+            as one product each in the inputs' dtype, then ``scaled_dot_product_attention`` over the k slots, in
+            q's dtype with its kernels' float32 softmax; dropout from its own generator), or "reference"
+            (:func:`reference.linformer_reference`, the plain formula with autograd, computed in float32 or wider;
+            for tests, no dropout). See :data:`BACKENDS`.
+        block_size: queries per block of the blockwise backend (the other backends take no blocks), a positive
+            int; None: ``_linformer_autograd._ROWS``
             (256). A memory / speed trade-off: the result is the same up to rounding, except that dropout masks are
             drawn per block.
     Returns: (batch, heads, n, head_dim) in q's dtype.
     """
     check_qkv(q, k, v)
-    _check_backend(backend, BACKENDS, "Linformer")
+    backend = _choose_backend(backend, q)
     rows = _ROWS if block_size is None else _check_size("block_size", block_size)
     if method not in METHODS:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
@@ -213,14 +234,42 @@ def linformer_attention(
         e_, f_ = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
         out = linformer_reference(q_, k_, v_, e_, f_, method=method, window=window, key_padding_mask=mask, scale=scale)
         return out.to(q.dtype)
-    kp, vp, slot_mask = project_slots(k, v, e_proj, f_proj, method=method, window=window, key_padding_mask=mask)
+    kp, vp, slot_mask = project_slots(
+        k, v, e_proj, f_proj, method=method, window=window, key_padding_mask=mask, batched=backend == "sdpa"
+    )
     scale = d**-0.5 if scale is None else scale
+    if backend == "sdpa":
+        return _slot_sdpa(q, kp, vp, slot_mask, scale, dropout_p)
     bias = None
     if slot_mask is not None:
         bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
         bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
     # flash-style over the k slots (see _linformer_autograd): O(rows k) extra memory per head, dropout included
     return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
+
+
+def _slot_sdpa(
+    q: torch.Tensor,
+    kp: torch.Tensor,
+    vp: torch.Tensor,
+    slot_mask: torch.Tensor | None,
+    scale: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """softmax(q kpᵀ · scale) vp over the k slots by ``scaled_dot_product_attention`` (flash or memory-efficient
+    kernels on a GPU: the (n x k) probabilities never reach memory, float32 softmax and accumulation, dropout masks
+    regenerated in backward). q (b, h, n, d); kp, vp (b, h, k, d); slot_mask (b, 1 or h, k) or None, as
+    :func:`project_slots` returns it. A row whose slots are all unwritten (a sequence of padding only) gets zeros:
+    its slots are opened for the kernel, whose softmax over nothing would be 0 / 0, and its output is multiplied
+    by 0, so no NaN reaches the gradients either."""
+    attn_mask = usable = None
+    if slot_mask is not None:
+        usable = slot_mask.any(-1, keepdim=True)  # (b, 1 or h, 1)
+        attn_mask = (slot_mask | ~usable)[:, :, None, :]  # (b, 1 or h, 1, k), True: the slot takes part
+    out = F.scaled_dot_product_attention(
+        q, kp.to(q.dtype), vp.to(q.dtype), attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+    )
+    return out if usable is None else out * usable[..., None].to(out.dtype)
 
 
 def project_slots(
@@ -232,19 +281,25 @@ def project_slots(
     method: str,
     window: int | None,
     key_padding_mask: torch.Tensor | None,
+    batched: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The k slots of bidirectional Linformer attention: E K and F V (batch, heads, k, head_dim) in k's dtype, over
     the real tokens compacted to the front, and a (batch, 1 or heads, k) bool mask of the slots some real token
     wrote to (None when every slot was). Inputs as :func:`linformer_attention` takes them, checked there;
-    ``key_padding_mask`` is a checked bool mask or None."""
+    ``key_padding_mask`` is a checked bool mask or None. ``batched``: a learned E as one product over every
+    (batch, head) (:func:`project_sequence`, autograd; a GPU's choice) instead of one product per (batch, head)
+    reading x in place (:class:`SequenceProjection`; the CPU's)."""
     b, _, n, _ = k.shape
     lengths = None
     if key_padding_mask is not None:
         k, v = compact(k, key_padding_mask), compact(v, key_padding_mask)
         lengths = key_padding_mask.sum(1)
     if method == "learned":
-        # by hand (see _linformer_autograd): E x per head in place, no permuted copies
-        kp, vp = SequenceProjection.apply(k, e_proj), SequenceProjection.apply(v, f_proj)
+        if batched:  # two launches whatever b and h are, against one product per (batch, head)
+            kp, _ = project_sequence(k, e_proj, method=method, lengths=None)
+            vp, _ = project_sequence(v, f_proj, method=method, lengths=None)
+        else:  # by hand (see _linformer_autograd): E x per head in place, no permuted copies
+            kp, vp = SequenceProjection.apply(k, e_proj), SequenceProjection.apply(v, f_proj)
         # a slot no real token wrote to (possible with a sparse E, e.g. the identity of a converted model, on a
         # sequence shorter than n) holds a zero key; it must not take a share of the softmax
         first = slot_first_writes(e_proj).to(k.device)  # (k,) or (h, k)
@@ -456,8 +511,17 @@ def _as_heads(proj: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initial_state, start):
+    """The chunked form of causal_linformer_attention over positions [start, start + n): every chunk at once by
+    batched products, in float32 (sums, prefix sums and the softmax), with the products' operands in bf16 for bf16
+    inputs on CUDA (``half_operands``: tensor cores, half the traffic; results back in float32 before any sum).
+    Returns (out (b, h, n, d) float32, the state (K̃, Ṽ) after the last position)."""
     b, h, n, d = q.shape
     scale = d**-0.5 if scale is None else scale
+    half = half_operands(v)
+
+    def mm(x, y):
+        return torch.matmul(x, y) if half is None else torch.matmul(x.to(half), y.to(half)).float()
+
     c = min(chunk_size, n)
     pad = (-n) % c
     nc = (n + pad) // c
@@ -468,13 +532,13 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         e, f = F.pad(e, (0, pad)), F.pad(f, (0, pad))
-    qc = q.float().view(b, h, nc, c, d)
+    qc = (q.float() * scale).view(b, h, nc, c, d)  # the scale on q (n x d), not on the (n x k) logits
     kc = k.float().view(b, h, nc, c, d)
     vc = v.float().view(b, h, nc, c, d)
     ec = e.view(*e.shape[:3], nc, c).transpose(2, 3)  # (1, h', nc, k, c)
     fc = f.view(*f.shape[:3], nc, c).transpose(2, 3)
-    k_writes = torch.matmul(ec, kc)  # (b, h, nc, k, d)
-    v_writes = torch.matmul(fc, vc)
+    k_writes = mm(ec, kc)  # (b, h, nc, k, d)
+    v_writes = mm(fc, vc)
     k_prefix = torch.cat([torch.zeros_like(k_writes[:, :, :1]), torch.cumsum(k_writes, 2)[:, :, :-1]], dim=2)
     v_prefix = torch.cat([torch.zeros_like(v_writes[:, :, :1]), torch.cumsum(v_writes, 2)[:, :, :-1]], dim=2)
     if initial_state is not None:
@@ -484,14 +548,16 @@ def _causal_linformer_chunked(q, k, v, e_proj, f_proj, scale, chunk_size, initia
         k_prefix = k_prefix + k0.float().unsqueeze(2)
         v_prefix = v_prefix + v0.float().unsqueeze(2)
     tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    qk = torch.matmul(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    logits = (torch.matmul(qc, k_prefix.transpose(-1, -2)) + torch.matmul(qk, ec.transpose(-1, -2))) * scale
+    qk = mm(qc, kc.transpose(-1, -2)).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    logits = mm(qc, k_prefix.transpose(-1, -2)) + mm(qk, ec.transpose(-1, -2))
     positions = torch.arange(start, start + n + pad, device=q.device).view(nc, c)
     active = first.to(q.device)[..., None, None, :] <= positions[..., None]  # (h'?, nc, c, k)
-    logits = logits.masked_fill(~active, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no active slot reads nothing
-    pf = torch.matmul(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
-    out = torch.matmul(probs, v_prefix) + torch.matmul(pf, vc)
+    # inactive slots get a finite floor, not -inf: a row with no active slot has a finite softmax, zeroed below,
+    # so no NaN reaches the gradients (and no pass over the (n x k) probabilities replaces it)
+    probs = torch.softmax(logits.masked_fill(~active, -1e30), dim=-1)
+    pf = mm(probs, fc).masked_fill(~tril, 0.0)  # (b, h, nc, c, c)
+    out = mm(probs, v_prefix) + mm(pf, vc)
+    out = torch.where(active.any(-1, keepdim=True), out, torch.zeros_like(out))  # a row with no active slot: 0
     state = (k_prefix[:, :, -1] + k_writes[:, :, -1], v_prefix[:, :, -1] + v_writes[:, :, -1])
     return out.reshape(b, h, nc * c, -1)[:, :, :n], state
 

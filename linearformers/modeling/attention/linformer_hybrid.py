@@ -14,9 +14,12 @@ exact and leaves the slots the far keys. The slots also see the window's tokens 
 which gamma and E learn around in attention transfer. [CLS], which most queries attend to from far away, is a sink.
 
 Computed by blocks of B = w queries: in the frame of keys [(c - 1) B, (c + 2) B) around query block c lies every
-window key of the block. The blocks go through in passes whose scores stay within 16 MB (hybrid._PASS_BYTES); under
+window key of the block. The blocks go through in passes whose scores stay within 16 MB on the CPU
+(hybrid._PASS_BYTES), 512 MB on a GPU (_GPU_PASS_BYTES: one pass at 12 heads x 16K, where many small passes would
+leave it waiting on the host; its sequence projections are then one product each, not one per head); under
 autograd each pass is checkpointed, so backward keeps only the passes' inputs and makes a pass's scores again when
-it reaches it (dropout's RNG state kept, so the masks are the same). Each query's softmax is its own, so the passes
+it reaches it (dropout's RNG state kept, so the masks are the same). A pass scores the window, the slots and the
+sinks into one tensor and takes one softmax over it. Each query's softmax is its own, so the passes
 give the one-pass result exactly. Under torch.compile the op runs in one pass. Time O(n (3 w + k + S) d); memory
 O((n + k) d) plus one pass's scores per head (all of them in one pass, under torch.compile). Everything is computed
 in float32 (float64 for float64 inputs) with autocast off; outputs come in v's dtype.
@@ -24,8 +27,6 @@ Encoders only: a causal Linformer's slots fill as the sequence goes, which this 
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,8 @@ def linformer_hybrid_attention(
     log_gamma = gamma.to(dtype).log()[None, :, None, None]
 
     # the slots (b, h, k, d), written slots only; the sinks' keys and values (b, h, S, d) and where they lie
-    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask)
+    gpu = _gpu_form(q.device)
+    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask, batched=gpu)
     sink_k = sink_v = sink_position = sink_seen = None
     if sinks:
         _, slot = sink_slots(real, sinks)  # (b, S, n): token s is sink j
@@ -114,9 +116,7 @@ def linformer_hybrid_attention(
     blocks = -(-n // w)
     tail = blocks * w - n
     per_block = b * h * w * (3 * w + kp.shape[2] + sinks) * q.element_size()
-    # compiled, one pass: inductor (torch 2.13) miscompiled passes of one block each, with the checkpoints (heap
-    # corruption) and without them (a CPU bmm checked for a CUDA device), so a compiled graph keeps the one-pass form
-    step = blocks if torch.compiler.is_compiling() else max(1, min(blocks, _PASS_BYTES // max(1, per_block)))
+    step = _blocks_per_pass(blocks, per_block, gpu)
     q_passes = (F.pad(q, (0, 0, 0, tail)) if tail else q).split(step * w, dim=2)
     k_blocks, v_blocks = (F.pad(x, (0, 0, w, w + tail)).split(w, dim=2) for x in (k, v))  # blocks + 2 each
     key_real = F.pad(real, (w, w + tail))  # (b, (blocks + 2) w), False outside [0, n)
@@ -139,6 +139,25 @@ def linformer_hybrid_attention(
             outs.append(_pass(*args))
     out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
     return (out[:, :, :n] if tail else out).to(out_dtype)
+
+
+_GPU_PASS_BYTES = 512 * 2**20  # a GPU's budget of scores per pass: one pass at 12 heads x 16K, window 64, k 256
+
+
+def _gpu_form(device: torch.device) -> bool:
+    """Whether the op takes a GPU's form: batched sequence projections and passes within _GPU_PASS_BYTES. The CPU
+    keeps per-head projections and 16 MB passes (hybrid._PASS_BYTES), which stay in its caches; a GPU would spend
+    its time on the host launching their many small kernels (and recomputing the checkpointed passes)."""
+    return device.type != "cpu"
+
+
+def _blocks_per_pass(blocks: int, per_block: int, gpu: bool) -> int:
+    """Query blocks per pass: as many as keep a pass's scores (``per_block`` bytes a block) within the device's
+    budget, at least one. Compiled, one pass: inductor (torch 2.13) miscompiled passes of one block each, with the
+    checkpoints (heap corruption) and without them (a CPU bmm checked for a CUDA device)."""
+    if torch.compiler.is_compiling():
+        return blocks
+    return max(1, min(blocks, (_GPU_PASS_BYTES if gpu else _PASS_BYTES) // max(1, per_block)))
 
 
 def _pass(
@@ -164,8 +183,9 @@ def _pass(
     c0 - 1 .. c0 + nq. Each query's softmax is its own, so passes over whole blocks compute the one-pass result."""
     b, h, rows, d = q_pass.shape
     nq, frame = rows // w, 3 * w
+    q_pass = q_pass * scale  # (rows x d): cheaper than scaling each score
     k_frames, v_frames = (x.unfold(2, frame, w).transpose(-1, -2) for x in (k_pass, v_pass))  # (b, h, nq, 3 w, d)
-    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_pass.view(b, h, nq, w, d), k_frames) * scale
+    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_pass.view(b, h, nq, w, d), k_frames)
     window_scores = window_scores + log_gamma[..., None]
     t = torch.arange(c0 * w, (c0 + nq) * w, device=q_pass.device).view(nq, w, 1)
     s = (torch.arange(c0, c0 + nq, device=q_pass.device) * w - w).view(nq, 1, 1)
@@ -173,30 +193,36 @@ def _pass(
     # real keys of the window; a sink in the window is scored here, once
     key_real = real_pass.unfold(1, frame, w)  # (b, nq, 3 w)
     in_window = ((t - s).abs() < w)[None] & key_real[:, :, None, :]  # (b, nq, w, 3 w)
-    window_scores = window_scores.masked_fill(~in_window[:, None], -math.inf)
-    slot_scores = q_pass @ kp.transpose(-1, -2) * scale
+    # masked scores get a finite floor, not -inf: a row with no key at all then has a finite softmax (zeroed below)
+    # and no NaN reaches the gradients of the keys it shares with other rows
+    window_scores = window_scores.masked_fill(~in_window[:, None], _FLOOR)
+    slot_scores = q_pass @ kp.transpose(-1, -2)
+    has_key = None  # every slot written: every query sees them
     if slot_mask is not None:
-        slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], -math.inf)
-    scores = [window_scores.reshape(b, h, nq * w, frame), slot_scores]
+        slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], _FLOOR)
+        has_key = in_window.any(-1).view(b, 1, rows, 1) | slot_mask.any(-1)[:, :, None, None]
+    scores = [window_scores.reshape(b, h, rows, frame), slot_scores]
     if sink_k is not None:  # the sinks outside each query's window: (b, h, nq w, S)
         far = (t.reshape(-1)[None, :, None] - sink_position[:, None, :]).abs() >= w  # (b, nq w, S)
-        sink_scores = q_pass @ sink_k.transpose(-1, -2) * scale + log_gamma
-        scores.append(sink_scores.masked_fill(~(far & sink_seen[:, None, :])[:, None], -math.inf))
+        usable = far & sink_seen[:, None, :]
+        sink_scores = q_pass @ sink_k.transpose(-1, -2) + log_gamma
+        scores.append(sink_scores.masked_fill(~usable[:, None], _FLOOR))
+        has_key = None if has_key is None else has_key | usable.any(-1)[:, None, :, None]
 
-    # one softmax over the three parts, with a row max that ignores empty rows
-    top = torch.stack([p.amax(-1) for p in scores], -1).amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
-    probs = [torch.exp(p - top) for p in scores]
-    den = sum(p.sum(-1, keepdim=True) for p in probs)
-    safe_den = torch.where(den > 0, den, torch.ones_like(den))
+    # one softmax over the three parts, one kernel each way
+    probs = torch.softmax(torch.cat(scores, -1), -1)
     if dropout_p > 0:
-        probs = [F.dropout(p, dropout_p) for p in probs]
-    window_probs = probs[0].view(b, h, nq, w, frame)
+        probs = F.dropout(probs, dropout_p)
+    slots = kp.shape[2]
+    window_probs = probs[..., :frame].view(b, h, nq, w, frame)
     out = torch.einsum("bhcij,bhcjd->bhcid", window_probs, v_frames).reshape(b, h, nq * w, d)
-    out = out + probs[1] @ vp
+    out = out + probs[..., frame : frame + slots] @ vp
     if sink_v is not None:
-        out = out + probs[2] @ sink_v
-    return torch.where(den > 0, out / safe_den, torch.zeros_like(out))
+        out = out + probs[..., frame + slots :] @ sink_v
+    return out if has_key is None else torch.where(has_key, out, torch.zeros_like(out))
+
+
+_FLOOR = -1e30  # the score of a key a query does not see: exp(_FLOOR - max) is 0 in float32 and float64
 
 
 __all__ = ["linformer_hybrid_attention"]

@@ -280,8 +280,8 @@ def test_bad_backend_and_block_size_raise_value_errors():
 
     q, k, v = _qkv()
     e = torch.randn(4, 32)
-    assert BACKENDS == ("reference", "blockwise")
-    with pytest.raises(ValueError, match=r"unknown Linformer backend 'chunked'.*'reference', 'blockwise'"):
+    assert BACKENDS == ("reference", "blockwise", "sdpa")
+    with pytest.raises(ValueError, match=r"unknown Linformer backend 'chunked'.*'reference', 'blockwise', 'sdpa'"):
         linformer_attention(q, k, v, e, backend="chunked")
     for bad in (0, -1, 4.0, False, "16"):
         with pytest.raises(ValueError, match="block_size must be a positive int"):
