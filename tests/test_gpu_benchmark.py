@@ -23,7 +23,14 @@ def test_gpu_benchmark_cpu_quick(tmp_path):
     names = ("sdpa", "sdpa_causal", "favor/auto", "favor_causal/auto", "favor_causal/chunked", "linformer/auto")
     # linear_causal: linear_attention on precomputed FAVOR+ features, the same inputs as the fla row
     learned = ("hedgehog", "hedgehog_causal/auto", "hybrid", "hybrid_causal", "linformer_hybrid")
-    for name in (*names, *learned, "linformer/sdpa", "linformer_causal/auto", "linear_causal/auto", "linear_causal/chunked"):
+    for name in (
+        *names,
+        *learned,
+        "linformer/sdpa",
+        "linformer_causal/auto",
+        "linear_causal/auto",
+        "linear_causal/chunked",
+    ):
         assert set(rows[name]) == lengths
         for row in rows[name].values():
             assert row["status"] == "ok" and row["seconds"] > 0 and row["peak_mb"] is None  # no memory on CPU
