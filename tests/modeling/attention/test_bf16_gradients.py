@@ -171,3 +171,26 @@ def test_features_made_under_bf16_autocast_keep_float32_gradients(name, device):
     """A model trained under autocast makes its features inside the autocast region: their exponents must not
     drop to bf16 products there (an error of ~1% on exp per unit of exponent)."""
     _assert_within_bounds(name, *_bf16_and_float64(KERNELS[name], device, autocast=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_the_hybrid_takes_bf16_inputs_to_its_float32_results_rounded_at_every_element(causal, sinks, device):
+    """No step of the hybrid runs in bf16: from bf16 q, k, v and features, its output and all five gradients are
+    the float32 ones from the same values, each element within one bf16 ulp (2^-8 relative), so no position can
+    lose its digits to bf16 arithmetic inside it."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, N, D, generator=g).mul(1.5) for _ in range(3))
+    phi_q, phi_k, ell = _favor_hybrid_features(q, k)
+    inputs = [t.bfloat16().to(device) for t in (q, k, v, phi_q, phi_k)]
+    ell, gamma = ell.to(device), torch.tensor([1.0, 0.4], device=device)
+    cotangent = torch.randn(B, H, N, D, generator=g).bfloat16().to(device)
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = [t.to(dtype).requires_grad_() for t in inputs]
+        out = hybrid_attention(*x, gamma, WINDOW, causal=causal, query_log_scale=ell, sinks=sinks)
+        results.append((out, *torch.autograd.grad(out, x, cotangent.to(dtype))))
+    for what, low, full in zip(("out", "dq", "dk", "dv", "dphi_q", "dphi_k"), *results):
+        slack = 2.0**-8 * full.abs() + 1e-6 * full.abs().max()
+        assert ((low.float() - full).abs() <= slack).all(), what
