@@ -1,11 +1,11 @@
 """bf16 outputs and gradients of every attention kernel against float64 from the same bf16-rounded inputs.
 
 A kernel that computes in float32 from bf16 inputs (``_precision``) rounds only its output and its input gradients
-to bf16: every element is then within bf16's half ulp (2^-9 relative) of the float32 result, so the relative max
-error max|g - g64| / max|g64| stays at a few 1e-3 whatever the positions. A mean bound alone would miss a few
-positions that lose their digits (a cancellation at low precision); hence a bound on the max as well. Bounds are
-2-3x the max error measured on the CPU with the kernels computing in float32 (CUDA's float32 products differ
-only in their order of summation).
+to bf16 (a gradient that reaches q by two paths, the kernel and the feature map, is the bf16 sum of two such
+roundings): every element then stays within a few bf16 half ulps (2^-9 relative) of the exact result, so the
+relative max error max|g - g64| / max|g64| stays at a few 1e-3 whatever the positions. A mean bound alone would
+miss a few positions that lose their digits (a cancellation at low precision); hence a bound on the max as well.
+Bounds are 2-3x the errors measured on the CPU; the CUDA cases take the same bounds.
 """
 
 import math
