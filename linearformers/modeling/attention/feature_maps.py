@@ -23,7 +23,10 @@ same formula as here, and the tests hold each against :mod:`reference`, which us
 
 Precision: features are computed in float32 (float64 for float64 inputs, so that gradcheck means something),
 whatever the inputs' dtype: the exponents of the FAVOR+ map need float32's range (bf16 keeps 8 bits of mantissa,
-so exp of an exponent near -20 would carry a relative error of ~8%), and so do the sums built from them.
+so exp of an exponent near -20 would carry a relative error of ~8%), and so do the sums built from them. The maps
+run with autocast off: a model trained under bf16 autocast makes its features inside the autocast region, where
+the projections x W would otherwise run as bf16 products and carry that error into the features and their
+gradients (4-16x the max error of dk that bf16's rounding alone gives, in test_bf16_gradients.py's cases).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import math
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from ._precision import outside_autocast
 
 KERNELS = ("softmax", "relu")  # the random-feature kernels of favor_attention
 # PerformerConfig.kernel's choices: the random-feature kernels and the learned Hedgehog map (HedgehogFeatureMap)
@@ -65,6 +70,7 @@ def _check_projection(x: torch.Tensor, projection: torch.Tensor) -> None:
         )
 
 
+@outside_autocast
 def favor_exponents(
     x: torch.Tensor, projection: torch.Tensor, *, is_query: bool, scale: float | None = None
 ) -> torch.Tensor:
@@ -107,6 +113,7 @@ def favor_positive(
     return torch.exp(u)
 
 
+@outside_autocast
 def relu_features(
     x: torch.Tensor,
     projection: torch.Tensor,
@@ -293,6 +300,7 @@ class HedgehogFeatureMap(torch.nn.Module):
                 weight.copy_(self.initial_weight(weight))
                 bias.zero_()
 
+    @outside_autocast
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
