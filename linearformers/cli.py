@@ -3,6 +3,7 @@ an output folder proven writable before any work, and one line, not a traceback,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from pathlib import Path
@@ -12,8 +13,10 @@ PACKAGE = Path(__file__).resolve().parent  # linearformers/
 
 def check_writable(folder: str | Path, name: str, saved: str) -> None:
     """Create ``folder`` and write and remove a probe file in it, or raise a ValueError naming it (as ``name``, the
-    argument that chose it) and what could not be ``saved`` there."""
+    argument that chose it) and what could not be ``saved`` there. The folders the probe created are removed again:
+    a run that fails later leaves nothing behind."""
     folder = Path(folder)
+    created = [path for path in (folder, *folder.parents) if not path.exists()]  # the deepest first
     probe = folder / f".write-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -24,6 +27,10 @@ def check_writable(folder: str | Path, name: str, saved: str) -> None:
             f"{name} {folder} is not writable ({type(error).__name__}: {error.strerror or error}); {saved} could not "
             f"be saved there. Fix its permissions or choose another {name}."
         ) from error
+    finally:
+        for path in created:
+            with contextlib.suppress(OSError):  # not created after all, or no longer empty: another process's
+                path.rmdir()
 
 
 def raised_by_linearformers(error: BaseException) -> bool:

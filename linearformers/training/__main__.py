@@ -43,7 +43,7 @@ REMOVED_FLAGS = {
     "save_every": "--save_steps N (--save_strategy no: never)",
     "resume": "--resume_from_checkpoint true (or a checkpoint folder)",
     "mixed_precision": "--bf16 or --fp16",
-    "progress_bar": "--disable_tqdm true (for --progress_bar false)",
+    "progress_bar": "--disable_tqdm true to hide the progress bar",
 }
 
 
@@ -85,19 +85,23 @@ def _check_removed_flags(argv: list[str]) -> None:
             raise ValueError(f"--{name} was removed; pass {REMOVED_FLAGS[name]} (transformers' TrainingArguments name)")
 
 
-def parse_arguments(argv: list[str] | None = None) -> tuple[ModelDataArguments, TrainingArguments]:
-    """The command line (``sys.argv[1:]`` by default) as our arguments and transformers' ``TrainingArguments``; a
-    ValueError names a flag this command no longer has and the one that replaced it."""
-    argv = sys.argv[1:] if argv is None else argv
-    _check_removed_flags(argv)
-    parser = HfArgumentParser(
+def build_parser() -> HfArgumentParser:
+    """The command line: ``ModelDataArguments`` then ``TrainingArguments``, under ``description()``."""
+    return HfArgumentParser(
         (ModelDataArguments, TrainingArguments),
         prog=PROG,
         usage=USAGE,
         description=description(),
         formatter_class=_HelpFormatter,
     )
-    args, training_args = parser.parse_args_into_dataclasses(args=argv)
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[ModelDataArguments, TrainingArguments]:
+    """The command line (``sys.argv[1:]`` by default) as our arguments and transformers' ``TrainingArguments``; a
+    ValueError names a flag this command no longer has and the one that replaced it."""
+    argv = sys.argv[1:] if argv is None else argv
+    _check_removed_flags(argv)
+    args, training_args = build_parser().parse_args_into_dataclasses(args=argv)
     return args, training_args
 
 

@@ -210,9 +210,9 @@ def prepare_dataset(
         blocks = len(grouped["train"])
         if not _splittable(blocks, validation_split):
             raise ValueError(
-                f"the training text gives {blocks} block(s) of block_size={block_size} tokens and no validation "
-                f"data: holding out {validation_split} of the blocks would leave none to train on. Add text, lower "
-                "--block_size or pass --validation_file"
+                f"the training text gives {blocks} block(s) of block_size={block_size} tokens, too few to hold out "
+                f"{validation_split} of them for validation and train on the rest (one paragraph cannot be split "
+                "by rows). Add text, lower --block_size or pass --validation_file"
             )
         grouped = _hold_out(grouped["train"], validation_split, seed)
     for name, split in grouped.items():
