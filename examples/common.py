@@ -66,7 +66,7 @@ def load_everything(model_args: ModelArguments, data_args: DataArguments, task: 
     else:
         tokenizer = AutoTokenizer.from_pretrained(default_tokenizer())
     data, labels = prepare_dataset(
-        raw, tokenizer, task, data_args.block_size, data_args.text_column, data_args.label_column
+        raw, tokenizer, task, data_args.block_size, data_args.text_column, data_args.label_column, seed=seed
     )
     if model_args.model_name_or_path:
         config = AutoConfig.from_pretrained(model_args.model_name_or_path, **label_fields(labels))

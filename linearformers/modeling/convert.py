@@ -33,6 +33,7 @@ from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.utils import cached_file
 
 from .. import modeling
+from ..cli import check_writable, raised_by_linearformers
 from .registry import FAMILIES, HEADS, Family, Head, get_family
 from .transfer import (
     FINETUNE_MODES,
@@ -189,12 +190,9 @@ def _config_fields(config_cls) -> set[str]:
     return {f.name for f in dataclasses.fields(config_cls)} | {"num_labels"}
 
 
-def _attention_fields(max_positions: int, overrides: dict, family: Family) -> dict:
-    """The user's attention settings; a Linformer defaults to n = max positions and k = n (exact at start).
-
-    None is a value (``feature_redraw_interval=None``: never redraw), except for Linformer's ``max_seq_length``,
-    whose None means its default here too. A name the family's config does not have raises, naming close ones.
-    """
+def _check_overrides(overrides: dict, family: Family) -> None:
+    """A ValueError for a name the family's config does not have, naming the other family's config when it has
+    it, else close names."""
     known = _config_fields(family.config_class)
     for name in overrides:
         if name in known:
@@ -207,6 +205,16 @@ def _attention_fields(max_positions: int, overrides: dict, family: Family) -> di
         elif close:
             message += f"; did you mean {' or '.join(repr(c) for c in close)}?"
         raise ValueError(message)
+
+
+def _attention_fields(max_positions: int, overrides: dict, family: Family) -> dict:
+    """The user's attention settings (checked by ``_check_overrides``); a Linformer defaults to n = max positions and
+    k = n (exact at start).
+
+    None is a value (``feature_redraw_interval=None``: never redraw), except for Linformer's ``max_seq_length``,
+    whose None means its default here too.
+    """
+    _check_overrides(overrides, family)
     fields = dict(overrides)
     if family.name == "linformer":
         if fields.get("max_seq_length") is None:
@@ -392,6 +400,10 @@ def _check_transfer_request(transfer, transfer_texts, tokenizer) -> None:
             "transfer=TransferArguments(...) needs transfer_texts: the path of a text file or a list of strings to "
             "fit the attention on"
         )
+    if isinstance(transfer_texts, list | tuple) and not transfer_texts:
+        raise ValueError(
+            "transfer_texts is empty; pass a list of strings to fit the attention on, or the path of a text file"
+        )
 
 
 def _transfer(
@@ -568,7 +580,12 @@ TRANSFER_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Convert a BERT / GPT-2 checkpoint to Linformer / Performer")
+    """The conversion CLI. Bad input (a flag of the other family, an unwritable output folder, a source of another
+    model type, ...) exits 2 with one ``error:`` line after the usage, the output folder checked before any work."""
+    parser = argparse.ArgumentParser(
+        prog="python -m linearformers.modeling.convert",
+        description="Convert a BERT / GPT-2 checkpoint to Linformer / Performer",
+    )
     parser.add_argument("source", help="folder or Hub id of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
     parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
@@ -601,15 +618,23 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(error))
     elif given:
         parser.error(f"--{next(iter(given))} is a setting of attention transfer, which needs --transfer_file")
-    convert = convert_gpt2 if _config_dict(args.source, hub).get("model_type") == "gpt2" else convert_bert
     overrides = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k) is not None}  # None: not given
-    # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
-    # builds an empty tokenizer of the model type, which would be saved as if it were real
-    tokenizer = _source_tokenizer(args.source, **hub)
-    if transfer is not None:
-        overrides.update(transfer=transfer, transfer_texts=args.transfer_file, tokenizer=tokenizer)
-    # the transfer runs inside convert, before anything is written: a failed run leaves no half-made folder
-    model, report = convert(args.source, args.family, **hub, **overrides)
+    try:
+        _check_overrides(overrides, get_family(args.family))
+        # before the conversion and its attention transfer (minutes), not after them
+        check_writable(args.output, "output folder", "the converted model")
+        convert = convert_gpt2 if _config_dict(args.source, hub).get("model_type") == "gpt2" else convert_bert
+        # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
+        # builds an empty tokenizer of the model type, which would be saved as if it were real
+        tokenizer = _source_tokenizer(args.source, **hub)
+        if transfer is not None:
+            overrides.update(transfer=transfer, transfer_texts=args.transfer_file, tokenizer=tokenizer)
+        # the transfer runs inside convert, before anything is written: a failed run leaves the folder empty
+        model, report = convert(args.source, args.family, **hub, **overrides)
+    except ValueError as error:
+        if not raised_by_linearformers(error):  # a bug or a library's failure: keep its traceback
+            raise
+        parser.error(" ".join(str(error).split()))
     model.save_pretrained(args.output)
     if tokenizer is not None:
         tokenizer.save_pretrained(args.output)

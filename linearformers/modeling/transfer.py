@@ -264,6 +264,8 @@ def text_blocks(
         texts = [path.read_text(encoding="utf-8")]
     elif not (isinstance(texts, Sequence) and all(isinstance(text, str) for text in texts)):
         raise TypeError(f"texts must be a file path or a list of strings, got {type(texts).__name__}")
+    elif not texts:  # the tokenizer would fail on it with an IndexError
+        raise ValueError("texts is an empty list; pass the texts to fit the attention on, or a text file's path")
     if isinstance(length, bool) or not isinstance(length, int) or length < (3 if wrap else 1):
         raise ValueError(f"block length must be an int >= {3 if wrap else 1}, got {length!r}")
     if wrap and (tokenizer.cls_token_id is None or tokenizer.sep_token_id is None):

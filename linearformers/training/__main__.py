@@ -9,22 +9,99 @@ from __future__ import annotations
 
 import errno
 import sys
-import traceback
-from pathlib import Path
+import textwrap
+from argparse import ArgumentDefaultsHelpFormatter, RawDescriptionHelpFormatter
 
 from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import HfArgumentParser, TrainingArguments
 
-from .loop import ModelDataArguments, train
+from ..cli import raised_by_linearformers
+from .data import TASKS
+from .loop import (
+    _OLD_NAMES,
+    _OPTIMIZERS,
+    _STRATEGIES,
+    TRAINING_ARGUMENTS_READ,
+    UNSUPPORTED_TRAINING_ARGUMENTS,
+    ModelDataArguments,
+    train,
+)
 
 PROG = "linearformers-train"
-PACKAGE = Path(__file__).resolve().parents[1]  # linearformers/
+USAGE = f"{PROG} --task {{{','.join(TASKS)}}} (--train_file FILE | --dataset_dir DIR) --output_dir DIR [options]"
+EXAMPLE = f"""\
+example (a small causal LM on a text file, evaluated every 200 steps):
+  {PROG} --task clm --train_file train.txt --output_dir out/run \\
+      --config_overrides hidden_size=256,num_hidden_layers=4,num_attention_heads=4 --block_size 512 \\
+      --per_device_train_batch_size 8 --max_steps 1000 --eval_strategy steps --eval_steps 200
+"""
+# the flags this command had before it took TrainingArguments' names -> what to pass now
+REMOVED_FLAGS = {
+    **{old: f"--{new}" for old, new in _OLD_NAMES.items()},
+    "per_device_batch_size": "--per_device_train_batch_size (and --per_device_eval_batch_size)",
+    "eval_every": "--eval_strategy steps --eval_steps N",
+    "save_every": "--save_steps N (--save_strategy no: never)",
+    "resume": "--resume_from_checkpoint true (or a checkpoint folder)",
+    "mixed_precision": "--bf16 or --fp16",
+    "progress_bar": "--disable_tqdm true to hide the progress bar",
+}
+
+
+def _honoured(name: str) -> str:
+    """A TrainingArguments option the loop reads, with the values it takes where it takes only some."""
+    if name == "optim":
+        return f"optim ({' or '.join(_OPTIMIZERS)})"
+    if name in _STRATEGIES:
+        return f"{name} ({' or '.join(_STRATEGIES[name])})"
+    return name
+
+
+def description() -> str:
+    """The top of ``--help``: what the command does, an example, and which TrainingArguments options it honours
+    (``TRAINING_ARGUMENTS_READ``) and refuses (``UNSUPPORTED_TRAINING_ARGUMENTS``)."""
+    honoured = ", ".join(_honoured(name) for name in sorted(TRAINING_ARGUMENTS_READ))
+    refused = ", ".join(sorted(UNSUPPORTED_TRAINING_ARGUMENTS))
+    lists = (
+        "The options are ours (--task to --overwrite_output_dir), then transformers' TrainingArguments. Of those, "
+        f"this loop honours: {honoured}. It refuses, when set: {refused}. The other TrainingArguments options are "
+        "accepted and have no effect."
+    )
+    what = (
+        "Train a Performer or Linformer (masked LM, causal LM or classifier) with Accelerate on local .txt, .csv or "
+        ".json(l) files or a save_to_disk folder. Checkpoints go to OUTPUT_DIR/checkpoints, the model and tokenizer "
+        "to OUTPUT_DIR/final, the losses and evaluations to OUTPUT_DIR/results.json."
+    )
+    return f"{textwrap.fill(what, 100)}\n\n{EXAMPLE}\n{textwrap.fill(lists, 100)}"
+
+
+class _HelpFormatter(ArgumentDefaultsHelpFormatter, RawDescriptionHelpFormatter):
+    """Each option's default (as HfArgumentParser shows it), and the description as written."""
+
+
+def _check_removed_flags(argv: list[str]) -> None:
+    for token in argv:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else None
+        if name in REMOVED_FLAGS:
+            raise ValueError(f"--{name} was removed; pass {REMOVED_FLAGS[name]} (transformers' TrainingArguments name)")
+
+
+def build_parser() -> HfArgumentParser:
+    """The command line: ``ModelDataArguments`` then ``TrainingArguments``, under ``description()``."""
+    return HfArgumentParser(
+        (ModelDataArguments, TrainingArguments),
+        prog=PROG,
+        usage=USAGE,
+        description=description(),
+        formatter_class=_HelpFormatter,
+    )
 
 
 def parse_arguments(argv: list[str] | None = None) -> tuple[ModelDataArguments, TrainingArguments]:
-    """The command line (``sys.argv[1:]`` by default) as our arguments and transformers' ``TrainingArguments``."""
-    parser = HfArgumentParser((ModelDataArguments, TrainingArguments), prog=PROG)
-    args, training_args = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv)
+    """The command line (``sys.argv[1:]`` by default) as our arguments and transformers' ``TrainingArguments``; a
+    ValueError names a flag this command no longer has and the one that replaced it."""
+    argv = sys.argv[1:] if argv is None else argv
+    _check_removed_flags(argv)
+    args, training_args = build_parser().parse_args_into_dataclasses(args=argv)
     return args, training_args
 
 
@@ -41,13 +118,6 @@ def _summary(out: dict) -> str:
     )
 
 
-def _raised_by_linearformers(error: BaseException) -> bool:
-    """Whether ``error`` was raised in this package's own code: its ValueErrors are the checks of arguments, data,
-    checkpoints and output_dir, each naming the problem, which the user fixes, so one line says it all."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``linearformers-train``; returns the exit status (the console script and ``python -m`` exit with it)."""
     try:  # TrainingArguments checks its own values (e.g. --bf16 on a machine without bf16)
@@ -58,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = train(*arguments)
     except ValueError as error:
-        if not _raised_by_linearformers(error):  # a bug or a library's failure mid-run: keep its traceback
+        if not raised_by_linearformers(error):  # a bug or a library's failure mid-run: keep its traceback
             raise
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

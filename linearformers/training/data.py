@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 TASKS = ("mlm", "clm", "classification")
+VALIDATION_SPLIT = 0.05  # the share of training rows (or LM blocks) held out when there is no validation data
 _BUILDERS = {".txt": "text", ".text": "text", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 
 
@@ -23,7 +24,7 @@ def load_raw_dataset(
     train_file: str | None = None,
     validation_file: str | None = None,
     dataset_dir: str | None = None,
-    validation_split: float = 0.05,
+    validation_split: float = VALIDATION_SPLIT,
     seed: int = 0,
     sample_by: str = "line",
 ) -> DatasetDict:
@@ -31,8 +32,10 @@ def load_raw_dataset(
 
     Rows of a text file are its lines, or with ``sample_by="paragraph"`` its paragraphs (separated by a blank line;
     line breaks inside a paragraph are kept): the documents a causal LM separates with end-of-text. Without a
-    validation file or split, ``validation_split`` of the training rows are held out (seeded). An empty file, or one
-    that is not UTF-8 text, raises a ValueError naming it.
+    validation file or split, ``validation_split`` of the training rows are held out (seeded); where that would hold
+    out every row (a text without blank lines is one paragraph), the DatasetDict has "train" only, and
+    ``prepare_dataset`` holds out LM blocks instead. An empty file, or one that is not UTF-8 text, raises a
+    ValueError naming it.
     """
     if not 0 < validation_split < 1:
         raise ValueError(
@@ -74,10 +77,20 @@ def load_raw_dataset(
             ) from error
     if "train" not in raw:
         raise ValueError(f"the dataset has no 'train' split; it has {list(raw)}")
-    if "validation" not in raw:
-        parts = raw["train"].train_test_split(test_size=validation_split, seed=seed)
-        raw = DatasetDict({"train": parts["train"], "validation": parts["test"]})
+    if "validation" not in raw and _splittable(len(raw["train"]), validation_split):
+        raw = _hold_out(raw["train"], validation_split, seed)
     return raw
+
+
+def _splittable(rows: int, validation_split: float) -> bool:
+    """Whether ``Dataset.train_test_split`` leaves rows on both sides: it holds out ceil(share * rows) and keeps
+    floor((1 - share) * rows)."""
+    return math.ceil(validation_split * rows) >= 1 and math.floor((1 - validation_split) * rows) >= 1
+
+
+def _hold_out(dataset: Dataset, validation_split: float, seed: int) -> DatasetDict:
+    parts = dataset.train_test_split(test_size=validation_split, seed=seed)
+    return DatasetDict({"train": parts["train"], "validation": parts["test"]})
 
 
 def _check_utf8(split: str, path: str) -> None:
@@ -118,13 +131,24 @@ def prepare_dataset(
     block_size: int,
     text_column: str = "text",
     label_column: str = "label",
+    validation_split: float = VALIDATION_SPLIT,
+    seed: int = 0,
 ) -> tuple[DatasetDict, list[str] | None]:
     """Tokenize for ``task``. LM tasks concatenate all texts and cut them into blocks of ``block_size``
     tokens (for clm, each text followed by the tokenizer's end-of-text token when it has one, so documents are
     separated in the blocks and the model learns where text ends); classification truncates each text to
-    ``block_size``. Returns the datasets and, for classification, the label names (sorted, as found in train)."""
+    ``block_size``. Returns the datasets and, for classification, the label names (sorted, as found in train).
+
+    ``raw`` without "validation" (too few rows to hold out whole ones, see ``load_raw_dataset``): LM tasks hold out
+    ``validation_split`` of the blocks (seeded by ``seed``); too few blocks, or classification, raise a ValueError.
+    """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+    if "validation" not in raw and task == "classification":
+        raise ValueError(
+            f"the training data has {len(raw['train'])} row(s), too few to hold out a validation share of "
+            f"{validation_split}; add rows or pass --validation_file"
+        )
     for split in raw.values():
         _require_column(split, text_column, "text")
         if task == "classification":
@@ -182,6 +206,15 @@ def prepare_dataset(
 
     tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
     grouped = tokenized.map(group, batched=True, batch_size=1000, remove_columns=tokenized["train"].column_names)
+    if "validation" not in grouped:
+        blocks = len(grouped["train"])
+        if not _splittable(blocks, validation_split):
+            raise ValueError(
+                f"the training text gives {blocks} block(s) of block_size={block_size} tokens, too few to hold out "
+                f"{validation_split} of them for validation and train on the rest (one paragraph cannot be split "
+                "by rows). Add text, lower --block_size or pass --validation_file"
+            )
+        grouped = _hold_out(grouped["train"], validation_split, seed)
     for name, split in grouped.items():
         if len(split) == 0:
             raise ValueError(

@@ -40,13 +40,14 @@ from transformers import (
 from transformers.integrations import get_available_reporting_integrations
 from transformers.utils import logging
 
+from ..cli import check_writable
 from ..hub_cards import check_repo_id, push_to_hub
 from ..modeling.attention.seeds import mix_seed
 from ..modeling.registry import FAMILIES, get_family
 from .checkpoint import TOKENIZER_FOLDER, latest_checkpoint, load_checkpoint, load_run, save_checkpoint
 from .data import TASKS, check_block_size, load_raw_dataset, prepare_dataset
 from .metrics import load_metric
-from .output_dir import check_writable, lock_output_dir
+from .output_dir import lock_output_dir
 from .tokenizer import train_bpe_tokenizer
 
 logger = logging.get_logger(__name__)
@@ -604,7 +605,7 @@ def _claim_output_dir(accelerator: Accelerator, output: Path):
     lock, problem = None, None
     if accelerator.is_main_process:
         try:
-            check_writable(output)
+            check_writable(output, "output_dir", "checkpoints and the final model")
             lock = lock_output_dir(output)
         except ValueError as error:
             problem = str(error)
@@ -842,7 +843,9 @@ def _build(
     """Tokenize the data, build the model, its optimizer and schedule, and prepare them with Accelerate."""
     raw = _load_raw(args, training_args.seed) if raw is None else raw
     with accelerator.main_process_first():
-        data, labels = prepare_dataset(raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column)
+        data, labels = prepare_dataset(
+            raw, tokenizer, args.task, args.block_size, args.text_column, args.label_column, seed=training_args.seed
+        )
     model = build_model(args, tokenizer, labels)
     if args.task == "clm" and tokenizer.eos_token_id is not None:
         # generate() stops at end-of-text and pads with it; saved with the model as its GenerationConfig
@@ -898,8 +901,9 @@ def _resume(job: _Training, resume_from: Path | None) -> dict:
     accelerator = job.accelerator
     layout = {"per_device_batch_size": job.training_args.per_device_train_batch_size}
     layout["num_processes"] = accelerator.num_processes
-    # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks)
-    progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": []}
+    # rows: of this epoch's order, consumed; batches: per-process batches drawn (seeds the MLM masks); evaluations:
+    # the results of those at --eval_steps, with their step
+    progress = {"step": 0, "epoch": 0, "batches": 0, "rows": 0, "layout": layout, "train_loss": [], "evaluations": []}
     if resume_from is None:
         return progress
     loaded = load_checkpoint(accelerator, resume_from)
@@ -976,6 +980,9 @@ def _after_step(job: _Training, progress: dict, loss: torch.Tensor, logged: list
     if schedule.eval_every and step % schedule.eval_every == 0:
         results = evaluate_model(job.model, job.eval_loader, accelerator, job.args.task, job.masker)
         accelerator.log({f"eval/{k}": v for k, v in results.items()}, step=step)
+        progress["evaluations"].append({"step": step, **results})
+        if accelerator.is_main_process:  # on the console too, as Trainer does (through the bar, which it keeps whole)
+            tqdm.write(f"step {step}: " + ", ".join(f"{name} {value:.4g}" for name, value in results.items()))
     if schedule.save_every and step % schedule.save_every == 0:
         save_checkpoint(
             accelerator, job.checkpoints, progress, keep=schedule.keep, run=job.run, tokenizer=job.tokenizer
@@ -1010,8 +1017,8 @@ def _train_steps(job: _Training, progress: dict) -> None:
 
 
 def _save_final(job: _Training, progress: dict, results: dict) -> tuple[PreTrainedModel, dict]:
-    """Save the trained model and tokenizer to ``output_dir/final`` and the losses and results to results.json;
-    returns the model (unwrapped from Accelerate) and that summary."""
+    """Save the trained model and tokenizer to ``output_dir/final`` and to results.json the losses, the evaluations
+    at ``--eval_steps`` and the final results; returns the model (unwrapped from Accelerate) and that summary."""
     accelerator = job.accelerator
     accelerator.wait_for_everyone()
     final = job.output / "final"
@@ -1021,7 +1028,12 @@ def _save_final(job: _Training, progress: dict, results: dict) -> tuple[PreTrain
     model.save_pretrained(
         final, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
-    summary = {"results": results, "train_loss": progress["train_loss"], "steps": progress["step"]}
+    summary = {
+        "results": results,
+        "train_loss": progress["train_loss"],
+        "evaluations": progress["evaluations"],
+        "steps": progress["step"],
+    }
     if accelerator.is_main_process:
         job.tokenizer.save_pretrained(final)
         (job.output / "results.json").write_text(json.dumps(summary, indent=2))

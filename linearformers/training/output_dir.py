@@ -1,4 +1,4 @@
-"""One training run per ``output_dir``, and an ``output_dir`` proven writable before any data work.
+"""One training run per ``output_dir``.
 
 The lock is ``flock`` on ``output_dir/.lock``, held by one process of a run (the main process under a distributed
 launch) for the run's lifetime. The kernel drops it when that process exits, however it exits (SIGKILL included),
@@ -26,21 +26,6 @@ class OutputDirLock:
         if self._handle is not None:
             self._handle.close()  # closing the last descriptor of the open file drops its flock
             self._handle = None
-
-
-def check_writable(output_dir: str | Path) -> None:
-    """Create ``output_dir`` and write and remove a probe file in it, or raise a ValueError naming the folder."""
-    folder = Path(output_dir)
-    probe = folder / f".write-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"probe")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(
-            f"output_dir {folder} is not writable ({type(error).__name__}: {error.strerror or error}); checkpoints "
-            "and the final model could not be saved there. Fix its permissions or pass another --output_dir."
-        ) from error
 
 
 def lock_output_dir(output_dir: str | Path) -> OutputDirLock:

@@ -1,6 +1,7 @@
 """Converting pretrained BERT / GPT-2 checkpoints: every weight mapped, only new parameters initialized."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -365,5 +366,43 @@ def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
     main([str(tmp_path / "bert"), str(tmp_path / "hybrid"), "--hybrid_window", "4", "--hybrid_sinks", "1"])
     config = AutoModel.from_pretrained(tmp_path / "hybrid").config
     assert (config.hybrid_window, config.hybrid_sinks) == (4, 1)
-    with pytest.raises(ValueError, match=r"projected_length.*LinformerConfig field.*family='linformer'"):
+
+
+def test_cli_names_a_flag_of_the_other_family_in_one_line(tmp_path, capsys):
+    from linearformers.modeling.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path / "bert"), str(tmp_path / "other"), "--projected_length", "16"])
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert re.fullmatch(
+        r"python -m linearformers\.modeling\.convert: error: PerformerConfig has no field 'projected_length'; it is "
+        r"a LinformerConfig field: pass family='linformer'",
+        stderr.strip().splitlines()[-1],
+    )
+    assert not (tmp_path / "other").exists()  # refused before anything was made
+
+
+def test_cli_refuses_an_unwritable_output_folder_before_converting(tmp_path, capsys, monkeypatch):
+    from linearformers.modeling import convert
+
+    monkeypatch.setattr(convert, "convert_bert", lambda *a, **k: pytest.fail("the conversion began"))
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        convert.main([str(tmp_path / "bert"), str(blocker / "out"), "--transfer_file", str(blocker)])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"python -m linearformers.modeling.convert: error: output folder {blocker / 'out'} is not")
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_converters_refuse_empty_transfer_texts_by_name(convert):
+    from linearformers.modeling.transfer import TransferArguments
+
+    source = "not loaded: the request is checked first"
+    with pytest.raises(ValueError, match=r"transfer_texts is empty; pass a list of strings"):
+        (convert_bert if convert == "bert" else convert_gpt2)(source, transfer=TransferArguments(), transfer_texts=[])

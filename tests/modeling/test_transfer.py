@@ -339,6 +339,12 @@ def test_text_blocks_wrap_bert_blocks_in_cls_and_sep(tokenizer_dir, tmp_path):
         text_blocks(tokenizer, str(tmp_path / "missing.txt"), 10, wrap=True)
 
 
+def test_text_blocks_refuses_an_empty_list_by_name(tokenizer_dir):
+    """The tokenizer raised an IndexError on it."""
+    with pytest.raises(ValueError, match=r"texts is an empty list"):
+        text_blocks(AutoTokenizer.from_pretrained(tokenizer_dir), [], 10, wrap=True)
+
+
 def _saved_bert_with_a_tokenizer(tokenizer_dir, folder):
     """A tiny random BertModel with all-MiniLM-L6-v2's WordPiece vocabulary, saved with that tokenizer."""
     torch.manual_seed(0)
@@ -361,8 +367,9 @@ def test_the_cli_runs_the_transfer_before_saving(tokenizer_dir, tmp_path, capsys
     loaded = AutoModel.from_pretrained(out)
     assert loaded.config.kernel == "hedgehog" and type(loaded).__name__ == "PerformerModel"
     assert AutoTokenizer.from_pretrained(out).cls_token_id == 101
-    with pytest.raises(ValueError, match=r"no new attention parameters"):
+    with pytest.raises(SystemExit):
         main([source, str(tmp_path / "failed"), "--num_random_features", "16", *common])
+    assert "no new attention parameters" in capsys.readouterr().err
     assert not (tmp_path / "failed").exists()  # nothing written when the transfer fails
     with pytest.raises(SystemExit):
         main([source, str(tmp_path / "flags"), "--transfer_steps", "5"])

@@ -1,6 +1,9 @@
 """linearformers-train as a command: exit status, error messages, the end-of-run summary, trackers, TrainingArguments
 options it refuses, and the byte-level BPE tokenizer a causal LM gets by default."""
 
+import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -213,3 +216,97 @@ def test_a_value_error_from_outside_the_package_keeps_its_traceback(monkeypatch,
     with pytest.raises(ValueError, match="mid-run"):
         cli.main([])
     assert "linearformers-train: error" not in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def one_paragraph(text_file, tmp_path_factory) -> str:
+    """A text without blank lines: a causal LM's single document."""
+    path = tmp_path_factory.mktemp("one") / "one_paragraph.txt"
+    lines = [line for line in Path(text_file).read_text().splitlines() if line.strip()]
+    path.write_text("\n".join(lines[:300]))
+    return str(path)
+
+
+def test_a_text_without_blank_lines_trains_holding_out_blocks(one_paragraph, tmp_path, capsys):
+    """One document cannot be split into train and validation rows (datasets raised "the resulting train set will
+    be empty", exit 1): a share of its blocks is held out instead."""
+    cli = _tiny_cli(one_paragraph, tmp_path / "run")
+    assert main([*cli, "--save_steps", "0"]) == 0, capsys.readouterr().err[-2000:]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert math.isfinite(results["results"]["eval_loss"])
+
+
+def test_a_text_of_one_block_exits_2_naming_the_way_out(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("def f(x):\n    return x + 1\n")
+    assert main(_tiny_cli(str(text), tmp_path / "run")) == 2
+    stderr = capsys.readouterr().err
+    error = stderr.strip().splitlines()[-1]  # after the datasets progress bars
+    assert "Traceback" not in stderr and stderr.count("linearformers-train: error") == 1
+    assert re.match(r"linearformers-train: error: the training text gives [01] block\(s\) of block_size=16", error)
+    assert "--validation_file" in error
+
+
+def test_evaluations_at_eval_steps_are_printed_and_kept_in_results_json(text_file, tmp_path, capsys):
+    cli = _tiny_cli(text_file, tmp_path / "run")
+    assert main([*cli, "--save_steps", "0", "--eval_strategy", "steps", "--eval_steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 1: eval_loss " in printed and "step 2: eval_loss " in printed
+    evaluations = json.loads((tmp_path / "run" / "results.json").read_text())["evaluations"]
+    assert [evaluation["step"] for evaluation in evaluations] == [1, 2]
+    assert all(set(evaluation) == {"step", "eval_loss", "perplexity"} for evaluation in evaluations)
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        parse_arguments(["--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_opens_with_a_short_usage_a_description_and_an_example(capsys):
+    top = _help(capsys).split("options:")[0]
+    usage, after = top.splitlines()[:2]  # one line, not the 150 of every option
+    assert usage.startswith("usage: linearformers-train --task {mlm,clm,classification}") and after == ""
+    assert "Train a Performer or Linformer" in top
+    assert "example" in top and "linearformers-train --task clm --train_file train.txt" in top
+
+
+def test_help_names_the_training_arguments_the_loop_honours_and_refuses(capsys):
+    """The lists come from the loop's own TRAINING_ARGUMENTS_READ and UNSUPPORTED_TRAINING_ARGUMENTS."""
+    from linearformers.training.loop import TRAINING_ARGUMENTS_READ, UNSUPPORTED_TRAINING_ARGUMENTS
+
+    top = " ".join(_help(capsys).split("options:")[0].split())
+    honoured = top.split("this loop honours: ")[1].split(". It refuses, when set: ")[0]
+    refused = top.split("It refuses, when set: ")[1].split(". ")[0]
+    assert {item.split(" (")[0] for item in honoured.split(", ")} == set(TRAINING_ARGUMENTS_READ)
+    assert set(refused.split(", ")) == set(UNSUPPORTED_TRAINING_ARGUMENTS)
+    assert "optim (adamw_torch or adamw_torch_fused)" in honoured
+
+
+@pytest.mark.parametrize(
+    "flag,replacement",
+    [
+        ("--per_device_batch_size", "--per_device_train_batch_size"),
+        ("--mixed_precision=bf16", "--bf16 or --fp16"),
+        ("--lr_scheduler", "--lr_scheduler_type"),
+        ("--eval_every", "--eval_strategy steps --eval_steps N"),
+        ("--keep-checkpoints", "--save_total_limit"),
+    ],
+)
+def test_a_removed_flag_exits_2_naming_its_replacement(flag, replacement, tmp_path, capsys):
+    assert main(["--task", "clm", "--output_dir", str(tmp_path), flag, "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert error.startswith(f"linearformers-train: error: --{flag[2:].split('=')[0].replace('-', '_')} was removed")
+    assert f"pass {replacement}" in error
+
+
+def test_every_removed_flag_points_to_flags_the_command_has():
+    from linearformers.training.__main__ import REMOVED_FLAGS, build_parser
+
+    known = set(build_parser()._option_string_actions)
+    for replacement in REMOVED_FLAGS.values():
+        assert {
+            word for word in replacement.replace("(", " ").replace(")", " ").split() if word.startswith("--")
+        } <= known
