@@ -98,11 +98,12 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
     rank0, rank1 = torch.load(f"{double}-rank0.pt"), torch.load(f"{double}-rank1.pt")
     assert rank0["distributed_type"].endswith("MULTI_CPU") and rank0["num_processes"] == 2
     if kernel == RANDOM_FEATURES:
-        # 8 training forwards with redraws every 3: features were redrawn twice, identically on both ranks
+        # 8 training forwards with redraws every 3: features were redrawn twice, the same draw on both ranks (to
+        # float32 rounding: each process draws its own, and a QR may sum in another order on another thread count)
         assert len(one["features"]) == 2  # one per layer: the dump must not be empty, or zip below checks nothing
         for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
-            assert torch.equal(a, b)
-            assert torch.equal(a, c)
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, c)
     else:
         # a learned map has no random features; its parameters and the window balance are DDP-synced weights
         assert one["features"] == rank0["features"] == rank1["features"] == []
@@ -114,8 +115,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
                 # moved by more than the tolerance below, so that the rank comparison of these keys means something
                 moved = not torch.allclose(run["state"][key], run["initial"][key], rtol=1e-4, atol=1e-5)
                 assert moved, f"{key} did not train"
-    for key, value in one["initial"].items():  # the same start
-        torch.testing.assert_close(rank0["initial"][key], value, rtol=0, atol=0, msg=key)
+    for key, value in one["initial"].items():  # the same start (float32 tolerance: computed in other processes)
+        torch.testing.assert_close(rank0["initial"][key], value, msg=key)
     torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
     for key, value in one["state"].items():
         torch.testing.assert_close(rank0["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
