@@ -241,8 +241,8 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     b = load_file(killed / "final" / "model.safetensors")
     assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    for key in a:  # bit for bit: one machine, the same code and thread count compute both runs
+        assert torch.equal(a[key], b[key]), key
 
 
 def _args(tmp_path, **kw):
@@ -393,11 +393,11 @@ def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_f
         with pytest.raises(KeyboardInterrupt):
             train(*_args(tmp_path / "cut", **common))
     resumed = train(*_args(tmp_path / "cut", resume_from_checkpoint="true", **common))
-    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-5)
+    assert resumed["train_loss"] == whole["train_loss"]  # bit for bit: one process and machine run both
     a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch):
