@@ -15,9 +15,10 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
   default on the CPU.
 
 ``backend=None`` picks as above. The native walk and the blockwise kernel compute in float32, so float64 inputs
-take "chunked" (float64 math throughout), and naming either for them is refused. :func:`set_native_walk` is the public switch that turns the native walk off for
-automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being built at all); a named backend is always
-taken as asked, or refused with a ValueError saying why it cannot run.
+take "chunked" (float64 math throughout), and naming either for them is refused. :func:`set_native_walk` is the
+public switch that turns the native walk off for automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from
+being built at all); a named backend is always taken as asked, or refused with a ValueError saying why it cannot
+run.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def choose_backend(
 
     None, causal: "native" where :func:`native_refusal` finds nothing against it, "chunked" otherwise.
     None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
-    data; not float64, which it would compute in float32), "chunked" otherwise. "reference" with a state in or out is refused, as are "native" for bidirectional
-    attention and "blockwise" for causal attention or given features."""
+    data; not float64, which it would compute in float32), "chunked" otherwise. "reference" with a state in or out
+    is refused, as are "native" for bidirectional attention and "blockwise" for causal attention or given
+    features."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose None or one of {BACKENDS}")
     if backend == "reference":

@@ -1,8 +1,9 @@
 """FAVOR+ (Choromanski et al., 2021, "Rethinking Attention with Performers").
 
 All functions take tensors shaped (batch, heads, length, head_dim) and return the same layout. Feature maps,
-sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite; the
-output is cast back to the dtype of ``v``. An ambient ``torch.autocast`` changes none of this (see _precision).
+sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite, and in
+float64 for float64 inputs; the output is cast back to the dtype of ``v``. An ambient ``torch.autocast`` changes
+none of this (see _precision).
 
 Stabilization. The positive softmax features are exp(w·x - |x|²/2) / sqrt(m) (Lemma 1). Implementations
 usually subtract the maximum over *all keys* before exp, which reads future tokens in causal mode (and,
@@ -288,7 +289,8 @@ _OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it s
 
 
 def _unpack_state(state, q, v, w):
-    """(S, z, M) in w's dtype (float32, float64 for float64 inputs) from a state given as (S, z, M), (S, z) (M = 0) or None (empty), with its shapes checked."""
+    """(S, z, M) in w's dtype (float32, float64 for float64 inputs) from a state given as (S, z, M), (S, z)
+    (M = 0) or None (empty), with its shapes checked."""
     b, h = q.shape[:2]
     m, d = w.shape[0], v.shape[-1]
     if state is None:

@@ -4,7 +4,8 @@
 
 The features carry no offset here (a learned map's or the ReLU map's are bounded; FAVOR+'s own entry,
 :func:`favor.favor_attention`, keeps offsets for keys of large norm), so the decoding state is (S, z) =
-(Σ phi_k vᵀ, Σ phi_k), float32, (b, h, m, d) and (b, h, m). Backends are chosen in :mod:`backends`.
+(Σ phi_k vᵀ, Σ phi_k), float32 (float64 for float64 inputs), (b, h, m, d) and (b, h, m). Backends are chosen in
+:mod:`backends`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _check_features(phi_q, phi_k, v, *, same_length):
 
 
 def _state(state, b, h, m, d, device, dtype):
-    """(S, z) in ``dtype`` (float32, float64 for float64 inputs) from a state given as (S, z), or (S, z, M) with M = 0, or None (empty); shapes checked."""
+    """(S, z) in ``dtype`` (float32, float64 for float64 inputs) from a state given as (S, z), or (S, z, M) with
+    M = 0, or None (empty); shapes checked."""
     if state is None:
         s = torch.zeros(b, h, m, d, dtype=dtype, device=device)
         return s, s.new_zeros(b, h, m)
