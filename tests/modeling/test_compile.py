@@ -90,16 +90,80 @@ def test_redraw_counter_does_not_recompile_the_graph(monkeypatch):
     assert int(model.feature_redraws) == 5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_whole_models_compile_without_graph_breaks_kernels_included(family, decoder):
+LOCAL = dict(num_local_heads=1, local_window=4)
+DROPOUT = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)  # the configs' defaults
+WHOLE_MODELS = {  # every configuration README.md says compiles whole: id -> (family, decoder, overrides)
+    "performer-encoder-local": ("performer", False, LOCAL),
+    "performer-causal-local": ("performer", True, LOCAL),
+    "performer-encoder-relu": ("performer", False, dict(kernel="relu")),
+    "linformer-encoder-local": ("linformer", False, LOCAL),
+    "linformer-causal-local": ("linformer", True, LOCAL),
+    "linformer-encoder-pool": ("linformer", False, dict(projection="pool")),
+    "linformer-encoder-conv": ("linformer", False, dict(projection="conv")),
+    "performer-encoder-dropout": ("performer", False, DROPOUT),
+    "performer-causal-dropout": ("performer", True, DROPOUT),
+    "linformer-encoder-dropout": ("linformer", False, DROPOUT),
+    "linformer-causal-dropout": ("linformer", True, DROPOUT),
+}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("name", WHOLE_MODELS)
+def test_whole_models_compile_without_graph_breaks_kernels_included(name, padded):
     """Under torch.compile the attention takes the chunked backend (no data-dependent branch: the large-key
-    fallback of causal FAVOR+ is a torch.cond), so a whole model, kernels included, is one graph."""
-    model = _model(family, decoder, num_local_heads=1, local_window=4)
+    fallback of causal FAVOR+ is a torch.cond), the Linformer keeps its slot masks without asking whether they
+    are all True, and its dropout draws from torch's generator on the device, so a whole model in training mode,
+    kernels included, is one graph, with and without padding. One layer: every layer runs the same code."""
+    family, decoder, overrides = WHOLE_MODELS[name]
+    model = _model(family, decoder, num_hidden_layers=1, **overrides)
     ids, mask = _inputs()
+    if not padded:
+        mask = torch.ones_like(mask)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask)
     assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_encoder_with_dropout_trains_under_fullgraph_compile(family):
+    """fullgraph=True raises on any graph break; forward and backward run, and dropout is on (two forwards of
+    the same batch differ)."""
+    model = _model(family, False, **DROPOUT)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids, mask = _inputs()
+    torch._dynamo.reset()
+    first = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    first.square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    second = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not torch.allclose(first, second)
+
+
+def test_the_kernels_query_nothing_about_autocast_under_compile(monkeypatch):
+    """Dynamo of some torch versions (2.11) cannot trace torch.amp.is_autocast_available: under compile the
+    kernels' autocast guard must not call it (nor is_autocast_enabled), or fullgraph=True fails. Here both are
+    replaced by functions that break the graph, and the compiled kernel still equals eager inside autocast."""
+    from linearformers.modeling.attention import draw_random_features, favor_attention
+
+    def untraceable(original):
+        def query(*args, **kwargs):
+            torch._dynamo.graph_break()
+            return original(*args, **kwargs)
+
+        return query
+
+    w = draw_random_features(32, 16, seed=0)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
+    want = favor_attention(q, k, v, w, causal=True, backend="chunked")
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable(torch.amp.is_autocast_available))
+    monkeypatch.setattr(torch, "is_autocast_enabled", untraceable(torch.is_autocast_enabled))
+    compiled = torch.compile(lambda *x: favor_attention(*x, causal=True), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(q, k, v, w)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("key_scale", [1.0, 40.0], ids=["moderate-keys", "large-keys"])

@@ -98,11 +98,12 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
     rank0, rank1 = torch.load(f"{double}-rank0.pt"), torch.load(f"{double}-rank1.pt")
     assert rank0["distributed_type"].endswith("MULTI_CPU") and rank0["num_processes"] == 2
     if kernel == RANDOM_FEATURES:
-        # 8 training forwards with redraws every 3: features were redrawn twice, identically on both ranks
+        # 8 training forwards with redraws every 3: features were redrawn twice, the same draw on both ranks (to
+        # float32 rounding: each process draws its own, and a QR may sum in another order on another thread count)
         assert len(one["features"]) == 2  # one per layer: the dump must not be empty, or zip below checks nothing
         for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
-            assert torch.equal(a, b)
-            assert torch.equal(a, c)
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, c)
     else:
         # a learned map has no random features; its parameters and the window balance are DDP-synced weights
         assert one["features"] == rank0["features"] == rank1["features"] == []
@@ -114,8 +115,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
                 # moved by more than the tolerance below, so that the rank comparison of these keys means something
                 moved = not torch.allclose(run["state"][key], run["initial"][key], rtol=1e-4, atol=1e-5)
                 assert moved, f"{key} did not train"
-    for key, value in one["initial"].items():  # the same start
-        torch.testing.assert_close(rank0["initial"][key], value, rtol=0, atol=0, msg=key)
+    for key, value in one["initial"].items():  # the same start (float32 tolerance: computed in other processes)
+        torch.testing.assert_close(rank0["initial"][key], value, msg=key)
     torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
     for key, value in one["state"].items():
         torch.testing.assert_close(rank0["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
@@ -240,8 +241,8 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     b = load_file(killed / "final" / "model.safetensors")
     assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    for key in a:  # bit for bit: one machine, the same code and thread count compute both runs
+        assert torch.equal(a[key], b[key]), key
 
 
 def _args(tmp_path, **kw):
@@ -392,11 +393,11 @@ def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_f
         with pytest.raises(KeyboardInterrupt):
             train(*_args(tmp_path / "cut", **common))
     resumed = train(*_args(tmp_path / "cut", resume_from_checkpoint="true", **common))
-    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-5)
+    assert resumed["train_loss"] == whole["train_loss"]  # bit for bit: one process and machine run both
     a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch):

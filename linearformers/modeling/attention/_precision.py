@@ -57,7 +57,14 @@ def outside_autocast(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         device = _device_type(args, kwargs)
-        if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        if device is None:
+            return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # the queries below are not traceable on every torch (Dynamo of torch 2.11 cannot trace
+            # is_autocast_available); entering a disabled region is, and costs a compiled graph nothing
+            with torch.autocast(device_type=device, enabled=False):
+                return fn(*args, **kwargs)
+        if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
             return fn(*args, **kwargs)
         with torch.autocast(device_type=device, enabled=False):
             return fn(*args, **kwargs)

@@ -21,10 +21,11 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
 
-``backend=None`` picks as above. :func:`set_native_walk` is the public switch that turns the native walk off for
-automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from being built at all), :func:`set_triton_kernels`
-the one for the Triton kernels; a named backend is always taken as asked, or refused with a ValueError saying why
-it cannot run.
+``backend=None`` picks as above. The native walk and the blockwise kernel compute in float32, so float64 inputs
+take "chunked" (float64 math throughout), and naming either for them is refused. :func:`set_native_walk` is the
+public switch that turns the native walk off for automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from
+being built at all), :func:`set_triton_kernels` the one for the Triton kernels; a named backend is always taken as
+asked, or refused with a ValueError saying why it cannot run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise")  # what bidirecti
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
 TRITON_CHUNK = _triton_linear.DEFAULT_CHUNK
 _SETTINGS = {"native": True, "triton": True}
+# the compiled walk and the blockwise kernel compute in float32; float64 inputs get float64 math from "chunked"
+_FLOAT32_ONLY = "it computes in float32; float64 inputs take backend='chunked' (or None), which computes in float64"
 
 
 def set_native_walk(enabled: bool) -> bool:
@@ -83,6 +86,8 @@ def native_refusal(v: torch.Tensor, num_features: int, chunk_size: int, *, state
     """Why the compiled causal walk cannot run this call, or None when it can."""
     if v.device.type != "cpu":
         return f"it runs on CPU tensors only, these are on {v.device.type}"
+    if v.dtype == torch.float64:
+        return _FLOAT32_ONLY
     for name, value in (("head_dim", v.shape[-1]), ("num_features", num_features), ("chunk_size", chunk_size)):
         if value % 16:
             return f"{name} must be a multiple of 16 (its tile width), got {value}"
@@ -118,8 +123,9 @@ def choose_backend(
 
     None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native" where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
     None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
-    data), "chunked" otherwise. "reference" with a state in or out is refused, as are "native" for bidirectional
-    attention and "blockwise" for causal attention or given features."""
+    data; not float64, which it would compute in float32), "chunked" otherwise. "reference" with a state in or out
+    is refused, as are "native" for bidirectional attention and "blockwise" for causal attention or given
+    features."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose None or one of {BACKENDS}")
     if backend == "reference":
@@ -147,12 +153,14 @@ def choose_backend(
     if backend == "blockwise":
         if causal or not fused:
             raise ValueError("backend='blockwise' is bidirectional FAVOR+ with its own feature map; use 'chunked'")
+        if v.dtype == torch.float64:
+            raise ValueError(f"backend='blockwise' cannot run this call: {_FLOAT32_ONLY}")
         return "blockwise"
     if backend == "chunked":
         return "chunked"
     if not causal:
         on_cpu = v.device.type == "cpu" and not torch.compiler.is_compiling()
-        return "blockwise" if fused and on_cpu else "chunked"
+        return "blockwise" if fused and on_cpu and v.dtype != torch.float64 else "chunked"
     if v.device.type == "cuda" and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:
         return "triton"
     chunk = NATIVE_CHUNK if chunk_size is None else chunk_size

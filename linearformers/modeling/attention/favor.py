@@ -1,8 +1,9 @@
 """FAVOR+ (Choromanski et al., 2021, "Rethinking Attention with Performers").
 
 All functions take tensors shaped (batch, heads, length, head_dim) and return the same layout. Feature maps,
-sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite; the
-output is cast back to the dtype of ``v``. An ambient ``torch.autocast`` changes none of this (see _precision).
+sums and the final division run in float32 whatever the input dtype, so bf16/fp16 inputs stay finite, and in
+float64 for float64 inputs; the output is cast back to the dtype of ``v``. An ambient ``torch.autocast`` changes
+none of this (see _precision).
 
 Stabilization. The positive softmax features are exp(w·x - |x|²/2) / sqrt(m) (Lemma 1). Implementations
 usually subtract the maximum over *all keys* before exp, which reads future tokens in causal mode (and,
@@ -38,7 +39,7 @@ from ._favor_chunked import (
 from ._precision import outside_autocast
 from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
-from .feature_maps import KERNELS, favor_exponents, random_features
+from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_features
 from .reference import favor_reference
 from .seeds import mix_seed
 
@@ -97,26 +98,29 @@ def favor_features(
     scale: float | None = None,
     kernel_eps: float = 1e-3,
 ) -> torch.Tensor:
-    """Feature map phi: (batch, heads, length, head_dim) -> (batch, heads, length, num_features), float32.
+    """Feature map phi: (batch, heads, length, head_dim) -> (batch, heads, length, num_features), float32 (float64
+    for float64 x).
 
     ``kernel="softmax"``: the stabilized positive random features of Lemma 1 (:func:`feature_maps.favor_positive`);
     phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
     ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
     :func:`feature_maps.relu_features`), the same map for queries and keys; x' = x * scale**0.5.
     """
-    return random_features(x, projection, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps).float()
+    features = random_features(x, projection, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps)
+    return features.to(compute_dtype(x))
 
 
 def _exponents(x, w, scale, *, is_query):
-    """The softmax features' exponents in float32 (b, h, n, m): :func:`feature_maps.favor_exponents`."""
-    return favor_exponents(x, w, is_query=is_query, scale=scale).float()
+    """The softmax features' exponents in float32 (float64 for float64 x), (b, h, n, m):
+    :func:`feature_maps.favor_exponents`."""
+    return favor_exponents(x, w, is_query=is_query, scale=scale).to(compute_dtype(x))
 
 
 def _masked_inputs(
     phi_k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero phi(k) and v at padded positions so they leave both numerator and denominator."""
-    v = v.float()
+    v = v.to(phi_k.dtype)
     if key_padding_mask is None:
         return phi_k, v
     keep = key_padding_mask[:, None, :, None]
@@ -213,7 +217,7 @@ def favor_attention(
             q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    w = projection.to(device=q.device, dtype=torch.float32)
+    w = projection.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     keep = None if mask is None else mask[:, None, :, None].float()
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
@@ -299,25 +303,26 @@ _OFFSET_SLACK = 30.0  # a state's offset moves down only once everything in it s
 
 
 def _unpack_state(state, q, v, w):
-    """(S, z, M) float32 from a state given as (S, z, M), (S, z) (M = 0) or None (empty), with its shapes checked."""
+    """(S, z, M) in w's dtype (float32, float64 for float64 inputs) from a state given as (S, z, M), (S, z)
+    (M = 0) or None (empty), with its shapes checked."""
     b, h = q.shape[:2]
     m, d = w.shape[0], v.shape[-1]
     if state is None:
-        s = torch.zeros(b, h, m, d, dtype=torch.float32, device=q.device)
+        s = torch.zeros(b, h, m, d, dtype=w.dtype, device=q.device)
         return s, s.new_zeros(b, h, m), s.new_zeros(b, h)
     if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
         raise TypeError(f"a FAVOR+ state is a tuple (S, z) or (S, z, M), got {type(state).__name__}")
     if not all(isinstance(t, torch.Tensor) for t in state):
         raise TypeError("a FAVOR+ state holds tensors: (S, z) or (S, z, M)")
     s, z = state[0], state[1]
-    offset = state[2] if len(state) == 3 else torch.zeros(b, h, dtype=torch.float32, device=s.device)
+    offset = state[2] if len(state) == 3 else torch.zeros(b, h, dtype=w.dtype, device=s.device)
     expected = ((b, h, m, d), (b, h, m), (b, h))
     if (tuple(s.shape), tuple(z.shape), tuple(offset.shape)) != expected:
         raise ValueError(
             f"the state must be S {expected[0]}, z {expected[1]} and M {expected[2]} for these inputs, got "
             f"{tuple(s.shape)}, {tuple(z.shape)} and {tuple(offset.shape)}"
         )
-    return s.float(), z.float(), offset.float()
+    return s.to(w.dtype), z.to(w.dtype), offset.to(w.dtype)
 
 
 def _at_offset_zero(state):
@@ -370,7 +375,7 @@ def favor_step(
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=True)
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
-    w = projection.to(device=q.device, dtype=torch.float32)
+    w = projection.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     s0, z0, offset = _unpack_state(state, q, v, w)
     phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     if kernel == "relu":  # bounded features: the state stays at offset 0

@@ -4,7 +4,8 @@
 
 The features carry no offset here (a learned map's or the ReLU map's are bounded; FAVOR+'s own entry,
 :func:`favor.favor_attention`, keeps offsets for keys of large norm), so the decoding state is (S, z) =
-(Σ phi_k vᵀ, Σ phi_k), float32, (b, h, m, d) and (b, h, m). Backends are chosen in :mod:`backends`.
+(Σ phi_k vᵀ, Σ phi_k), float32 (float64 for float64 inputs), (b, h, m, d) and (b, h, m). Backends are chosen in
+:mod:`backends`.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def _check_features(phi_q, phi_k, v, *, same_length):
         raise ValueError("phi_q, phi_k, v have length 0: causal attention needs at least one token")
 
 
-def _state(state, b, h, m, d, device):
-    """(S, z) float32 from a state given as (S, z), or (S, z, M) with M = 0, or None (empty); shapes checked."""
+def _state(state, b, h, m, d, device, dtype):
+    """(S, z) in ``dtype`` (float32, float64 for float64 inputs) from a state given as (S, z), or (S, z, M) with
+    M = 0, or None (empty); shapes checked."""
     if state is None:
-        s = torch.zeros(b, h, m, d, dtype=torch.float32, device=device)
+        s = torch.zeros(b, h, m, d, dtype=dtype, device=device)
         return s, s.new_zeros(b, h, m)
     if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
         raise TypeError(f"a linear-attention state is a tuple (S, z), got {type(state).__name__}")
@@ -60,7 +62,12 @@ def _state(state, b, h, m, d, device):
         raise ValueError(
             f"the state must be S {(b, h, m, d)} and z {(b, h, m)}, got {tuple(s.shape)} and {tuple(z.shape)}"
         )
-    return s.float(), z.float()
+    return s.to(dtype), z.to(dtype)
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, float64 when any input is float64: float64 in, float64 math."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _keep(mask):
@@ -129,7 +136,7 @@ def linear_attention(
         return (out, (s, z)) if return_state else out
     s_in = z_in = None
     if initial_state is not None:
-        s_in, z_in = _state(initial_state, b, h, m, d, v.device)
+        s_in, z_in = _state(initial_state, b, h, m, d, v.device, _work_dtype(phi_q, phi_k, v))
     if chosen == "triton":
         out, s, z, _ = triton_causal_linear(
             phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK, s_in, z_in
@@ -164,14 +171,15 @@ def linear_step(
         )
     mask = check_mask(key_padding_mask, phi_k.shape[0], 1)
     b, h, _, m = phi_q.shape
-    s0, z0 = _state(state, b, h, m, v.shape[-1], v.device)
-    pk, vf = phi_k.float(), v.float()
+    work = _work_dtype(phi_q, phi_k, v)
+    s0, z0 = _state(state, b, h, m, v.shape[-1], v.device, work)
+    pk, vf = phi_k.to(work), v.to(work)
     if mask is not None:
-        keep = mask[:, None, :, None].float()
+        keep = mask[:, None, :, None].to(work)
         pk, vf = pk * keep, vf * keep
     s = s0 + pk.transpose(-1, -2) @ vf
     z = z0 + pk[:, :, 0]
-    pq = phi_q.float()
+    pq = phi_q.to(work)
     num = pq @ s
     den = pq @ z[..., None]
     out = torch.where(den > _TINY, num / den.clamp_min(_TINY), torch.zeros_like(num))

@@ -128,7 +128,8 @@ def project_sequence(
     """Project x (batch, heads, n, d), already compacted, along the sequence to (batch, heads, k', d).
 
     ``lengths`` (batch,) holds each sequence's real-token count (None: all n). Returns the projection and a
-    (batch, 1, k') bool mask of the slots that hold at least one real token (None when every slot does).
+    (batch, 1, k') bool mask of the slots that hold at least one real token (None when every slot does, outside
+    torch.compile).
     """
     b, h, n, d = x.shape
     if method == "learned":
@@ -161,7 +162,10 @@ def project_sequence(
         out = F.conv1d(flat, proj.to(x.dtype), stride=window).transpose(1, 2).reshape(b, h, slots, d)
     else:
         raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
-    return out, (None if bool(slot_mask.all()) else slot_mask[:, None, :])
+    # eagerly, no mask when every slot holds a real token (one host sync); compiled, always the mask (no branch)
+    if torch.compiler.is_compiling() or not bool(slot_mask.all()):
+        return out, slot_mask[:, None, :]
+    return out, None
 
 
 @outside_autocast
@@ -244,6 +248,8 @@ def linformer_attention(
     if slot_mask is not None:
         bias = torch.zeros(slot_mask.shape, dtype=torch.float32, device=q.device)
         bias = bias.masked_fill_(~slot_mask, float("-inf"))[:, :, None, :]  # (b, 1 or h, 1, k)
+    if dropout_p > 0 and torch.compiler.is_compiling():
+        return _slot_attention_with_dropout(q, kp.float(), vp.float(), bias, scale, dropout_p).to(q.dtype)
     # flash-style over the k slots (see _linformer_autograd): O(rows k) extra memory per head, dropout included
     return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
 
@@ -270,6 +276,19 @@ def _slot_sdpa(
         q, kp.to(q.dtype), vp.to(q.dtype), attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )
     return out if usable is None else out * usable[..., None].to(out.dtype)
+
+
+def _slot_attention_with_dropout(q, kp, vp, bias, scale, dropout_p):
+    """SlotAttention's formula with dropout, in plain ops for torch.compile: SlotAttention seeds each block's
+    generator from a host integer (``.item()``), which would break the graph; here the masks come from torch's
+    global generator, which the compiled graph draws from on the device, and autograd keeps the (b, h, n, k)
+    probabilities for backward. A row with no usable slot gets zeros, as in SlotAttention."""
+    logits = torch.matmul(q.float(), kp.transpose(-1, -2)) * scale  # (b, h, n, k)
+    if bias is not None:
+        logits = logits + bias
+    probs = torch.exp(logits - logits.amax(-1, keepdim=True).clamp_min(-1e30))
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+    return torch.matmul(F.dropout(probs, dropout_p), vp)
 
 
 def project_slots(

@@ -312,3 +312,36 @@ def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
     for name, a, b in zip(("out", "dq", "dk", "dv"), half, full):
         assert a.dtype == operands and torch.isfinite(a).all(), name
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * float(b.float().abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("backend", [None, "chunked"])
+def test_float64_inputs_are_computed_in_float64(backend, causal, kernel):
+    """float64 in, float64 math: outputs and gradients agree with the float64 formula to 1e-12 (float32 anywhere
+    inside would leave ~1e-7), at a length of several chunks with padding; a decoding step continues in float64."""
+    q, k, v = (t.requires_grad_() for t in _qkv(b=1, n=300, dtype=torch.float64))
+    w = draw_random_features(32, 16, seed=1, dtype=torch.float64)
+    mask = torch.ones(1, 300, dtype=torch.bool)
+    mask[0, :7] = False
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    kwargs = dict(causal=causal, kernel=kernel, key_padding_mask=mask)
+    got = favor_attention(q, k, v, w, backend=backend, **kwargs)
+    want = favor_reference(q, k, v, w, **kwargs)
+    for a, b in zip((got, *torch.autograd.grad(got, (q, k, v), g)), (want, *torch.autograd.grad(want, (q, k, v), g))):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * float(b.abs().max()))
+    if causal:
+        with torch.no_grad():
+            _, state = favor_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], w, kernel=kernel, causal=True,
+                                       key_padding_mask=mask[:, :-1], backend=backend, return_state=True)  # fmt: skip
+            step, _ = favor_step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], w, state, kernel=kernel)
+        torch.testing.assert_close(step, want[:, :, -1:].detach(), rtol=0, atol=1e-12 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize(("backend", "causal"), [("native", True), ("blockwise", False)])
+def test_float32_kernels_refuse_float64_inputs(backend, causal):
+    q, k, v = _qkv(n=32, dtype=torch.float64)
+    w = draw_random_features(32, 16, seed=1)
+    with pytest.raises(ValueError, match=rf"backend='{backend}'.*computes in float32.*backend='chunked'"):
+        favor_attention(q, k, v, w, causal=causal, backend=backend)

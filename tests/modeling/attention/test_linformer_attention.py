@@ -292,3 +292,23 @@ def test_bad_backend_and_block_size_raise_value_errors():
         linformer_attention(q, k, v, None, method="pool", backend="reference")
     with pytest.raises(ValueError, match="conv projection weight"):
         linformer_attention(q, k, v, torch.randn(16, 16, 3), method="conv", window=4, backend="reference")
+
+
+def test_dropout_under_compile_is_one_graph_and_drops_each_share_with_probability_p():
+    """Under torch.compile the dropout masks come from torch's generator in the graph (no host read of a seed):
+    fullgraph=True compiles. With v = 1 each output is the kept share of its row's probabilities / (1 - p): 1 on
+    average, spread by the drops; a row of a padded sequence keeps its own slots only (its output stays finite)."""
+    q, k, _ = _qkv(n=64)
+    v = torch.ones_like(k)
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    mask[1, :40] = False
+
+    def attend(q, k, v, mask):
+        return linformer_attention(q, k, v, None, method="pool", window=4, key_padding_mask=mask, dropout_p=0.5)
+
+    torch.manual_seed(0)
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    shares = out[..., 0]
+    assert abs(float(shares.mean()) - 1.0) < 0.2
+    assert float(shares.std()) > 0.1  # without dropout every share is exactly 1
