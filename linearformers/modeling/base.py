@@ -545,6 +545,36 @@ class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
+def _uncached_length(input_ids, inputs_embeds, attention_mask, position_ids, past: int) -> int | None:
+    """How many trailing tokens of generate()'s prefill inputs the cache has not seen (``past`` tokens seen), or
+    None when the inputs are the new tokens alone.
+
+    transformers' rule: ``inputs_embeds`` always hold the full sequence; ``input_ids`` do when they are as long as
+    the attention mask. generate() drops an all-ones mask before the prefill; the position ids it built from the
+    mask keep its length, and start at 0 for the full sequence (a chunked prefill passes each later chunk, new
+    tokens, with its own positions and no mask).
+    """
+    if inputs_embeds is not None:
+        name, length, full = "inputs_embeds", inputs_embeds.shape[1], True
+    else:
+        name, length = "input_ids", input_ids.shape[1]
+        if isinstance(attention_mask, torch.Tensor):
+            full = attention_mask.shape[-1] == length
+        elif position_ids is not None:
+            full = position_ids.shape[-1] == length and not bool(position_ids[..., 0].any())
+        else:
+            full = True
+    if not full:
+        return None
+    if length <= past:
+        raise ValueError(
+            f"generate() got {name} of length {length} and a cache that holds {past} tokens: to continue a cache, pass "
+            f"the full sequence (the cached tokens and the new ones, e.g. generate(out.sequences, cache=out.cache)), or "
+            f"the new tokens with an attention_mask of shape (batch, {past} + new tokens)"
+        )
+    return length - past
+
+
 class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
     """GPT-2-style causal LM: the pre-LN decoder stack (``is_decoder=True``) and an LM head tied to the word
     embeddings. ``generate()`` decodes from a LinearAttentionCache, a fixed-size recurrent state per layer, so
@@ -567,6 +597,38 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         self.model = self.base_model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ) -> dict:
+        """transformers' inputs for one forward of ``generate()``, with the prefill cut to its uncached tokens.
+
+        ``generate()`` continues a cache from the full sequence, ``generate(out.sequences, cache=out.cache)`` (or
+        ``inputs_embeds`` of the full sequence), or from the new tokens with an ``attention_mask`` covering the
+        cached and the new ones. transformers 5.23 cuts the full sequence to its uncached tail in the prefill; 5.24
+        does not when every cache layer is linear, and the tokens already in the state would be fed a second
+        time. So the rule is applied here, the same on both: the first forward gets the tokens the cache has not
+        seen.
+        """
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if is_first_iteration and isinstance(cache, LinearAttentionCache) and cache.get_seq_length():
+            next_sequence_length = _uncached_length(
+                input_ids, inputs_embeds, attention_mask, kwargs.get("position_ids"), cache.get_seq_length()
+            )
+        return super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
 
     @can_return_tuple
     def forward(
