@@ -128,52 +128,53 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         if isinstance(module, MaskedLMHead):
             init.zeros_(module.decoder.bias)
 
-    # Hub code. Every folder save_pretrained writes (so push_to_hub's, Trainer's, save_for_hub's) carries the flat
-    # model code and an auto_map for AutoConfig and all seven Auto model classes, and loads with
-    # trust_remote_code=True where linearformers is not installed. transformers' own copy (custom_object_save, run
-    # after register_for_auto_class) cannot follow this package's nested imports, so it never runs. hub_code is
-    # imported in the methods to keep this block in one place.
-    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
-        """transformers' ``save_pretrained``, plus ``auto_map`` in ``config.json`` and the flat model code
-        (``modeling/hub_code.py``); with ``push_to_hub=True`` both are uploaded with the weights."""
-        from .hub_code import auto_map_for, write_remote_code
+    # Hub code: the flat model code and an auto_map for AutoConfig and all seven Auto model classes
+    # (modeling/hub_code.py), so that the folder loads with trust_remote_code=True where linearformers is not
+    # installed. It goes where the model is published: push_to_hub (model.push_to_hub, save_pretrained(push_to_hub=
+    # True)), hub_cards' export, and, as transformers does, every save once register_for_auto_class was called
+    # (Trainer's saves and pushes included). transformers' own copy (custom_object_save) cannot follow this package's
+    # nested imports, so it never runs.
+    _hub_code_registered = False
 
-        had_auto_map, previous = hasattr(self.config, "auto_map"), getattr(self.config, "auto_map", None)
-        self.config.auto_map = auto_map_for(self.config)
-        try:
-            super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
-        finally:
-            if had_auto_map:
-                self.config.auto_map = previous
-            else:
-                del self.config.auto_map
-        if self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
-            write_remote_code(save_directory)
+    def _writes_hub_code(self) -> bool:
+        return self._hub_code_registered or getattr(type(self.config), "_hub_code_registered", False)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
+        """transformers' ``save_pretrained``; after ``register_for_auto_class`` (of the model or config class), the
+        folder also gets the flat model code and an ``auto_map`` in ``config.json`` (uploaded too with
+        ``push_to_hub=True``, which writes them in any case)."""
+        from .hub_code import write_hub_files, write_remote_code
+
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if self._writes_hub_code() and self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
+            write_hub_files(self.config, save_directory)
             # Trainer's checkpoint pushes (hub_strategy "every_save") copy only config and weights from
             # output_dir/checkpoint-N into output_dir and upload output_dir: the code goes there too, so every pushed
-            # revision loads (output_dir receives the same files from the final save_model anyway)
+            # revision loads
             parent = os.path.dirname(os.path.abspath(save_directory))
             # Trainer names them PREFIX_CHECKPOINT_DIR-N; transformers.trainer_utils is not imported for it (it pulls in peft)
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.abspath(save_directory))):
                 write_remote_code(parent)
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
-        # push_to_hub and save_pretrained(push_to_hub=True) upload from here, before save_pretrained above has
-        # written the code: write it now, so that it goes up with the weights
-        from .hub_code import write_remote_code
+        # push_to_hub and save_pretrained(push_to_hub=True) upload from here, after saving: the code and auto_map
+        # are written now, so that they go up with the weights
+        from .hub_code import write_hub_files
 
-        write_remote_code(working_dir)
+        write_hub_files(self.config, working_dir)
         return super()._upload_modified_files(working_dir, *args, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class: str | type = "AutoModel") -> None:
-        """Nothing to register: ``save_pretrained`` already writes the code and an ``auto_map`` for every Auto
-        class. Checks only that ``auto_class`` names one of transformers' Auto classes."""
+        """Make every ``save_pretrained`` of this class write the flat Hub code and an ``auto_map`` for every Auto
+        class, as transformers does for registered classes (transformers registers remote-code classes it loads,
+        so those save their code again). ``auto_class`` must name one of transformers' Auto classes."""
         import transformers.models.auto as auto_module
 
         name = auto_class if isinstance(auto_class, str) else auto_class.__name__
         if not hasattr(auto_module, name):
-            raise ValueError(f"{name} is not a valid auto class.")
+            raise ValueError(f"{name} is not a valid auto class; pass one of transformers' (e.g. 'AutoModel')")
+        cls._hub_code_registered = True
 
 
 def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[str, tuple[int, ...]]:
