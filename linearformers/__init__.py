@@ -27,10 +27,11 @@ for _family in FAMILIES.values():
         _auto.register(_family.config_class, getattr(modeling, _family.class_name(_head)), exist_ok=True)
 
 # PEFT picks LoRA's default target_modules by model_type, as for in-tree models (llama's are q_proj and v_proj, the
-# names this package's attention uses too); peft stays optional
+# names this package's attention uses too). peft stays optional; it cannot be imported under python -OO (a
+# ValueError from transformers' docstring processing), where linearformers still must
 try:
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-except ImportError:
+except (ImportError, ValueError):
     pass
 else:
     for _family in FAMILIES.values():
