@@ -26,4 +26,15 @@ for _family in FAMILIES.values():
         _auto = getattr(transformers, _head.auto_class)
         _auto.register(_family.config_class, getattr(modeling, _family.class_name(_head)), exist_ok=True)
 
+# PEFT picks LoRA's default target_modules by model_type, as for in-tree models (llama's are q_proj and v_proj, the
+# names this package's attention uses too). peft stays optional; it cannot be imported under python -OO (a
+# ValueError from transformers' docstring processing), where linearformers still must
+try:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+except (ImportError, ValueError):
+    pass
+else:
+    for _family in FAMILIES.values():
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault(_family.name, ["q_proj", "v_proj"])
+
 __all__ = ["AUTO_CLASSES", "LinformerConfig", "PerformerConfig", *_modeling_all]

@@ -130,6 +130,23 @@ class LinearAttentionConfig(PreTrainedConfig):
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
 
+    # set by register_for_auto_class (a class attribute, not a field): every save_pretrained of this family's models
+    # then writes the Hub code (modeling/hub_code.py)
+    _hub_code_registered = False
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: str | type = "AutoConfig") -> None:
+        """Make every ``save_pretrained`` of this family's models write the flat Hub code and an ``auto_map``, as
+        transformers does for registered classes. transformers' own copy (``custom_object_save``) cannot follow
+        this package's nested imports, so it is not used. ``auto_class`` must name one of transformers' Auto
+        classes."""
+        import transformers.models.auto as auto_module
+
+        name = auto_class if isinstance(auto_class, str) else auto_class.__name__
+        if not hasattr(auto_module, name):
+            raise ValueError(f"{name} is not a valid auto class; pass one of transformers' (e.g. 'AutoConfig')")
+        cls._hub_code_registered = True
+
     def __post_init__(self, **kwargs):
         saved_type = kwargs.get("model_type", type(self).model_type)
         if type(self).model_type and saved_type != type(self).model_type:

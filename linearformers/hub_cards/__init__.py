@@ -1,6 +1,6 @@
 """Model cards and the Hub export: weights + config (auto_map) + tokenizer + card + self-contained code."""
 
-from ..modeling.hub_code import auto_map_for, flatten_module, remote_modules, write_remote_code
+from ..modeling.hub_code import auto_map_for, flatten_module, remote_modules, write_hub_files, write_remote_code
 from .card import render_model_card
 from .export import check_repo_id, push_to_hub, save_for_hub
 
@@ -12,5 +12,6 @@ __all__ = [
     "remote_modules",
     "render_model_card",
     "save_for_hub",
+    "write_hub_files",
     "write_remote_code",
 ]

@@ -16,6 +16,7 @@ from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..modeling.hub_code import write_hub_files
 from .card import render_model_card
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def save_for_hub(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    write_hub_files(model.config, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     card = render_model_card(

@@ -128,52 +128,53 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         if isinstance(module, MaskedLMHead):
             init.zeros_(module.decoder.bias)
 
-    # Hub code. Every folder save_pretrained writes (so push_to_hub's, Trainer's, save_for_hub's) carries the flat
-    # model code and an auto_map for AutoConfig and all seven Auto model classes, and loads with
-    # trust_remote_code=True where linearformers is not installed. transformers' own copy (custom_object_save, run
-    # after register_for_auto_class) cannot follow this package's nested imports, so it never runs. hub_code is
-    # imported in the methods to keep this block in one place.
-    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
-        """transformers' ``save_pretrained``, plus ``auto_map`` in ``config.json`` and the flat model code
-        (``modeling/hub_code.py``); with ``push_to_hub=True`` both are uploaded with the weights."""
-        from .hub_code import auto_map_for, write_remote_code
+    # Hub code: the flat model code and an auto_map for AutoConfig and all seven Auto model classes
+    # (modeling/hub_code.py), so that the folder loads with trust_remote_code=True where linearformers is not
+    # installed. It goes where the model is published: push_to_hub (model.push_to_hub, save_pretrained(push_to_hub=
+    # True)), hub_cards' export, and, as transformers does, every save once register_for_auto_class was called
+    # (Trainer's saves and pushes included). transformers' own copy (custom_object_save) cannot follow this package's
+    # nested imports, so it never runs.
+    _hub_code_registered = False
 
-        had_auto_map, previous = hasattr(self.config, "auto_map"), getattr(self.config, "auto_map", None)
-        self.config.auto_map = auto_map_for(self.config)
-        try:
-            super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
-        finally:
-            if had_auto_map:
-                self.config.auto_map = previous
-            else:
-                del self.config.auto_map
-        if self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
-            write_remote_code(save_directory)
+    def _writes_hub_code(self) -> bool:
+        return self._hub_code_registered or getattr(type(self.config), "_hub_code_registered", False)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True, **kwargs) -> None:
+        """transformers' ``save_pretrained``; after ``register_for_auto_class`` (of the model or config class), the
+        folder also gets the flat model code and an ``auto_map`` in ``config.json`` (uploaded too with
+        ``push_to_hub=True``, which writes them in any case)."""
+        from .hub_code import write_hub_files, write_remote_code
+
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if self._writes_hub_code() and self.should_save_on_this_rank(is_main_process) and os.path.isdir(save_directory):
+            write_hub_files(self.config, save_directory)
             # Trainer's checkpoint pushes (hub_strategy "every_save") copy only config and weights from
             # output_dir/checkpoint-N into output_dir and upload output_dir: the code goes there too, so every pushed
-            # revision loads (output_dir receives the same files from the final save_model anyway)
+            # revision loads
             parent = os.path.dirname(os.path.abspath(save_directory))
             # Trainer names them PREFIX_CHECKPOINT_DIR-N; transformers.trainer_utils is not imported for it (it pulls in peft)
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.abspath(save_directory))):
                 write_remote_code(parent)
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
-        # push_to_hub and save_pretrained(push_to_hub=True) upload from here, before save_pretrained above has
-        # written the code: write it now, so that it goes up with the weights
-        from .hub_code import write_remote_code
+        # push_to_hub and save_pretrained(push_to_hub=True) upload from here, after saving: the code and auto_map
+        # are written now, so that they go up with the weights
+        from .hub_code import write_hub_files
 
-        write_remote_code(working_dir)
+        write_hub_files(self.config, working_dir)
         return super()._upload_modified_files(working_dir, *args, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class: str | type = "AutoModel") -> None:
-        """Nothing to register: ``save_pretrained`` already writes the code and an ``auto_map`` for every Auto
-        class. Checks only that ``auto_class`` names one of transformers' Auto classes."""
+        """Make every ``save_pretrained`` of this class write the flat Hub code and an ``auto_map`` for every Auto
+        class, as transformers does for registered classes (transformers registers remote-code classes it loads,
+        so those save their code again). ``auto_class`` must name one of transformers' Auto classes."""
         import transformers.models.auto as auto_module
 
         name = auto_class if isinstance(auto_class, str) else auto_class.__name__
         if not hasattr(auto_module, name):
-            raise ValueError(f"{name} is not a valid auto class.")
+            raise ValueError(f"{name} is not a valid auto class; pass one of transformers' (e.g. 'AutoModel')")
+        cls._hub_code_registered = True
 
 
 def _checked_inputs(input_ids, inputs_embeds, embeddings: nn.Module) -> tuple[str, tuple[int, ...]]:
@@ -545,6 +546,36 @@ class LinearAttentionForMaskedLM(LinearAttentionPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
+def _uncached_length(input_ids, inputs_embeds, attention_mask, position_ids, past: int) -> int | None:
+    """How many trailing tokens of generate()'s prefill inputs the cache has not seen (``past`` tokens seen), or
+    None when the inputs are the new tokens alone.
+
+    transformers' rule: ``inputs_embeds`` always hold the full sequence; ``input_ids`` do when they are as long as
+    the attention mask. generate() drops an all-ones mask before the prefill; the position ids it built from the
+    mask keep its length, and start at 0 for the full sequence (a chunked prefill passes each later chunk, new
+    tokens, with its own positions and no mask).
+    """
+    if inputs_embeds is not None:
+        name, length, full = "inputs_embeds", inputs_embeds.shape[1], True
+    else:
+        name, length = "input_ids", input_ids.shape[1]
+        if isinstance(attention_mask, torch.Tensor):
+            full = attention_mask.shape[-1] == length
+        elif position_ids is not None:
+            full = position_ids.shape[-1] == length and not bool(position_ids[..., 0].any())
+        else:
+            full = True
+    if not full:
+        return None
+    if length <= past:
+        raise ValueError(
+            f"generate() got {name} of length {length} and a cache that holds {past} tokens: to continue a cache, pass "
+            f"the full sequence (the cached tokens and the new ones, e.g. generate(out.sequences, cache=out.cache)), or "
+            f"the new tokens with an attention_mask of shape (batch, {past} + new tokens)"
+        )
+    return length - past
+
+
 class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin):
     """GPT-2-style causal LM: the pre-LN decoder stack (``is_decoder=True``) and an LM head tied to the word
     embeddings. ``generate()`` decodes from a LinearAttentionCache, a fixed-size recurrent state per layer, so
@@ -567,6 +598,38 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
         self.model = self.base_model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ) -> dict:
+        """transformers' inputs for one forward of ``generate()``, with the prefill cut to its uncached tokens.
+
+        ``generate()`` continues a cache from the full sequence, ``generate(out.sequences, cache=out.cache)`` (or
+        ``inputs_embeds`` of the full sequence), or from the new tokens with an ``attention_mask`` covering the
+        cached and the new ones. transformers 5.23 cuts the full sequence to its uncached tail in the prefill; 5.24
+        does not when every cache layer is linear, and the tokens already in the state would be fed a second
+        time. So the rule is applied here, the same on both: the first forward gets the tokens the cache has not
+        seen.
+        """
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if is_first_iteration and isinstance(cache, LinearAttentionCache) and cache.get_seq_length():
+            next_sequence_length = _uncached_length(
+                input_ids, inputs_embeds, attention_mask, kwargs.get("position_ids"), cache.get_seq_length()
+            )
+        return super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
 
     @can_return_tuple
     def forward(

@@ -6,18 +6,21 @@ The package's modules are therefore written flat, renamed to unique basenames (`
 relative import rewritten to ``from .<flat name> import ...``. The rewrite reads the package's real source with
 ``ast``, so the written code follows the package as it changes.
 
-``LinearAttentionPreTrainedModel.save_pretrained`` (and so ``push_to_hub``, ``Trainer``'s saves and
-``hub_cards.save_for_hub``) writes this code and ``auto_map_for``'s ``auto_map``. This module is itself part of the
-code it writes: in a Hub repository's flat copy, saving again copies the flat modules that sit beside it.
+``write_hub_files`` writes this code and ``auto_map_for``'s ``auto_map`` where the model is published:
+``push_to_hub``, ``hub_cards.save_for_hub``, and every ``save_pretrained`` after ``register_for_auto_class``
+(``LinearAttentionPreTrainedModel``). This module is itself part of the code it writes: in a Hub repository's flat
+copy, saving again copies the flat modules that sit beside it.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 from pathlib import Path
 
 from transformers import PreTrainedConfig
+from transformers.utils import CONFIG_NAME
 
 from .registry import HEADS
 
@@ -117,6 +120,21 @@ def write_remote_code(folder: str | Path) -> list[str]:
         name = flat_name(dotted) + ".py"
         (folder / name).write_text(flatten_module(dotted))
         names.append(name)
+    return names
+
+
+def write_hub_files(config: PreTrainedConfig, folder: str | Path) -> list[str]:
+    """Make a saved model folder load with ``trust_remote_code=True``: write the flat code (``write_remote_code``)
+    and add ``auto_map_for(config)`` to its ``config.json``; returns the code's file names. The in-memory config is
+    left as it was."""
+    folder = Path(folder)
+    names = write_remote_code(folder)
+    config_file = folder / CONFIG_NAME
+    if config_file.is_file():
+        saved = json.loads(config_file.read_text(encoding="utf-8"))
+        saved["auto_map"] = auto_map_for(config)
+        # the layout PreTrainedConfig.to_json_file writes
+        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return names
 
 

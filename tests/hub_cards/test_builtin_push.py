@@ -100,7 +100,9 @@ def pushed(tmp_path_factory, tokenizer_dir):
             method = getattr(hub, name)
             patch.setattr(HfApi, name, lambda api, *a, _method=method, **k: _method(api, *a, **k))
         patch.setattr(ModelCard, "load", _not_on_the_hub)
-        patch.setattr(lf.LinformerForTokenClassification, "_auto_class", None)
+        # registration is class-wide: undone when the fixture ends
+        for cls in (lf.LinformerForTokenClassification, lf.PerformerForSequenceClassification, lf.LinformerForMaskedLM):
+            patch.setattr(cls, "_hub_code_registered", False)
 
         def scenario(name, repo, auto_name, build, resave=None):
             torch.manual_seed(0)
@@ -121,7 +123,8 @@ def pushed(tmp_path_factory, tokenizer_dir):
             model.save_pretrained(tmp / "save", push_to_hub=True, repo_id="me/save")
             return model
 
-        def trainer_push():
+        def trainer_push():  # Trainer calls nothing on the model but save_pretrained: the code comes by registration
+            lf.PerformerForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
             model = lf.PerformerForSequenceClassification(tiny_config("performer"))
             data = [{"input_ids": row, "labels": i % 2} for i, row in enumerate(torch.randint(1, 99, (4, 12)))]
             args = TrainingArguments(
@@ -140,6 +143,7 @@ def pushed(tmp_path_factory, tokenizer_dir):
             return model
 
         def trainer_checkpoint_push():  # hub_strategy "every_save": the checkpoint's push is the repo's state
+            lf.LinformerForMaskedLM.register_for_auto_class("AutoModelForMaskedLM")
             model = lf.LinformerForMaskedLM(tiny_config("linformer"))
             data = [{"input_ids": row, "labels": row} for row in torch.randint(1, 99, (4, 12))]
             args = TrainingArguments(
@@ -239,10 +243,48 @@ def test_push_to_hub_function_uploads_the_method_files_plus_tokenizer_and_card(p
     assert "linear-attention" in (function / "README.md").read_text()
 
 
-def test_save_pretrained_writes_auto_map_for_every_auto_class_without_changing_the_config(tmp_path):
+def test_save_pretrained_writes_code_and_auto_map_only_after_register_for_auto_class(tmp_path, monkeypatch):
     model = AutoModelForMaskedLM.from_config(tiny_config("linformer"))
-    model.save_pretrained(tmp_path)
-    config = lf.LinformerConfig.from_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "plain")
+    assert not list((tmp_path / "plain").glob("*.py"))
+    assert not hasattr(lf.LinformerConfig.from_pretrained(tmp_path / "plain"), "auto_map")
+    monkeypatch.setattr(lf.LinformerForMaskedLM, "_hub_code_registered", False)
+    lf.LinformerForMaskedLM.register_for_auto_class("AutoModelForMaskedLM")
+    model.save_pretrained(tmp_path / "registered")
+    config = lf.LinformerConfig.from_pretrained(tmp_path / "registered")
     assert len(config.auto_map) == 8 and config.auto_map["AutoModel"] == "modeling_linformer.LinformerModel"
     assert not hasattr(model.config, "auto_map")
-    assert (tmp_path / "modeling_linformer.py").is_file() and (tmp_path / "configuration_linformer.py").is_file()
+    assert (tmp_path / "registered" / "modeling_linformer.py").is_file()
+    assert (tmp_path / "registered" / "configuration_linformer.py").is_file()
+
+
+def test_a_registered_config_saves_its_models_with_the_code_again_and_again(tmp_path, monkeypatch):
+    # transformers' custom_object_save would follow the package's nested imports and fail; registration is recorded
+    monkeypatch.setattr(lf.PerformerConfig, "_hub_code_registered", False)
+    lf.PerformerConfig.register_for_auto_class()
+    model = lf.PerformerModel(tiny_config("performer"))
+    for folder in ("first", "second"):
+        model.save_pretrained(tmp_path / folder)
+        assert (tmp_path / folder / "modeling_performer.py").is_file()
+        assert "AutoModel" in lf.PerformerConfig.from_pretrained(tmp_path / folder).auto_map
+    with pytest.raises(ValueError, match="AutoNothing is not a valid auto class"):
+        lf.PerformerConfig.register_for_auto_class("AutoNothing")
+
+
+def test_trainer_output_dir_and_checkpoints_hold_no_code(tmp_path):
+    model = lf.PerformerForMaskedLM(tiny_config("performer"))
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(1, 99, (4, 12))]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+        report_to="none",
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model()
+    assert (tmp_path / "checkpoint-1" / "model.safetensors").is_file()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py")) == []

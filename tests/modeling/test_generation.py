@@ -329,3 +329,84 @@ def test_generate_fills_a_cache_the_caller_hands_it(family):
     given = model.generate(ids, max_new_tokens=5, do_sample=False, **{CACHE_FIELD: cache})
     assert torch.equal(given, model.generate(ids, max_new_tokens=5, do_sample=False))
     assert cache.get_seq_length() == 6 + 5 - 1  # the last token is returned, never fed back
+
+
+CONTINUED = {
+    "performer_softmax": ("performer", {}),
+    "performer_relu": ("performer", {"kernel": "relu"}),
+    "performer_hedgehog": ("performer", {"kernel": "hedgehog"}),
+    "performer_hybrid_window": ("performer", {"hybrid_window": 3}),
+    "linformer": ("linformer", {}),
+}
+
+
+@pytest.mark.parametrize("inputs", ["ids", "left_padded_ids", "inputs_embeds"])
+@pytest.mark.parametrize("model_name", list(CONTINUED))
+def test_generate_continued_from_its_returned_cache_equals_one_uninterrupted_generate(model_name, inputs):
+    # transformers' idiom (test_generate_continue_from_past_key_values): generate again from the full sequence and
+    # the returned cache; only the tokens the cache has not seen may be fed
+    from linearformers.modeling.base import CACHE_FIELD
+
+    family, overrides = CONTINUED[model_name]
+    model = _lm(family, initializer_range=0.2, **overrides)
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    if inputs == "left_padded_ids":
+        ids[0, :3], mask[0, :3] = 0, 0
+    kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    embed = model.get_input_embeddings()
+    prompt = {"inputs_embeds": embed(ids)} if inputs == "inputs_embeds" else {"input_ids": ids}
+    with torch.no_grad():
+        full = model.generate(**prompt, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        first = model.generate(**prompt, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, **kwargs)
+        new = first.sequences[:, -3:]  # generate() returns only the new tokens after inputs_embeds
+        if inputs == "inputs_embeds":
+            prompt = {"inputs_embeds": torch.cat([prompt["inputs_embeds"], embed(new)], 1)}
+        else:
+            prompt = {"input_ids": first.sequences}
+        cont = model.generate(
+            **prompt,
+            attention_mask=torch.cat([mask, torch.ones_like(new)], 1),
+            max_new_tokens=1,
+            **{CACHE_FIELD: getattr(first, CACHE_FIELD)},
+            **kwargs,
+        )
+    assert getattr(cont, CACHE_FIELD).get_seq_length() == getattr(full, CACHE_FIELD).get_seq_length() == 10
+    torch.testing.assert_close(cont.scores[0], full.scores[3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_continues_a_cache_from_the_new_tokens_and_a_mask_of_the_whole_sequence(family):
+    from linearformers.modeling.base import CACHE_FIELD
+
+    model = _lm(family, initializer_range=0.2)
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        first = model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)
+        cont = model.generate(
+            first.sequences[:, -1:],
+            attention_mask=torch.ones(2, 10, dtype=torch.long),
+            max_new_tokens=1,
+            **{CACHE_FIELD: getattr(first, CACHE_FIELD)},
+            **kwargs,
+        )
+        torch.testing.assert_close(cont.scores[0], full.scores[3], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="input_ids of length 1 and a cache that holds 10 tokens"):
+            model.generate(first.sequences[:, -1:], max_new_tokens=1, **{CACHE_FIELD: getattr(cont, CACHE_FIELD)})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_chunked_prefill_generates_what_one_prefill_generates(family, left_padded):
+    from linearformers.modeling.base import CACHE_FIELD
+
+    model = _lm(family, initializer_range=0.2)
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    if left_padded:
+        ids[0, :3], mask[0, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    chunked = model.generate(ids, prefill_chunk_size=3, **{CACHE_FIELD: LinearAttentionCache(2)}, **kwargs)
+    assert torch.equal(chunked, model.generate(ids, **kwargs))

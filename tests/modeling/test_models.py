@@ -397,6 +397,21 @@ def test_peft_lora_on_the_documented_target_modules(family):
     out.loss.backward()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoder", [False, True])
+def test_peft_lora_without_target_modules_adapts_q_proj_and_v_proj(family, decoder):
+    # PEFT's default target modules come from its table by model_type, where the package registers both families
+    peft = pytest.importorskip("peft")
+    auto = AutoModelForCausalLM if decoder else AutoModelForSequenceClassification
+    model = auto.from_config(tiny_config(family, is_decoder=decoder))
+    task_type = "CAUSAL_LM" if decoder else "SEQ_CLS"
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, task_type=task_type))
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in lora.named_parameters() if ".lora_A" in n}
+    assert adapted == {"q_proj", "v_proj"}
+    ids = torch.randint(1, 99, (2, 8))
+    lora(input_ids=ids, labels=ids if decoder else torch.tensor([0, 1])).loss.backward()
+
+
 def test_torch_compile_matches_eager():
     model = AutoModelForMaskedLM.from_config(tiny_config("performer")).eval()
     ids = torch.randint(1, 99, (1, 8))
