@@ -180,8 +180,7 @@ class PerformerAttention(LinearAttention):
         phi_q, phi_k, log_scale = self.keyed_map_features(q, k, attention_mask)
         if self.query_scale_weight is None:
             return phi_q, phi_k, log_scale
-        learned = torch.einsum("bhnd,hd->bhn", q.float(), self.query_scale_weight.float())
-        learned = learned + self.query_scale_bias.float()[None, :, None]
+        learned = _per_head_dot(q, self.query_scale_weight) + self.query_scale_bias.float()[None, :, None]
         return phi_q, phi_k, learned if log_scale is None else log_scale + learned
 
     def keyed_map_features(
@@ -201,8 +200,7 @@ class PerformerAttention(LinearAttention):
         take the linear sums out of float32, and close to k_s·a_h + b_h wherever that is a few units."""
         if self.key_scale_weight is None:
             return None
-        raw = torch.einsum("bhnd,hd->bhn", k.float(), self.key_scale_weight.float())
-        raw = raw + self.key_scale_bias.float()[None, :, None]
+        raw = _per_head_dot(k, self.key_scale_weight) + self.key_scale_bias.float()[None, :, None]
         return self.KEY_SCALE_BOUND * torch.tanh(raw / self.KEY_SCALE_BOUND)
 
     def map_features(
@@ -226,6 +224,13 @@ class PerformerAttention(LinearAttention):
         top = u.amax(dim=-1, keepdim=True).detach()
         phi_k = favor_positive(k, projection, is_query=False, key_padding_mask=attention_mask)
         return torch.exp(u - top), phi_k, top.squeeze(-1) - math.log(projection.shape[0])
+
+
+def _per_head_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x_t·a_h in float32, (batch, heads, n) from x (batch, heads, n, d) and weight (heads, d). A product and a sum
+    rather than einsum: autocast runs einsum as a bf16 matmul, whose rounding the learned scales would then carry
+    into every query's and key's weight, and through them into dq and dk."""
+    return (x.float() * weight.float()[None, :, None, :]).sum(-1)
 
 
 def _redraw_step(

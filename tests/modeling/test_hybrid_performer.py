@@ -549,3 +549,21 @@ def test_beam_search_with_the_cache_equals_beam_search_without(kernel):
     uncached = model.generate(ids, use_cache=False, **kwargs)
     assert torch.equal(cached.sequences, uncached.sequences)
     torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ALL_KERNELS)
+def test_the_linear_parts_features_and_scales_ignore_bf16_autocast(kernel):
+    """Under bf16 autocast (a model trained with it) the features, the queries' log scale and the keys' scale are
+    the float32 ones: a bf16 product anywhere in them would carry bf16's rounding into every score of the linear
+    part and into dq / dk."""
+    model = _model(kernel, decoder=False, **BOTH)
+    _move_balance(model)
+    attention = _layers(model)[0].attention
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 37, 8, generator=g) * 2 for _ in range(2))
+    plain = attention.hybrid_features(q, k, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = attention.hybrid_features(q, k, None)
+    for name, a, b in zip(("phi_q", "phi_k", "log_scale"), plain, under):
+        assert b.dtype == torch.float32, name
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)

@@ -5,8 +5,11 @@ Imported only when a call runs them, so that the library imports without Triton.
 Triton 3.6 as with the current release, and run under its interpreter (``TRITON_INTERPRET=1``) on the CPU.
 """
 
-import triton
-import triton.language as tl
+try:  # transformers' check of Hub remote code skips try blocks: a model exported with this file loads without Triton
+    import triton
+    import triton.language as tl
+except ImportError as err:  # imported only after _triton_linear.triton_importable() said yes
+    raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
 
 @triton.jit

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -115,9 +116,15 @@ def _block(size: int) -> int:
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from . import _triton_kernels
+    from ._triton_kernels import _backward_kv, _backward_q, _forward, _query_offsets, _segment_sums
 
-    return _triton_kernels
+    return SimpleNamespace(
+        _backward_kv=_backward_kv,
+        _backward_q=_backward_q,
+        _forward=_forward,
+        _query_offsets=_query_offsets,
+        _segment_sums=_segment_sums,
+    )
 
 
 class _Launch:

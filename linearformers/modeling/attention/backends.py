@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _triton_linear
 from ._native import available as native_available
+from ._triton_linear import DEFAULT_CHUNK as _TRITON_DEFAULT_CHUNK
+from ._triton_linear import refusal as _triton_kernel_refusal
 
 BACKENDS = ("reference", "chunked", "native", "blockwise", "triton")
 CAUSAL_BACKENDS = ("reference", "chunked", "native", "triton")  # what causal calls may name
 BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise")  # what bidirectional FAVOR+ may name
+TRITON_CHUNK = _TRITON_DEFAULT_CHUNK  # the Triton kernels' chunk (see _triton_linear)
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
-TRITON_CHUNK = _triton_linear.DEFAULT_CHUNK
 _SETTINGS = {"native": True, "triton": True}
 # the compiled walk and the blockwise kernel compute in float32; float64 inputs get float64 math from "chunked"
 _FLOAT32_ONLY = "it computes in float32; float64 inputs take backend='chunked' (or None), which computes in float64"
@@ -73,7 +74,7 @@ def triton_refusal(
     """Why the Triton kernels cannot run this call, or None when they can (``inputs``: q and k, or the features)."""
     if not _SETTINGS["triton"]:
         return "it is switched off (set_triton_kernels(False))"
-    return _triton_linear.refusal(v, num_features, chunk_size, inputs=inputs)
+    return _triton_kernel_refusal(v, num_features, chunk_size, inputs=inputs)
 
 
 def native_walk_enabled() -> bool:
