@@ -328,3 +328,18 @@ def test_hybrid_bf16_operands_follow_the_float32_op(monkeypatch):
     for name, a, c in zip(("out", "dq", "dk", "dv", "de", "dgamma"), got_all, want_all):
         _assert_near(name, a, c, 2e-2)
     assert not torch.equal(got.float(), want.to(torch.bfloat16).float())  # the casts took effect
+
+
+def test_sdpa_backend_compiles_whole_and_equals_the_reference():
+    q, k, v = _qkv(b=1, h=2, n=32)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    mask = _padding(2, 32)[1:]  # right padding
+
+    def attend(q, k, v, e):
+        return linformer_attention(q, k, v, e, key_padding_mask=mask, backend="sdpa")
+
+    out = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, e)  # a graph break raises
+    ref = linformer_attention(q, k, v, e, key_padding_mask=mask, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, c in zip(_grads(out, (q, k, v, e)), _grads(ref, (q, k, v, e))):
+        torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)
