@@ -12,9 +12,11 @@ bf16 when their inputs are bf16 on CUDA (tensor cores: an order of magnitude abo
 (values in [0, 1], already exponentiated in float32), v, the intra-chunk scores and backward's g_aug and feature
 gradients, cast just before each product, with results brought back to float32 before any sum or division
 (``_favor_chunked.half_operands``; fla's chunked kernels make the same split). fp16 inputs keep float32 products
-(the g / D range above), and so does the CPU, which has no bf16 GEMM units to gain from. The compiled CPU walk, the
-blockwise bidirectional kernel, the rare large-key fallback and the Linformer compute in float32 throughout; only
-the Linformer's sequence projection E x, a plain product like a Linear's, runs in the inputs' dtype. Outputs and
+(the g / D range above), and so does the CPU, which has no bf16 GEMM units to gain from. The causal Linformer and
+the Linformer hybrid make the same split on CUDA. The compiled CPU walk, the blockwise bidirectional kernel, the rare
+large-key fallback and the Linformer's blockwise backend compute in float32 throughout; the Linformer's sequence
+projection E x, a plain product like a Linear's, runs in the inputs' dtype, and so does its "sdpa" backend (the GPU
+default: ``scaled_dot_product_attention``, whose kernels keep the softmax and the accumulation in float32). Outputs and
 gradients come back in the inputs' dtypes.
 
 Autocast would undo this behind the kernel's back: it runs each functional product in bf16 / fp16, so ``out=``

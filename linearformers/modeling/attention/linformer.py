@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._checks import check_mask, check_qkv
 from ._favor_chunked import half_operands
@@ -254,6 +255,11 @@ def linformer_attention(
     return SlotAttention.apply(q, kp.float(), vp.float(), bias, scale, dropout_p, rows).to(q.dtype)
 
 
+# SDPA's kernels for the slots, cuDNN's left out: on an H100 (torch 2.11) its backward spent 2.4 ms of host time per
+# call at n = 4096, k = 256 against 0.1 ms on the GPU; flash and memory-efficient kernels launch in microseconds
+_SLOT_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _slot_sdpa(
     q: torch.Tensor,
     kp: torch.Tensor,
@@ -272,9 +278,10 @@ def _slot_sdpa(
     if slot_mask is not None:
         usable = slot_mask.any(-1, keepdim=True)  # (b, 1 or h, 1)
         attn_mask = (slot_mask | ~usable)[:, :, None, :]  # (b, 1 or h, 1, k), True: the slot takes part
-    out = F.scaled_dot_product_attention(
-        q, kp.to(q.dtype), vp.to(q.dtype), attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
-    )
+    with sdpa_kernel(_SLOT_KERNELS):
+        out = F.scaled_dot_product_attention(
+            q, kp.to(q.dtype), vp.to(q.dtype), attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+        )
     return out if usable is None else out * usable[..., None].to(out.dtype)
 
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
+from ._favor_chunked import half_operands
 from ._precision import outside_autocast
 from .hybrid import _PASS_BYTES, sink_slots
 from .linformer import METHODS, _check_learned, project_slots
@@ -91,6 +92,7 @@ def linformer_hybrid_attention(
     mask = check_mask(key_padding_mask, b, n)
     dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
     out_dtype = v.dtype
+    half = half_operands(v)  # bf16 operands for the products of bf16 inputs on CUDA
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     e, f = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
     scale = d**-0.5 if scale is None else scale
@@ -132,7 +134,7 @@ def linformer_hybrid_attention(
         k_pass, v_pass = (torch.cat(x[c0 : c1 + 2], dim=2) for x in (k_blocks, v_blocks))
         real_pass = key_real[:, c0 * w : (c1 + 2) * w]
         args = (q_pass, c0, log_gamma, k_pass, v_pass, real_pass, kp, vp, slot_mask, sink_k, sink_v)
-        args = (*args, sink_position, sink_seen, w, scale, dropout_p)
+        args = (*args, sink_position, sink_seen, w, scale, dropout_p, half)
         if recompute:  # keep only the inputs; the pass's scores are made again in backward (RNG state kept)
             outs.append(checkpoint(_pass, *args, use_reentrant=False))
         else:
@@ -177,15 +179,22 @@ def _pass(
     w,
     scale,
     dropout_p,
+    half,
 ):
     """The outputs of the query blocks c0 .. c0 + nq - 1, q_pass (b, h, nq w, d), rows past n included:
     (b, h, nq w, d). k_pass, v_pass (b, h, (nq + 2) w, d) and real_pass (b, (nq + 2) w): the padded keys of blocks
-    c0 - 1 .. c0 + nq. Each query's softmax is its own, so passes over whole blocks compute the one-pass result."""
+    c0 - 1 .. c0 + nq. Each query's softmax is its own, so passes over whole blocks compute the one-pass result.
+    ``half``: the products' operand dtype (bf16 for bf16 inputs on CUDA: tensor cores, as flash attention's
+    products; the scores, the softmax and the sums stay in the working dtype), or None for the working dtype."""
+
+    def mm(equation, x, y):
+        return torch.einsum(equation, x, y) if half is None else torch.einsum(equation, x.to(half), y.to(half)).to(x)
+
     b, h, rows, d = q_pass.shape
     nq, frame = rows // w, 3 * w
     q_pass = q_pass * scale  # (rows x d): cheaper than scaling each score
     k_frames, v_frames = (x.unfold(2, frame, w).transpose(-1, -2) for x in (k_pass, v_pass))  # (b, h, nq, 3 w, d)
-    window_scores = torch.einsum("bhcid,bhcjd->bhcij", q_pass.view(b, h, nq, w, d), k_frames)
+    window_scores = mm("bhcid,bhcjd->bhcij", q_pass.view(b, h, nq, w, d), k_frames)
     window_scores = window_scores + log_gamma[..., None]
     t = torch.arange(c0 * w, (c0 + nq) * w, device=q_pass.device).view(nq, w, 1)
     s = (torch.arange(c0, c0 + nq, device=q_pass.device) * w - w).view(nq, 1, 1)
@@ -196,7 +205,7 @@ def _pass(
     # masked scores get a finite floor, not -inf: a row with no key at all then has a finite softmax (zeroed below)
     # and no NaN reaches the gradients of the keys it shares with other rows
     window_scores = window_scores.masked_fill(~in_window[:, None], _FLOOR)
-    slot_scores = q_pass @ kp.transpose(-1, -2)
+    slot_scores = mm("bhid,bhjd->bhij", q_pass, kp)
     has_key = None  # every slot written: every query sees them
     if slot_mask is not None:
         slot_scores = slot_scores.masked_fill(~slot_mask[:, :, None, :], _FLOOR)
@@ -205,7 +214,7 @@ def _pass(
     if sink_k is not None:  # the sinks outside each query's window: (b, h, nq w, S)
         far = (t.reshape(-1)[None, :, None] - sink_position[:, None, :]).abs() >= w  # (b, nq w, S)
         usable = far & sink_seen[:, None, :]
-        sink_scores = q_pass @ sink_k.transpose(-1, -2) + log_gamma
+        sink_scores = mm("bhid,bhjd->bhij", q_pass, sink_k) + log_gamma
         scores.append(sink_scores.masked_fill(~usable[:, None], _FLOOR))
         has_key = None if has_key is None else has_key | usable.any(-1)[:, None, :, None]
 
@@ -213,12 +222,14 @@ def _pass(
     probs = torch.softmax(torch.cat(scores, -1), -1)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
-    slots = kp.shape[2]
-    window_probs = probs[..., :frame].view(b, h, nq, w, frame)
-    out = torch.einsum("bhcij,bhcjd->bhcid", window_probs, v_frames).reshape(b, h, nq * w, d)
-    out = out + probs[..., frame : frame + slots] @ vp
+    # one split, not three slices: a slice's backward writes a zero-filled gradient of all the probabilities
+    window_probs, slot_probs, *sink_probs = probs.split(
+        [frame, kp.shape[2], *([] if sink_v is None else [sink_v.shape[2]])], -1
+    )
+    out = mm("bhcij,bhcjd->bhcid", window_probs.view(b, h, nq, w, frame), v_frames).reshape(b, h, nq * w, d)
+    out = out + mm("bhij,bhjd->bhid", slot_probs, vp)
     if sink_v is not None:
-        out = out + probs[..., frame + slots :] @ sink_v
+        out = out + mm("bhij,bhjd->bhid", sink_probs[0], sink_v)
     return out if has_key is None else torch.where(has_key, out, torch.zeros_like(out))
 
 

@@ -308,3 +308,38 @@ def test_causal_rows_before_any_slot_is_written_read_nothing_and_keep_gradients_
     for a, c in zip(_grads(out, (q, k, v, e, f)), _grads(ref, (q, k, v, e, f))):
         assert bool(a.isfinite().all())
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_bf16_operands_follow_the_float32_op(monkeypatch):
+    # on CUDA, bf16 inputs take bf16 operands for the hybrid's products; here the same casts on the CPU
+    _gpu_form(monkeypatch)
+    q, k, v = (x.bfloat16().detach().requires_grad_() for x in _qkv(n=32))
+    e = (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.3).requires_grad_()
+    gamma = torch.tensor([0.5, 1.0, 3.0], requires_grad=True)
+    kwargs = dict(key_padding_mask=_padding(2, 32), sinks=1)
+    q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
+    want = linformer_hybrid_attention(q32, k32, v32, e, None, gamma, 4, **kwargs)
+    monkeypatch.setattr(hybrid_module, "half_operands", lambda v: torch.bfloat16)
+    got = linformer_hybrid_attention(q, k, v, e, None, gamma, 4, **kwargs)
+    assert got.dtype == torch.bfloat16
+    real = kwargs["key_padding_mask"][:, None, :, None].float()
+    got_all = (got * real, *_grads(got * real, (q, k, v, e, gamma)))
+    want_all = (want * real, *_grads(want * real, (q32, k32, v32, e, gamma)))
+    for name, a, c in zip(("out", "dq", "dk", "dv", "de", "dgamma"), got_all, want_all):
+        _assert_near(name, a, c, 2e-2)
+    assert not torch.equal(got.float(), want.to(torch.bfloat16).float())  # the casts took effect
+
+
+def test_sdpa_backend_compiles_whole_and_equals_the_reference():
+    q, k, v = _qkv(b=1, h=2, n=32)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    mask = _padding(2, 32)[1:]  # right padding
+
+    def attend(q, k, v, e):
+        return linformer_attention(q, k, v, e, key_padding_mask=mask, backend="sdpa")
+
+    out = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, e)  # a graph break raises
+    ref = linformer_attention(q, k, v, e, key_padding_mask=mask, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, c in zip(_grads(out, (q, k, v, e)), _grads(ref, (q, k, v, e))):
+        torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)
