@@ -167,9 +167,9 @@ def test_fsdp2_two_processes_shard_train_and_save_full_weights(tmp_path):
     rank0, rank1 = torch.load(tmp_path / "fsdp-rank0.pt"), torch.load(tmp_path / "fsdp-rank1.pt")
     assert rank0["sharded"] and rank0["world"] == 2 and not one["sharded"]
     # 5 training forwards with a redraw every 2: both ranks drew the same features as the single process
-    for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):
-        assert torch.equal(a, b)
-        assert torch.equal(a, c)
+    for a, b, c in zip(rank0["features"], rank1["features"], one["features"]):  # three processes: float32 tolerance
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c)
     torch.testing.assert_close(torch.tensor(rank0["loss"]), torch.tensor(one["loss"]), rtol=1e-4, atol=1e-5)
     assert one["loss"][-1] < one["loss"][0]
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp-model").state_dict()
