@@ -37,7 +37,7 @@ def _phi(
     ``live`` is False (rows past n, padded keys), and the x, W' they came from (MAP 0: X holds the features). The
     softmax map's exponents are taken relative to ``off`` (C,): the query's own maximum, or the (batch, head)'s
     largest real key exponent. A padded key's exponent may sit far above that offset, so it is dropped with a
-    select, never a product (inf x 0)."""
+    select, never a product, and the exponent is capped at 0 (the largest any real row has)."""
     if MAP == 0:
         phi = tl.load(X + row + ot[:, None] * XD + om[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         x = phi
@@ -47,7 +47,7 @@ def _phi(
         if MAP == 2:
             phi = tl.maximum(u, 0.0) + eps
         else:
-            phi = tl.exp(u - off[:, None])
+            phi = tl.exp(tl.minimum(u - off[:, None], 0.0))  # <= 0 for every real row: no inf to select away
     phi = tl.where(live[:, None], phi, 0.0)
     return phi, x, w
 
