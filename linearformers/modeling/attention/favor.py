@@ -185,7 +185,8 @@ def favor_attention(
 
     Memory, per head. The native walk keeps the state at each block start and O(n d) of inputs and outputs; the
     chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs
-    (bidirectional: O(n m)); the blockwise kernel holds O(block_size m) of feature maps at a time.
+    (bidirectional: O(n m)); the blockwise kernel holds O(block_size m) of feature maps at a time; the
+    bidirectional Triton kernels keep O(n d) and KV, m (d + 1), and write no feature map.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
