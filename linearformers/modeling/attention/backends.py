@@ -10,13 +10,15 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
 * ``"native"`` (:mod:`_native`, causal only): the compiled CPU walk, carrying one state chunk by chunk with every
   product in its own AVX2 GEMM, which keeps its operands in cache; the causal default on x86-64 CPUs where it is
   built and the shapes allow (head_dim, m and the chunk multiples of 16).
-* ``"triton"`` (:mod:`_triton_linear`, causal only): fused Triton kernels, forward and backward, that carry the
+* ``"triton"`` (:mod:`_triton_linear`): fused Triton kernels, forward and backward, that carry the
   state in registers chunk by chunk and, for FAVOR+ (softmax and ReLU maps), compute the features inside the kernel
   from q, k and the projection, so neither the feature maps nor per-chunk states reach memory; bf16 operands with
   float32 sums for bf16 inputs. The causal default on CUDA where Triton imports and the shapes allow (m, head_dim
   multiples of 16, chunk a power of two >= 16, no float64); custom ops, so torch.compile keeps them whole, without
   a graph break. Named on the CPU it runs under Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is
-  refused otherwise.
+  refused otherwise. Bidirectional (:mod:`_triton_bidirectional`: the two products K'ᵀ[V, 1], then Q' times it,
+  with the features computed inside both) it runs only when named, under the same refusals: opt-in until measured
+  on a GPU.
 * ``"blockwise"`` (:mod:`_favor_autograd`, bidirectional FAVOR+ only): feature maps built a block of positions at a
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
@@ -38,7 +40,7 @@ from ._triton_linear import refusal as _triton_kernel_refusal
 
 BACKENDS = ("reference", "chunked", "native", "blockwise", "triton")
 CAUSAL_BACKENDS = ("reference", "chunked", "native", "triton")  # what causal calls may name
-BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise")  # what bidirectional FAVOR+ may name
+BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise", "triton")  # what bidirectional FAVOR+ may name
 TRITON_CHUNK = _TRITON_DEFAULT_CHUNK  # the Triton kernels' chunk (see _triton_linear)
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
 _SETTINGS = {"native": True, "triton": True}
@@ -122,9 +124,11 @@ def choose_backend(
     call has the FAVOR+ map to fuse (False for precomputed features, which "blockwise" does not take); ``inputs``:
     q and k (or the features), which the Triton kernels check too.
 
-    None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native" where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
+    None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native"
+    where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
     None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
-    data; not float64, which it would compute in float32), "chunked" otherwise. "reference" with a state in or out
+    data; not float64, which it would compute in float32), "chunked" otherwise; never "triton", which bidirectional
+    calls take only when named (opt-in until measured on a GPU). "reference" with a state in or out
     is refused, as are "native" for bidirectional attention and "blockwise" for causal attention or given
     features."""
     if backend is not None and backend not in BACKENDS:
@@ -143,10 +147,6 @@ def choose_backend(
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "native"
     if backend == "triton":
-        if not causal:
-            raise ValueError(
-                "backend='triton' is the causal kernel; bidirectional attention runs 'chunked' or 'blockwise'"
-            )
         reason = triton_refusal(v, num_features, chunk_size, inputs=inputs)
         if reason is not None:
             raise ValueError(f"backend='triton' cannot run this call: {reason}")

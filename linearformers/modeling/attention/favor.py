@@ -37,6 +37,7 @@ from ._favor_chunked import (
     half_operands,
 )
 from ._precision import outside_autocast
+from ._triton_bidirectional import triton_bidirectional_linear
 from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_features
@@ -166,24 +167,26 @@ def favor_attention(
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
         chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked) and the Triton kernels, 32
-            for the native walk.
+            for the native walk. Bidirectional with backend="triton": the kernels' tile of positions (default 64).
         block_size: positions per block: the bidirectional kernel builds its feature maps this many positions at a
             time (default 256), and the native walk keeps its state for backward every block (rounded to whole
             chunks; default 16 chunks). Memory against per-block overhead; results do not depend on it.
         initial_state: causal only, the state of an earlier call: (S, z, M), or (S, z) for M = 0, with
             S (b, h, m, d_v), z (b, h, m) and the offset M (b, h); see :func:`favor_step`.
         return_state: causal only, also return the final state (S, z, M) for recurrent decoding.
-        backend: None, "chunked", "native" or "triton" (causal), "blockwise" (bidirectional) or "reference"; see
+        backend: None, "chunked", "triton", "native" (causal), "blockwise" (bidirectional) or "reference"; see
             :mod:`backends` (None: causal, the Triton kernels on CUDA, the compiled CPU walk where it runs and the
             chunked backend elsewhere;
-            bidirectional, the blockwise kernel on the CPU and the chunked one elsewhere and under torch.compile).
+            bidirectional, the blockwise kernel on the CPU and the chunked one elsewhere and under torch.compile;
+            the bidirectional Triton kernels run only when named: opt-in until measured on a GPU).
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
             (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
 
     Memory, per head. The native walk keeps the state at each block start and O(n d) of inputs and outputs; the
     chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs
-    (bidirectional: O(n m)); the blockwise kernel holds O(block_size m) of feature maps at a time.
+    (bidirectional: O(n m)); the blockwise kernel holds O(block_size m) of feature maps at a time; the
+    bidirectional Triton kernels keep O(n d) and KV, m (d + 1), and write no feature map.
 
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
@@ -221,6 +224,9 @@ def favor_attention(
     keep = None if mask is None else mask[:, None, :, None].float()
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
+    if not causal and chosen == "triton":  # both products with the feature maps computed inside the kernels
+        mask_f = None if mask is None else mask.float()
+        return triton_bidirectional_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk_size or TRITON_CHUNK)
     if not causal:
         return FavorBidirectionalChunked.apply(q, k, v, w, keep, kernel, scale, kernel_eps, half_operands(v))
     if state_in:

@@ -16,6 +16,7 @@ from ._checks import check_mask
 from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
 from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
+from ._triton_bidirectional import triton_bidirectional_linear
 from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .reference import linear_reference
@@ -98,7 +99,8 @@ def linear_attention(
         chunk_size: causal chunk; None: each backend's default (64 chunked and triton, 32 native).
         initial_state: causal only, the (S, z) of an earlier call (continued prefill).
         return_state: causal only, also return the final (S, z).
-        backend: None (see :mod:`backends`), "reference", "chunked", "native" or "triton" (causal).
+        backend: None (see :mod:`backends`), "reference", "chunked", "triton" or "native" (causal); bidirectional
+            "triton" runs only when named (opt-in until measured on a GPU), with chunk_size its tile of positions.
 
     Gradients reach phi_q, phi_k and v (and the initial state), so a learned map trains through any backend.
     Returns (batch, heads, length, d_v) in v's dtype, and the state when ``return_state``.
@@ -129,6 +131,10 @@ def linear_attention(
     if chosen == "reference":
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     keep = None if mask is None else mask[:, None, :, None].float()
+    if not causal and chosen == "triton":  # named only: opt-in until measured on a GPU
+        return triton_bidirectional_linear(
+            phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK
+        )
     if not causal:
         return FavorBidirectionalChunked.apply(phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, half_operands(v))
     if chosen == "native":

@@ -222,7 +222,6 @@ def test_refusals(monkeypatch):
     refused("float64", v.double(), v.double(), v.double(), w)
     refused("num_features must be a multiple of 16", v, v, v, torch.randn(24, 32))
     refused("chunk_size must be a power of two", v, v, v, w, chunk_size=24)
-    refused("bidirectional", v, v, v, w, causal=False)
     with pytest.raises(ValueError, match="v's head_dim must be a multiple of 16"):
         linear_attention(v[..., :16], v[..., :16], v[..., :24], causal=True, backend="triton")
     previous = set_triton_kernels(False)
