@@ -59,6 +59,7 @@ set before triton is first imported), which the CPU tests use.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from types import SimpleNamespace
@@ -170,6 +171,12 @@ _BACKWARD_SCHEMA = (
 )
 
 
+@functools.cache
+def _program_target(device: torch.device) -> int:
+    """How many programs a grid wants: two per multiprocessor on CUDA (asked once per device), 8 interpreted."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
     has about two programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
@@ -177,7 +184,7 @@ def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     interpreter takes 8 programs, so that the CPU tests cross segments."""
     chunks = -(-launch.n // launch.chunk)
     programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    target = _program_target(device)
     per_segment = -(-chunks // max(1, min(chunks, -(-target // programs))))
     length = per_segment * launch.chunk
     return -(-launch.n // length), length
