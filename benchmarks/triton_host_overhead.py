@@ -38,7 +38,7 @@ class _NoLaunch:
         def launch(*args, **kwargs):
             LAUNCHES[self.name] = LAUNCHES.get(self.name, 0) + 1
             if self.name == "_forward":  # every position sees a key: D = 1 (written past torch's dispatch, uncounted)
-                args[_DEN].numpy()[...] = 1.0
+                args[_DEN].numpy()[:-1] = 1.0  # its last entry counts the lost positions: none
 
         return launch
 

@@ -444,3 +444,70 @@ def _segment_sums(
         z += tl.sum(phi * weight[:, None], 0)
     tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
     tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+
+
+@triton.jit
+def _segment_prefix(
+    S, Z, S0, Z0, P, M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, HAS_S0: tl.constexpr,
+    REVERSE: tl.constexpr,
+):  # fmt: skip
+    """In place, each segment's sums (b·h·P, M, D) and (b·h·P, M) become the state it starts from: the sum over the
+    segments before it (forward, plus the initial state S0, Z0 (b·h, M, D) when given) or after it (REVERSE)."""
+    bh = tl.program_id(0).to(tl.int64)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    zmask = om * 0 + tl.program_id(2) == 0
+    if HAS_S0:
+        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :]).to(tl.float32)
+        z = tl.load(Z0 + bh * M + om).to(tl.float32)
+    else:
+        s = tl.zeros((BM, BD), tl.float32)
+        z = tl.zeros((BM,), tl.float32)
+    for i in range(0, P):
+        seg = bh * P + (P - 1 - i if REVERSE else i)
+        s_here = tl.load(S + seg * M * D + om[:, None] * D + od[None, :])
+        z_here = tl.load(Z + seg * M + om, mask=zmask, other=0.0)
+        tl.store(S + seg * M * D + om[:, None] * D + od[None, :], s)
+        tl.store(Z + seg * M + om, z, mask=zmask)
+        s += s_here
+        z += z_here
+
+
+@triton.jit
+def _normalize(
+    NUM, DEN, FIRST, OUT, LOST, n, H, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, HAS_FIRST: tl.constexpr
+):
+    """out = N / D (in OUT's dtype) for T positions, and the count of lost positions added to LOST: D <= 1e-30 at a
+    position that sees a real key (from FIRST[batch], the first real key's position, on)."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * T + tl.arange(0, T)
+    od = tl.arange(0, DP)
+    tmask = ot < n
+    mask = tmask[:, None] & (od[None, :] < D)
+    den = tl.load(DEN + bh * n + ot, mask=tmask, other=1.0)
+    num = tl.load(NUM + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0)
+    out = num / tl.maximum(den, 1e-30)[:, None]
+    tl.store(OUT + bh * n * D + ot[:, None] * D + od[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    lost = tmask & (den <= 1e-30)
+    if HAS_FIRST:
+        lost = lost & (ot >= tl.load(FIRST + bh // H))
+    tl.atomic_add(LOST, tl.sum(lost.to(tl.float32), 0))
+
+
+@triton.jit
+def _backward_prep(
+    G, OUT, DEN, GN, GD, n, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr
+):  # fmt: skip
+    """dL/dN = g / D and dL/dD = -(g · out) / D for T positions, float32 (0 where D <= 1e-30: no real key)."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * T + tl.arange(0, T)
+    od = tl.arange(0, DP)
+    tmask = ot < n
+    mask = tmask[:, None] & (od[None, :] < D)
+    den = tl.load(DEN + bh * n + ot, mask=tmask, other=1.0)
+    inv = tl.where(den > 1e-30, 1.0 / tl.maximum(den, 1e-30), 0.0)
+    g = tl.load(G + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = tl.load(OUT + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    gn = g * inv[:, None]
+    tl.store(GN + bh * n * D + ot[:, None] * D + od[None, :], gn, mask=mask)
+    tl.store(GD + bh * n + ot, -tl.sum(gn * out, 1), mask=tmask)

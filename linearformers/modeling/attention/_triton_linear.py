@@ -12,16 +12,18 @@ computed from q, k and BM rows of the projection: they never reach HBM), the int
     N += tril(phi_q phi_kᵀ) V + phi_q S,     D += rowsum(tril(phi_q phi_kᵀ)) + phi_q z
 
 to float32 buffers with ``tl.atomic_add``: every m-block's share of N and D adds up to the whole (phi_q·phi_k is a
-sum over features), so out = N / D afterwards, in torch. Then S += phi_kᵀ V, z += Σ phi_k.
+sum over features), so out = N / D afterwards, in a last small kernel (``_normalize``, which writes it in v's dtype
+and counts the lost positions). Then S += phi_kᵀ V, z += Σ phi_k.
 
 Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
 H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
 (:func:`_segments`: about two programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
-phi_kᵀ V and phi_k; their exclusive prefix over segments (P (m, d) states per head, in torch) is the state each
-segment's walk starts from. Backward does the same with the queries' Σ phi_q gnᵀ and Σ phi_q gd, summed over the
+phi_kᵀ V and phi_k; their exclusive prefix over segments (P (m, d) states per head, in place: ``_segment_prefix``)
+is the state each segment's walk starts from. Backward does the same with the queries' Σ phi_q gnᵀ and Σ phi_q gd, summed over the
 segments after each one.
 
-Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, float32, from the saved output and D):
+Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, float32, from the saved output and D, by
+``_backward_prep``):
 
     dphi_q,t = Σ_{s <= t, same chunk} (gn_t·v_s + gd_t) phi_k,s + S gn_t + z gd_t       (forward walk, ``_backward_q``)
     dphi_k,s = Σ_{t >= s, same chunk} (gn_t·v_s + gd_t) phi_q,t + dS v_s + dz            (reverse walk, ``_backward_kv``)
@@ -37,7 +39,8 @@ The softmax map's queries are taken relative to their largest exponent over all 
 which cancels in N / D, but must be the same in every m-block): a first small kernel (``_query_offsets``) computes
 it, one float per position.
 
-Kept for backward: the inputs, the output and D in float32, the queries' offsets and the initial state; nothing of
+Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the
+operands it feeds), D in float32, the queries' offsets and the initial state; nothing of
 size (n, m) and no per-chunk state. Backward recomputes the features and the segments' starting states.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
@@ -69,7 +72,7 @@ import torch
 from ._precision import outside_autocast
 
 DEFAULT_CHUNK = 64
-_TINY = 1e-30
+_ROWS = 64  # positions per program of the elementwise kernels (_normalize, _backward_prep)
 MAPS = {"features": 0, "softmax": 1, "relu": 2}
 
 
@@ -117,13 +120,25 @@ def _block(size: int) -> int:
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from ._triton_kernels import _backward_kv, _backward_q, _forward, _query_offsets, _segment_sums
+    from ._triton_kernels import (
+        _backward_kv,
+        _backward_prep,
+        _backward_q,
+        _forward,
+        _normalize,
+        _query_offsets,
+        _segment_prefix,
+        _segment_sums,
+    )
 
     return SimpleNamespace(
         _backward_kv=_backward_kv,
+        _backward_prep=_backward_prep,
         _backward_q=_backward_q,
         _forward=_forward,
+        _normalize=_normalize,
         _query_offsets=_query_offsets,
+        _segment_prefix=_segment_prefix,
         _segment_sums=_segment_sums,
     )
 
@@ -201,15 +216,12 @@ def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, qu
         launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
         num_warps=launch.warps, **launch.constants,
     )  # fmt: skip
-    sums, z_sums = sums.view(b * h, count, m, d), z_sums.view(b * h, count, m)
-    if queries:  # Σ over later segments: a reverse cumsum, shifted
-        sums, z_sums = (t.flip(1).cumsum(1).flip(1) - t for t in (sums, z_sums))
-    else:
-        sums, z_sums = (t.cumsum(1) - t for t in (sums, z_sums))
-        if first is not None:
-            sums = sums + first[0].float().reshape(b * h, 1, m, d)
-            z_sums = z_sums + first[1].float().reshape(b * h, 1, m)
-    return sums.reshape(b * h * count, m, d).contiguous(), z_sums.reshape(b * h * count, m).contiguous()
+    s0, z0 = (None, None) if first is None else (first[0].contiguous(), first[1].contiguous())
+    kern._segment_prefix[launch.grid](
+        sums, z_sums, _or(s0, sums), _or(z0, z_sums), count, m, d, launch.constants["BM"], launch.constants["BD"],
+        HAS_S0=s0 is not None, REVERSE=queries,
+    )  # fmt: skip
+    return sums, z_sums
 
 
 def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
@@ -221,20 +233,21 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
 
 
 def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
-    """The kernels' forward: (out float32 (b, h, n, d), D (b, h, n, 1), the queries' offsets (b·h, n), final S, z)."""
+    """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
+    positions, the queries' offsets (b·h, n), final S, z)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     cst = launch.constants
     dev = v.device
-    qoff = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
+    qoff = torch.empty(b * h, n, dtype=torch.float32, device=dev)  # read by the softmax map only
     if kernel == "softmax":
         kern._query_offsets[(b * h, -(-n // chunk))](
             q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
         )
     starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
     num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
-    den = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
+    den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
     count, length = segments
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
@@ -243,10 +256,15 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
         count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_S0=starts is not None,
         num_warps=launch.warps, **cst,
     )  # fmt: skip
-    den = den.view(b, h, n, 1)
-    s_end = s_out.view(b, h, count, m, d)[:, :, -1].contiguous()
-    z_end = z_out.view(b, h, count, m)[:, :, -1].contiguous()
-    return num.view(b, h, n, d).div_(den.clamp_min(_TINY)), den, qoff, s_end, z_end
+    out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
+    # where the first real key is, per batch: positions before it see none, and are not lost
+    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    kern._normalize[(b * h, -(-n // _ROWS))](
+        num, den, _or(first, den), out, den[-1:], n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+    )
+    if count > 1:
+        s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
+    return out, den, qoff, s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
 
 
 def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
@@ -263,9 +281,11 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, c
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
-    inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
-    gn = (g.float() * inv).contiguous()
-    gd = -(gn * out).sum(-1).contiguous()
+    gn = torch.empty(b * h, n, d, dtype=torch.float32, device=v.device)
+    gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
+    kern._backward_prep[(b * h, -(-n // _ROWS))](
+        g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
+    )  # rows with no real key (D = 0): no gradient
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
@@ -285,16 +305,18 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, c
         q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, *(later or (ds0, dz0)), ds0, dz0, n, h, count, length, scale,
         root, eps, HAS_LATER=later is not None, **common,
     )  # fmt: skip
-    ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()  # the first segment's walk ends at the start
-    dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
+    ds_first = ds0.view(b, h, count, m, d)[:, :, 0]  # the first segment's walk ends at the start
+    dz_first = dz0.view(b, h, count, m)[:, :, 0]
+    if count > 1:
+        ds_first, dz_first = ds_first.contiguous(), dz_first.contiguous()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds_first, dz_first
 
 
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
-    shapes = ((b, h, n, d), (b, h, n, 1), (b * h, n), (b, h, m, d), (b, h, m))
-    return tuple(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m))
+    return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
 def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
@@ -340,7 +362,4 @@ def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z
     lost): the final state (detached) and the count (0-dim) of positions that see a real key yet whose every visible
     key underflowed."""
     out, den, _, s, z = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
-    lost = den.detach() <= _TINY
-    if keep is not None:
-        lost = lost & (keep.cumsum(1) > 0)[:, None, :, None]
-    return out.to(v.dtype), s.detach(), z.detach(), lost.sum()
+    return out, s.detach(), z.detach(), den[-1]
