@@ -11,6 +11,10 @@ try:  # transformers' check of Hub remote code skips try blocks: a model exporte
 except ImportError as err:  # imported only after _triton_linear.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
+# Lengths and segment counts stay runtime values: specialized (== 1, a multiple of 16), each new length would compile
+# another variant of every kernel; the tiles' sizes are constexprs, so they gain nothing from it.
+_LENGTHS = ["n", "P", "L"]
+
 
 @triton.jit
 def _operand(x, OPS: tl.constexpr):
@@ -104,7 +108,7 @@ def _features(
     return phi, x, w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _query_offsets(
     Q,
     W,
@@ -132,7 +136,7 @@ def _query_offsets(
     tl.store(QOFF + bh * n + ot, top, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _forward(
     Q,
     K,
@@ -232,7 +236,7 @@ def _add_input_grad(DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.conste
         tl.atomic_add(DX + row + ot[:, None] * XD + ox[None, :], dx, mask=tmask[:, None] & (ox[None, :] < XD))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _backward_q(
     Q,
     K,
@@ -303,7 +307,7 @@ def _backward_q(
         z += tl.sum(pk, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _backward_kv(
     Q,
     K,
@@ -386,7 +390,7 @@ def _backward_kv(
     tl.store(DZ0 + seg * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _segment_sums(
     X,
     Y,
@@ -446,7 +450,7 @@ def _segment_sums(
     tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _segment_prefix(
     S, Z, S0, Z0, P, M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, HAS_S0: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -473,7 +477,7 @@ def _segment_prefix(
         z += z_here
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _normalize(
     NUM, DEN, FIRST, OUT, LOST, n, H, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, HAS_FIRST: tl.constexpr
 ):
@@ -494,7 +498,7 @@ def _normalize(
     tl.atomic_add(LOST, tl.sum(lost.to(tl.float32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _backward_prep(
     G, OUT, DEN, GN, GD, n, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr
 ):  # fmt: skip

@@ -25,11 +25,17 @@ from linearformers.modeling.attention.feature_maps import random_features
 from linearformers.modeling.attention.reference import favor_reference, linear_reference
 
 CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]),
-]
+ON_CPU = pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")
+ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+DEVICES = [pytest.param("cpu", marks=ON_CPU), pytest.param("cuda", marks=ON_CUDA)]
 DTYPES = [torch.float32, torch.bfloat16]
+# CUDA compiles the kernels once per dtype and configuration (float32's, the slowest, for up to half a minute each):
+# there bf16 runs everywhere and float32 once, the fused softmax map (and the float32 initial-state test)
+FEATURE_CASES = [pytest.param("cpu", dtype, marks=ON_CPU) for dtype in DTYPES]
+FEATURE_CASES += [pytest.param("cuda", torch.bfloat16, marks=ON_CUDA)]
+MAP_CASES = [pytest.param("cpu", dtype, kernel, marks=ON_CPU) for dtype in DTYPES for kernel in ("softmax", "relu")]
+MAP_CASES += [pytest.param("cuda", torch.bfloat16, kernel, marks=ON_CUDA) for kernel in ("softmax", "relu")]
+MAP_CASES += [pytest.param("cuda", torch.float32, "softmax", marks=ON_CUDA)]
 # (batch, heads, m, head_dim, chunk) per device; the CPU's m and head_dim give several m-blocks or d-blocks of 16
 SIZES = {"cpu": (2, 1, 48, 32, 16), "cuda": (1, 12, 256, 64, None)}
 FAVOR_SIZES = {"cpu": (2, 1, 32, 48, 16), "cuda": (1, 12, 256, 64, None)}
@@ -68,8 +74,7 @@ def _assert_close(got, expected, tol, what):
         assert error <= bound, f"{what}: {name} max error {error:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("device", "dtype"), FEATURE_CASES)
 def test_given_features_match_the_reference(device, dtype):
     """linear_attention(backend="triton") on given features: output and dphi_q, dphi_k, dv as the float64
     reference of the same (rounded) inputs, at every length of LENGTHS, with keys padded left and right."""
@@ -96,9 +101,7 @@ def test_given_features_match_the_reference(device, dtype):
         _assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize(("device", "dtype", "kernel"), MAP_CASES)
 def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     """favor_attention(backend="triton"), its feature map computed inside the kernels: output and dq, dk, dv as the
     float64 reference of the same (rounded) inputs, keys padded left and right."""
@@ -127,12 +130,12 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     _assert_close(got, expected, TOLERANCE[dtype], kernel)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_long_sequences_match_the_chunked_backend_on_cuda(dtype):
-    """n = 4099 (64 chunks and a partial one), 12 heads x 64, m = 256: the fused softmax map's output and gradients
-    as the chunked PyTorch backend's (whose float64 reference would not fit in memory)."""
+def test_long_sequences_match_the_chunked_backend_on_cuda():
+    """n = 4099 (64 chunks and a partial one), 12 heads x 64, m = 256, bf16: the fused softmax map's output and
+    gradients as the chunked PyTorch backend's (whose float64 reference would not fit in memory)."""
+    dtype = torch.bfloat16
     n, (b, h, m, d, _) = LONG, FAVOR_SIZES["cuda"]
     w = draw_random_features(m, d, seed=5, device="cuda")
     inputs = [_randn(b, h, n, d, device="cuda", seed=s, dtype=dtype) for s in (6, 7, 8)]
