@@ -39,9 +39,10 @@ The softmax map's queries are taken relative to their largest exponent over all 
 which cancels in N / D, but must be the same in every m-block): a first small kernel (``_query_offsets``) computes
 it, one float per position.
 
-Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the
-operands it feeds), D in float32, the queries' offsets and the initial state; nothing of
-size (n, m) and no per-chunk state. Backward recomputes the features and the segments' starting states.
+Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
+feeds), D in float32, the queries' offsets, the initial state and the segments' starting states (P (m, d) float32
+per head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
+state. Backward recomputes the features only.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
 products' operands are bf16 (tensor cores), as in the chunked backend: features, v, scores, the state read by the
@@ -178,11 +179,12 @@ def _or(t, fallback):
 
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
-    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
-    "Tensor out, Tensor den, str kernel, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor out, Tensor den, Tensor starts, Tensor z_starts, str kernel, float scale, float eps, int chunk) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -234,7 +236,8 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
 
 def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
-    positions, the queries' offsets (b·h, n), final S, z)."""
+    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
+    (b·h·P, m) for backward, empty (0,) for one segment)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
@@ -264,7 +267,10 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     )
     if count > 1:
         s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
-    return out, den, qoff, s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
+    s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
+    if count == 1:  # no starts to keep (the initial state, if any, is an input, kept as one)
+        return out, den, qoff, s_out, z_out, den.new_empty(0), den.new_empty(0)
+    return out, den, qoff, s_out, z_out, *starts
 
 
 def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
@@ -275,7 +281,7 @@ def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
     return None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
 
 
-def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, kernel, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (zeros without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
@@ -289,7 +295,10 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, c
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
-    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
+    if count > 1:  # the forward's
+        starts = (starts, z_starts)
+    else:
+        starts = None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
     later = None
     if count > 1:
         later = _segment_starts(kern, launch, q, gn, gd, w, keep, qoff, None, segments, queries=True)
@@ -315,11 +324,13 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, c
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
-    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m))
+    count = _segments(_Launch(q, v, w, kernel, chunk, scale, eps), v.device)[0]
+    starts = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
+    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *starts)
     return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -328,15 +339,18 @@ def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, e
 
 def _setup_context(ctx, inputs, output):
     q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
-    out, den, qoff, _, _ = output
+    out, den, qoff, _, _, starts, z_starts = output
     ctx.settings = (kernel, scale, eps, chunk)
-    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den)
+    ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
-def _autograd_backward(ctx, g, _g_den, _g_qoff, _g_s, _g_z):
-    q, k, v, w, keep, qoff, s0, z0, out, den = ctx.saved_tensors
-    dq, dk, dv, ds0, dz0 = _backward_op(g, q, k, v, w, keep, qoff, s0, z0, out, den, *ctx.settings)
+def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the starts
+    if g is None:  # out was not used
+        return (None,) * 11
+    dq, dk, dv, ds0, dz0 = _backward_op(g, *ctx.saved_tensors, *ctx.settings)
+    s0 = ctx.saved_tensors[6]
     state = s0 is not None
     return dq, dk, dv, None, None, ds0 if state else None, dz0 if state else None, None, None, None, None
 
@@ -361,5 +375,5 @@ def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
     lost): the final state (detached) and the count (0-dim) of positions that see a real key yet whose every visible
     key underflowed."""
-    out, den, _, s, z = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    out, den, _, s, z, _, _ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
     return out, s.detach(), z.detach(), den[-1]
