@@ -502,7 +502,8 @@ def _normalize(
 def _backward_prep(
     G, OUT, DEN, GN, GD, n, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr
 ):  # fmt: skip
-    """dL/dN = g / D and dL/dD = -(g · out) / D for T positions, float32 (0 where D <= 1e-30: no real key)."""
+    """dL/dN = g / D (in GN's dtype) and dL/dD = -(g · out) / D (float32) for T positions, 0 where D <= 1e-30 (no
+    real key); dL/dD from the float32 dL/dN."""
     bh = tl.program_id(0).to(tl.int64)
     ot = tl.program_id(1) * T + tl.arange(0, T)
     od = tl.arange(0, DP)
@@ -513,5 +514,5 @@ def _backward_prep(
     g = tl.load(G + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
     out = tl.load(OUT + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
     gn = g * inv[:, None]
-    tl.store(GN + bh * n * D + ot[:, None] * D + od[None, :], gn, mask=mask)
+    tl.store(GN + bh * n * D + ot[:, None] * D + od[None, :], gn.to(GN.dtype.element_ty), mask=mask)
     tl.store(GD + bh * n + ot, -tl.sum(gn * out, 1), mask=tmask)

@@ -287,7 +287,8 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, ker
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
-    gn = torch.empty(b * h, n, d, dtype=torch.float32, device=v.device)
+    # bf16 operands: gn enters only products, as bf16, so it is kept so (half the memory)
+    gn = torch.empty(b * h, n, d, dtype=torch.bfloat16 if launch.constants["OPS"] else torch.float32, device=v.device)
     gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
     kern._backward_prep[(b * h, -(-n // _ROWS))](
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
@@ -318,7 +319,11 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, ker
     dz_first = dz0.view(b, h, count, m)[:, :, 0]
     if count > 1:
         ds_first, dz_first = ds_first.contiguous(), dz_first.contiguous()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds_first, dz_first
+    del gn, gd, later  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
+    dq = dq.to(q.dtype)
+    dk = dk.to(k.dtype)
+    dv = dv.to(v.dtype)
+    return dq, dk, dv, ds_first, dz_first
 
 
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):

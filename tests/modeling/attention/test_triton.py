@@ -198,6 +198,22 @@ def test_keys_of_large_norm_are_redone_with_offsets(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_positions_before_the_first_real_key_are_not_lost(device):
+    """Left padding: the positions before a sequence's first real key have D = 0 and are not counted as lost, so
+    favor_attention does not redo the call; keys of large norm after them are."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = LENGTHS[device][-1]
+    w = draw_random_features(m, d, seed=5, device=device)
+    q, k, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8))
+    keep = torch.ones(b, n, device=device)
+    keep[:, : n // 3] = 0.0
+    *_, lost = triton_causal_linear(q, k, v, w, keep, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    assert lost.item() == 0
+    *_, lost = triton_causal_linear(q, k * 15.0, v, w, keep, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    assert lost.item() == b * h * (n - n // 3)  # every position from the first real key on
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_break(device):
     """The kernels are custom ops: torch.compile(fullgraph=True) takes the whole call, the large-key check
     included, and gives the eager output and gradients."""
