@@ -108,6 +108,31 @@ def _features(
     return phi, x, w
 
 
+@triton.jit
+def _start_state(
+    S0, Z0, SUMS, Z_SUMS, bh, p, P, om, od, M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_SUMS: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """The (BM, BD) state and BM sums segment p of (batch, head) bh starts from, float32: the initial state S0, Z0
+    ((b·h, M, D), (b·h, M)) when given, plus the sums (b·h·P, M, D), (b·h·P, M) of the segments before p, or
+    (REVERSE) after it. A few tiles per segment: cheaper than a prefix pass of its own."""
+    if HAS_S0:
+        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :]).to(tl.float32)
+        z = tl.load(Z0 + bh * M + om).to(tl.float32)
+    else:
+        s = tl.zeros((BM, BD), tl.float32)
+        z = tl.zeros((BM,), tl.float32)
+    if HAS_SUMS:
+        if REVERSE:
+            lo, hi = p + 1, P
+        else:
+            lo, hi = p * 0, p
+        for i in range(lo, hi):
+            s += tl.load(SUMS + (bh * P + i) * M * D + om[:, None] * D + od[None, :])
+            z += tl.load(Z_SUMS + (bh * P + i) * M + om)
+    return s, z
+
+
 @triton.jit(do_not_specialize=_LENGTHS)
 def _query_offsets(
     Q,
@@ -146,6 +171,8 @@ def _forward(
     QOFF,
     S0,
     Z0,
+    SUMS,
+    Z_SUMS,
     NUM,
     DEN,
     S_OUT,
@@ -167,6 +194,7 @@ def _forward(
     MAP: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_S0: tl.constexpr,
+    HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -177,12 +205,7 @@ def _forward(
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_S0:
-        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + seg * M + om)
-    else:
-        s = tl.zeros((BM, BD), tl.float32)
-        z = tl.zeros((BM,), tl.float32)
+    s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
@@ -246,6 +269,8 @@ def _backward_q(
     QOFF,
     S0,
     Z0,
+    SUMS,
+    Z_SUMS,
     GN,
     GD,
     DQ,
@@ -266,6 +291,7 @@ def _backward_q(
     MAP: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_S0: tl.constexpr,
+    HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -277,12 +303,7 @@ def _backward_q(
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_S0:
-        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + seg * M + om)
-    else:
-        s = tl.zeros((BM, BD), tl.float32)
-        z = tl.zeros((BM,), tl.float32)
+    s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
@@ -319,8 +340,8 @@ def _backward_kv(
     GD,
     DK,
     DV,
-    DS_IN,
-    DZ_IN,
+    SUMS,
+    Z_SUMS,
     DS0,
     DZ0,
     n,
@@ -351,12 +372,8 @@ def _backward_kv(
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_LATER:  # the gradient of this segment's end state from later segments
-        ds = tl.load(DS_IN + seg * M * D + om[:, None] * D + od[None, :])
-        dz = tl.load(DZ_IN + seg * M + om)
-    else:
-        ds = tl.zeros((BM, BD), tl.float32)
-        dz = tl.zeros((BM,), tl.float32)
+    # the gradient of this segment's end state: the queries' sums of the later segments
+    ds, dz = _start_state(DS0, DZ0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, False, HAS_LATER, True)
     chunks = tl.cdiv(end - start, C)
     for i in range(0, chunks):
         ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
@@ -448,33 +465,6 @@ def _segment_sums(
         z += tl.sum(phi * weight[:, None], 0)
     tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
     tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
-
-
-@triton.jit(do_not_specialize=_LENGTHS)
-def _segment_prefix(
-    S, Z, S0, Z0, P, M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, HAS_S0: tl.constexpr,
-    REVERSE: tl.constexpr,
-):  # fmt: skip
-    """In place, each segment's sums (b·h·P, M, D) and (b·h·P, M) become the state it starts from: the sum over the
-    segments before it (forward, plus the initial state S0, Z0 (b·h, M, D) when given) or after it (REVERSE)."""
-    bh = tl.program_id(0).to(tl.int64)
-    om = tl.program_id(1) * BM + tl.arange(0, BM)
-    od = tl.program_id(2) * BD + tl.arange(0, BD)
-    zmask = om * 0 + tl.program_id(2) == 0
-    if HAS_S0:
-        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :]).to(tl.float32)
-        z = tl.load(Z0 + bh * M + om).to(tl.float32)
-    else:
-        s = tl.zeros((BM, BD), tl.float32)
-        z = tl.zeros((BM,), tl.float32)
-    for i in range(0, P):
-        seg = bh * P + (P - 1 - i if REVERSE else i)
-        s_here = tl.load(S + seg * M * D + om[:, None] * D + od[None, :])
-        z_here = tl.load(Z + seg * M + om, mask=zmask, other=0.0)
-        tl.store(S + seg * M * D + om[:, None] * D + od[None, :], s)
-        tl.store(Z + seg * M + om, z, mask=zmask)
-        s += s_here
-        z += z_here
 
 
 @triton.jit(do_not_specialize=_LENGTHS)

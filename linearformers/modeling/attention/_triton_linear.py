@@ -18,12 +18,12 @@ and counts the lost positions). Then S += phi_kᵀ V, z += Σ phi_k.
 Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
 H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
 (:func:`_segments`: about two programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
-phi_kᵀ V and phi_k; their exclusive prefix over segments (P (m, d) states per head, in place: ``_segment_prefix``)
-is the state each segment's walk starts from. Backward does the same with the queries' Σ phi_q gnᵀ and Σ phi_q gd, summed over the
-segments after each one.
+phi_kᵀ V and phi_k (P (m, d) states per head); each segment's walk starts from the sum of those before it (and the
+initial state), which its programs add up themselves (a few tiles each). Backward does the same with the queries'
+Σ phi_q gnᵀ and Σ phi_q gd, summed over the segments after each one.
 
-Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, float32, from the saved output and D, by
-``_backward_prep``):
+Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, from the saved output and D, by ``_backward_prep``;
+float32, gn in bf16 for bf16 inputs since it only enters bf16 products):
 
     dphi_q,t = Σ_{s <= t, same chunk} (gn_t·v_s + gd_t) phi_k,s + S gn_t + z gd_t       (forward walk, ``_backward_q``)
     dphi_k,s = Σ_{t >= s, same chunk} (gn_t·v_s + gd_t) phi_q,t + dS v_s + dz            (reverse walk, ``_backward_kv``)
@@ -40,8 +40,8 @@ which cancels in N / D, but must be the same in every m-block): a first small ke
 it, one float per position.
 
 Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
-feeds), D in float32, the queries' offsets, the initial state and the segments' starting states (P (m, d) float32
-per head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
+feeds), D in float32, the queries' offsets, the initial state and the keys' segment sums (P (m, d) float32 per
+head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
 state. Backward recomputes the features only.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
@@ -128,7 +128,6 @@ def kernels():
         _forward,
         _normalize,
         _query_offsets,
-        _segment_prefix,
         _segment_sums,
     )
 
@@ -139,7 +138,6 @@ def kernels():
         _forward=_forward,
         _normalize=_normalize,
         _query_offsets=_query_offsets,
-        _segment_prefix=_segment_prefix,
         _segment_sums=_segment_sums,
     )
 
@@ -183,7 +181,7 @@ _FORWARD_SCHEMA = (
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
-    "Tensor out, Tensor den, Tensor starts, Tensor z_starts, str kernel, float scale, float eps, int chunk) -> "
+    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, str kernel, float scale, float eps, int chunk) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -197,7 +195,7 @@ def _program_target(device: torch.device) -> int:
 def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
     has about two programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
-    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_starts`). The
+    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_sums`). The
     interpreter takes 8 programs, so that the CPU tests cross segments."""
     chunks = -(-launch.n // launch.chunk)
     programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
@@ -207,9 +205,10 @@ def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     return -(-launch.n // length), length
 
 
-def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, queries):
-    """The state each segment starts from, ((b·h·P, m, d), (b·h·P, m)) float32: forward (keys), ``first`` (the
-    initial state or None) plus the sums of the segments before; backward (queries), the sums of those after."""
+def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
+    """Each segment's sums, ((b·h·P, m, d), (b·h·P, m)) float32, which the walks add up to their starting states
+    (:func:`_triton_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
+    g = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
     (count, length), b, h, m, d = segments, launch.b, launch.h, launch.m, launch.d
     sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
     z_sums = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
@@ -217,11 +216,6 @@ def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, qu
         x, y, _or(g, qoff), _or(w, qoff), _or(keep, qoff), qoff, sums, z_sums, launch.n, h, count, length,
         launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
         num_warps=launch.warps, **launch.constants,
-    )  # fmt: skip
-    s0, z0 = (None, None) if first is None else (first[0].contiguous(), first[1].contiguous())
-    kern._segment_prefix[launch.grid](
-        sums, z_sums, _or(s0, sums), _or(z0, z_sums), count, m, d, launch.constants["BM"], launch.constants["BD"],
-        HAS_S0=s0 is not None, REVERSE=queries,
     )  # fmt: skip
     return sums, z_sums
 
@@ -248,16 +242,17 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
         kern._query_offsets[(b * h, -(-n // chunk))](
             q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
         )
-    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
+    count, length = segments
+    sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
     num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
     den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
-    count, length = segments
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
     kern._forward[(b * h * count, *launch.grid[1:])](
-        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, *(starts or (s_out, z_out)), num, den, s_out, z_out, n, h,
-        count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_S0=starts is not None,
-        num_warps=launch.warps, **cst,
+        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), num,
+        den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
+        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, num_warps=launch.warps, **cst,
     )  # fmt: skip
     out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
     # where the first real key is, per batch: positions before it see none, and are not lost
@@ -268,21 +263,13 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     if count > 1:
         s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
     s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
-    if count == 1:  # no starts to keep (the initial state, if any, is an input, kept as one)
+    if sums is None:  # one segment: no sums to keep
         return out, den, qoff, s_out, z_out, den.new_empty(0), den.new_empty(0)
-    return out, den, qoff, s_out, z_out, *starts
+    return out, den, qoff, s_out, z_out, *sums
 
 
-def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
-    """Each segment's starting state (:func:`_segment_starts`), or the initial state itself (or None) for one."""
-    if segments[0] > 1:
-        first = None if s0 is None else (s0, z0)
-        return _segment_starts(kern, launch, k, v, None, w, keep, qoff, first, segments, queries=False)
-    return None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
-
-
-def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, kernel, scale, eps, chunk):
-    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (zeros without a state)."""
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
@@ -296,29 +283,26 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, ker
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
-    if count > 1:  # the forward's
-        starts = (starts, z_starts)
-    else:
-        starts = None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
-    later = None
-    if count > 1:
-        later = _segment_starts(kern, launch, q, gn, gd, w, keep, qoff, None, segments, queries=True)
+    sums = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
     grid = (b * h * count, *launch.grid[1:])
     w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
     common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **launch.constants)
     root = math.sqrt(scale)
     kern._backward_q[grid](
-        q, k, v, w_arg, keep_arg, qoff, *(starts or (ds0, dz0)), gn, gd, dq, n, h, count, length, scale, root, eps,
-        HAS_S0=starts is not None, **common,
+        q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), *(sums or (ds0, dz0)), gn, gd, dq, n, h, count,
+        length, scale, root, eps, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **common,
     )  # fmt: skip
     kern._backward_kv[grid](
         q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, *(later or (ds0, dz0)), ds0, dz0, n, h, count, length, scale,
         root, eps, HAS_LATER=later is not None, **common,
     )  # fmt: skip
-    ds_first = ds0.view(b, h, count, m, d)[:, :, 0]  # the first segment's walk ends at the start
-    dz_first = dz0.view(b, h, count, m)[:, :, 0]
-    if count > 1:
-        ds_first, dz_first = ds_first.contiguous(), dz_first.contiguous()
+    if s0 is None:  # no initial state to differentiate
+        ds_first, dz_first = ds0.new_empty(0), dz0.new_empty(0)
+    else:  # the first segment's walk ends at the start
+        ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()
+        dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
     del gn, gd, later  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
     dq = dq.to(q.dtype)
     dk = dk.to(k.dtype)
@@ -330,28 +314,30 @@ def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     count = _segments(_Launch(q, v, w, kernel, chunk, scale, eps), v.device)[0]
-    starts = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
-    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *starts)
+    sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
+    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *sums)
     return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if s0 is None:
+        return *grads, v.new_empty(0, dtype=torch.float32), v.new_empty(0, dtype=torch.float32)
     return *grads, v.new_empty((b, h, m, d), dtype=torch.float32), v.new_empty((b, h, m), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
-    out, den, qoff, _, _, starts, z_starts = output
+    out, den, qoff, _, _, sums, z_sums = output
     ctx.settings = (kernel, scale, eps, chunk)
     ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
-    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, starts, z_starts)
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
-def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the starts
+def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums
     if g is None:  # out was not used
         return (None,) * 11
     dq, dk, dv, ds0, dz0 = _backward_op(g, *ctx.saved_tensors, *ctx.settings)
