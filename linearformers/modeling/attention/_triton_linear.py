@@ -364,7 +364,7 @@ def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z
     and kernel "features"; v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
     chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
-    lost): the final state (detached) and the count (0-dim float32) of positions that see a real key yet whose every visible
-    key underflowed."""
+    lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
+    every visible key underflowed."""
     out, den, _, s, z, _, _ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
     return out, s.detach(), z.detach(), den[-1]
