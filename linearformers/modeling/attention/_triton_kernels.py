@@ -468,11 +468,10 @@ def _segment_sums(
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
-def _normalize(
-    NUM, DEN, FIRST, OUT, LOST, n, H, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, HAS_FIRST: tl.constexpr
-):
-    """out = N / D (in OUT's dtype) for T positions, and the count of lost positions added to LOST: D <= 1e-30 at a
-    position that sees a real key (from FIRST[batch], the first real key's position, on)."""
+def _normalize(NUM, DEN, FIRST, OUT, n, H, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, HAS_FIRST: tl.constexpr):
+    """out = N / D (in OUT's dtype) for T positions, and the count of lost positions added to DEN's last entry (after
+    the b·h·n of D): D <= 1e-30 at a position that sees a real key (from FIRST[batch], the first real key's
+    position, on)."""
     bh = tl.program_id(0).to(tl.int64)
     ot = tl.program_id(1) * T + tl.arange(0, T)
     od = tl.arange(0, DP)
@@ -485,7 +484,7 @@ def _normalize(
     lost = tmask & (den <= 1e-30)
     if HAS_FIRST:
         lost = lost & (ot >= tl.load(FIRST + bh // H))
-    tl.atomic_add(LOST, tl.sum(lost.to(tl.float32), 0))
+    tl.atomic_add(DEN + tl.num_programs(0).to(tl.int64) * n, tl.sum(lost.to(tl.float32), 0))
 
 
 @triton.jit(do_not_specialize=_LENGTHS)

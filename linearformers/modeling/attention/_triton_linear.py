@@ -258,7 +258,7 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     # where the first real key is, per batch: positions before it see none, and are not lost
     first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
     kern._normalize[(b * h, -(-n // _ROWS))](
-        num, den, _or(first, den), out, den[-1:], n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
     )
     if count > 1:
         s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
