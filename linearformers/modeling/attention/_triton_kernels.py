@@ -11,6 +11,10 @@ try:  # transformers' check of Hub remote code skips try blocks: a model exporte
 except ImportError as err:  # imported only after _triton_linear.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
+# Lengths and segment counts stay runtime values: specialized (== 1, a multiple of 16), each new length would compile
+# another variant of every kernel; the tiles' sizes are constexprs, so they gain nothing from it.
+_LENGTHS = ["n", "P", "L"]
+
 
 @triton.jit
 def _operand(x, OPS: tl.constexpr):
@@ -105,6 +109,31 @@ def _features(
 
 
 @triton.jit
+def _start_state(
+    S0, Z0, SUMS, Z_SUMS, bh, p, P, om, od, M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+    HAS_S0: tl.constexpr, HAS_SUMS: tl.constexpr, REVERSE: tl.constexpr,
+):  # fmt: skip
+    """The (BM, BD) state and BM sums segment p of (batch, head) bh starts from, float32: the initial state S0, Z0
+    ((b·h, M, D), (b·h, M)) when given, plus the sums (b·h·P, M, D), (b·h·P, M) of the segments before p, or
+    (REVERSE) after it. A few tiles per segment: cheaper than a prefix pass of its own."""
+    if HAS_S0:
+        s = tl.load(S0 + bh * M * D + om[:, None] * D + od[None, :]).to(tl.float32)
+        z = tl.load(Z0 + bh * M + om).to(tl.float32)
+    else:
+        s = tl.zeros((BM, BD), tl.float32)
+        z = tl.zeros((BM,), tl.float32)
+    if HAS_SUMS:
+        if REVERSE:
+            lo, hi = p + 1, P
+        else:
+            lo, hi = p * 0, p
+        for i in range(lo, hi):
+            s += tl.load(SUMS + (bh * P + i) * M * D + om[:, None] * D + od[None, :])
+            z += tl.load(Z_SUMS + (bh * P + i) * M + om)
+    return s, z
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
 def _query_offsets(
     Q,
     W,
@@ -132,7 +161,7 @@ def _query_offsets(
     tl.store(QOFF + bh * n + ot, top, mask=tmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _forward(
     Q,
     K,
@@ -142,6 +171,8 @@ def _forward(
     QOFF,
     S0,
     Z0,
+    SUMS,
+    Z_SUMS,
     NUM,
     DEN,
     S_OUT,
@@ -163,6 +194,7 @@ def _forward(
     MAP: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_S0: tl.constexpr,
+    HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -173,12 +205,7 @@ def _forward(
     om = tl.program_id(1) * BM + tl.arange(0, BM)
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_S0:
-        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + seg * M + om)
-    else:
-        s = tl.zeros((BM, BD), tl.float32)
-        z = tl.zeros((BM,), tl.float32)
+    s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
@@ -232,7 +259,7 @@ def _add_input_grad(DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.conste
         tl.atomic_add(DX + row + ot[:, None] * XD + ox[None, :], dx, mask=tmask[:, None] & (ox[None, :] < XD))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _backward_q(
     Q,
     K,
@@ -242,6 +269,8 @@ def _backward_q(
     QOFF,
     S0,
     Z0,
+    SUMS,
+    Z_SUMS,
     GN,
     GD,
     DQ,
@@ -262,6 +291,7 @@ def _backward_q(
     MAP: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_S0: tl.constexpr,
+    HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -273,12 +303,7 @@ def _backward_q(
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_S0:
-        s = tl.load(S0 + seg * M * D + om[:, None] * D + od[None, :])
-        z = tl.load(Z0 + seg * M + om)
-    else:
-        s = tl.zeros((BM, BD), tl.float32)
-        z = tl.zeros((BM,), tl.float32)
+    s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask = ot < n
@@ -303,7 +328,7 @@ def _backward_q(
         z += tl.sum(pk, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _backward_kv(
     Q,
     K,
@@ -315,8 +340,8 @@ def _backward_kv(
     GD,
     DK,
     DV,
-    DS_IN,
-    DZ_IN,
+    SUMS,
+    Z_SUMS,
     DS0,
     DZ0,
     n,
@@ -347,12 +372,8 @@ def _backward_kv(
     od = tl.program_id(2) * BD + tl.arange(0, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
     row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
-    if HAS_LATER:  # the gradient of this segment's end state from later segments
-        ds = tl.load(DS_IN + seg * M * D + om[:, None] * D + od[None, :])
-        dz = tl.load(DZ_IN + seg * M + om)
-    else:
-        ds = tl.zeros((BM, BD), tl.float32)
-        dz = tl.zeros((BM,), tl.float32)
+    # the gradient of this segment's end state: the queries' sums of the later segments
+    ds, dz = _start_state(DS0, DZ0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, False, HAS_LATER, True)
     chunks = tl.cdiv(end - start, C)
     for i in range(0, chunks):
         ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
@@ -386,7 +407,7 @@ def _backward_kv(
     tl.store(DZ0 + seg * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LENGTHS)
 def _segment_sums(
     X,
     Y,
@@ -444,3 +465,43 @@ def _segment_sums(
         z += tl.sum(phi * weight[:, None], 0)
     tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
     tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _normalize(NUM, DEN, FIRST, OUT, n, H, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, HAS_FIRST: tl.constexpr):
+    """out = N / D (in OUT's dtype) for T positions, and the count of lost positions added to DEN's last entry (after
+    the b·h·n of D): D <= 1e-30 at a position that sees a real key (from FIRST[batch], the first real key's
+    position, on)."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * T + tl.arange(0, T)
+    od = tl.arange(0, DP)
+    tmask = ot < n
+    mask = tmask[:, None] & (od[None, :] < D)
+    den = tl.load(DEN + bh * n + ot, mask=tmask, other=1.0)
+    num = tl.load(NUM + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0)
+    out = num / tl.maximum(den, 1e-30)[:, None]
+    tl.store(OUT + bh * n * D + ot[:, None] * D + od[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    lost = tmask & (den <= 1e-30)
+    if HAS_FIRST:
+        lost = lost & (ot >= tl.load(FIRST + bh // H))
+    tl.atomic_add(DEN + tl.num_programs(0).to(tl.int64) * n, tl.sum(lost.to(tl.float32), 0))
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _backward_prep(
+    G, OUT, DEN, GN, GD, n, D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr
+):  # fmt: skip
+    """dL/dN = g / D (in GN's dtype) and dL/dD = -(g · out) / D (float32) for T positions, 0 where D <= 1e-30 (no
+    real key); dL/dD from the float32 dL/dN."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * T + tl.arange(0, T)
+    od = tl.arange(0, DP)
+    tmask = ot < n
+    mask = tmask[:, None] & (od[None, :] < D)
+    den = tl.load(DEN + bh * n + ot, mask=tmask, other=1.0)
+    inv = tl.where(den > 1e-30, 1.0 / tl.maximum(den, 1e-30), 0.0)
+    g = tl.load(G + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = tl.load(OUT + bh * n * D + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    gn = g * inv[:, None]
+    tl.store(GN + bh * n * D + ot[:, None] * D + od[None, :], gn.to(GN.dtype.element_ty), mask=mask)
+    tl.store(GD + bh * n + ot, -tl.sum(gn * out, 1), mask=tmask)

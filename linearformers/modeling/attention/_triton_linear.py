@@ -12,16 +12,18 @@ computed from q, k and BM rows of the projection: they never reach HBM), the int
     N += tril(phi_q phi_kᵀ) V + phi_q S,     D += rowsum(tril(phi_q phi_kᵀ)) + phi_q z
 
 to float32 buffers with ``tl.atomic_add``: every m-block's share of N and D adds up to the whole (phi_q·phi_k is a
-sum over features), so out = N / D afterwards, in torch. Then S += phi_kᵀ V, z += Σ phi_k.
+sum over features), so out = N / D afterwards, in a last small kernel (``_normalize``, which writes it in v's dtype
+and counts the lost positions). Then S += phi_kᵀ V, z += Σ phi_k.
 
 Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
 H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
 (:func:`_segments`: about two programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
-phi_kᵀ V and phi_k; their exclusive prefix over segments (P (m, d) states per head, in torch) is the state each
-segment's walk starts from. Backward does the same with the queries' Σ phi_q gnᵀ and Σ phi_q gd, summed over the
-segments after each one.
+phi_kᵀ V and phi_k (P (m, d) states per head); each segment's walk starts from the sum of those before it (and the
+initial state), which its programs add up themselves (a few tiles each). Backward does the same with the queries'
+Σ phi_q gnᵀ and Σ phi_q gd, summed over the segments after each one.
 
-Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, float32, from the saved output and D):
+Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, from the saved output and D, by ``_backward_prep``;
+float32, gn in bf16 for bf16 inputs since it only enters bf16 products):
 
     dphi_q,t = Σ_{s <= t, same chunk} (gn_t·v_s + gd_t) phi_k,s + S gn_t + z gd_t       (forward walk, ``_backward_q``)
     dphi_k,s = Σ_{t >= s, same chunk} (gn_t·v_s + gd_t) phi_q,t + dS v_s + dz            (reverse walk, ``_backward_kv``)
@@ -37,8 +39,10 @@ The softmax map's queries are taken relative to their largest exponent over all 
 which cancels in N / D, but must be the same in every m-block): a first small kernel (``_query_offsets``) computes
 it, one float per position.
 
-Kept for backward: the inputs, the output and D in float32, the queries' offsets and the initial state; nothing of
-size (n, m) and no per-chunk state. Backward recomputes the features and the segments' starting states.
+Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
+feeds), D in float32, the queries' offsets, the initial state and the keys' segment sums (P (m, d) float32 per
+head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
+state. Backward recomputes the features only.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
 products' operands are bf16 (tensor cores), as in the chunked backend: features, v, scores, the state read by the
@@ -59,6 +63,7 @@ set before triton is first imported), which the CPU tests use.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from types import SimpleNamespace
@@ -68,7 +73,7 @@ import torch
 from ._precision import outside_autocast
 
 DEFAULT_CHUNK = 64
-_TINY = 1e-30
+_ROWS = 64  # positions per program of the elementwise kernels (_normalize, _backward_prep)
 MAPS = {"features": 0, "softmax": 1, "relu": 2}
 
 
@@ -116,12 +121,22 @@ def _block(size: int) -> int:
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from ._triton_kernels import _backward_kv, _backward_q, _forward, _query_offsets, _segment_sums
+    from ._triton_kernels import (
+        _backward_kv,
+        _backward_prep,
+        _backward_q,
+        _forward,
+        _normalize,
+        _query_offsets,
+        _segment_sums,
+    )
 
     return SimpleNamespace(
         _backward_kv=_backward_kv,
+        _backward_prep=_backward_prep,
         _backward_q=_backward_q,
         _forward=_forward,
+        _normalize=_normalize,
         _query_offsets=_query_offsets,
         _segment_sums=_segment_sums,
     )
@@ -162,30 +177,38 @@ def _or(t, fallback):
 
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
-    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
-    "Tensor out, Tensor den, str kernel, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, str kernel, float scale, float eps, int chunk) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
+
+
+@functools.cache
+def _program_target(device: torch.device) -> int:
+    """How many programs a grid wants: two per multiprocessor on CUDA (asked once per device), 8 interpreted."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
     has about two programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
-    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_starts`). The
+    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_sums`). The
     interpreter takes 8 programs, so that the CPU tests cross segments."""
     chunks = -(-launch.n // launch.chunk)
     programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    target = _program_target(device)
     per_segment = -(-chunks // max(1, min(chunks, -(-target // programs))))
     length = per_segment * launch.chunk
     return -(-launch.n // length), length
 
 
-def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, queries):
-    """The state each segment starts from, ((b·h·P, m, d), (b·h·P, m)) float32: forward (keys), ``first`` (the
-    initial state or None) plus the sums of the segments before; backward (queries), the sums of those after."""
+def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
+    """Each segment's sums, ((b·h·P, m, d), (b·h·P, m)) float32, which the walks add up to their starting states
+    (:func:`_triton_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
+    g = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
     (count, length), b, h, m, d = segments, launch.b, launch.h, launch.m, launch.d
     sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
     z_sums = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
@@ -194,15 +217,7 @@ def _segment_starts(kern, launch, x, y, g, w, keep, qoff, first, segments, *, qu
         launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
         num_warps=launch.warps, **launch.constants,
     )  # fmt: skip
-    sums, z_sums = sums.view(b * h, count, m, d), z_sums.view(b * h, count, m)
-    if queries:  # Σ over later segments: a reverse cumsum, shifted
-        sums, z_sums = (t.flip(1).cumsum(1).flip(1) - t for t in (sums, z_sums))
-    else:
-        sums, z_sums = (t.cumsum(1) - t for t in (sums, z_sums))
-        if first is not None:
-            sums = sums + first[0].float().reshape(b * h, 1, m, d)
-            z_sums = z_sums + first[1].float().reshape(b * h, 1, m)
-    return sums.reshape(b * h * count, m, d).contiguous(), z_sums.reshape(b * h * count, m).contiguous()
+    return sums, z_sums
 
 
 def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
@@ -214,100 +229,119 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
 
 
 def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
-    """The kernels' forward: (out float32 (b, h, n, d), D (b, h, n, 1), the queries' offsets (b·h, n), final S, z)."""
+    """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
+    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
+    (b·h·P, m) for backward, empty (0,) for one segment)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     cst = launch.constants
     dev = v.device
-    qoff = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
+    qoff = torch.empty(b * h, n, dtype=torch.float32, device=dev)  # read by the softmax map only
     if kernel == "softmax":
         kern._query_offsets[(b * h, -(-n // chunk))](
             q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
         )
-    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
-    num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
-    den = torch.zeros(b * h, n, dtype=torch.float32, device=dev)
     count, length = segments
+    sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
+    den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
     kern._forward[(b * h * count, *launch.grid[1:])](
-        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, *(starts or (s_out, z_out)), num, den, s_out, z_out, n, h,
-        count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_S0=starts is not None,
-        num_warps=launch.warps, **cst,
+        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), num,
+        den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
+        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, num_warps=launch.warps, **cst,
     )  # fmt: skip
-    den = den.view(b, h, n, 1)
-    s_end = s_out.view(b, h, count, m, d)[:, :, -1].contiguous()
-    z_end = z_out.view(b, h, count, m)[:, :, -1].contiguous()
-    return num.view(b, h, n, d).div_(den.clamp_min(_TINY)), den, qoff, s_end, z_end
+    out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
+    # where the first real key is, per batch: positions before it see none, and are not lost
+    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    kern._normalize[(b * h, -(-n // _ROWS))](
+        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+    )
+    if count > 1:
+        s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
+    s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
+    if sums is None:  # one segment: no sums to keep
+        return out, den, qoff, s_out, z_out, den.new_empty(0), den.new_empty(0)
+    return out, den, qoff, s_out, z_out, *sums
 
 
-def _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments):
-    """Each segment's starting state (:func:`_segment_starts`), or the initial state itself (or None) for one."""
-    if segments[0] > 1:
-        first = None if s0 is None else (s0, z0)
-        return _segment_starts(kern, launch, k, v, None, w, keep, qoff, first, segments, queries=False)
-    return None if s0 is None else (s0.float().contiguous(), z0.float().contiguous())
-
-
-def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
-    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (zeros without a state)."""
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
-    inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
-    gn = (g.float() * inv).contiguous()
-    gd = -(gn * out).sum(-1).contiguous()
+    # bf16 operands: gn enters only products, as bf16, so it is kept so (half the memory)
+    gn = torch.empty(b * h, n, d, dtype=torch.bfloat16 if launch.constants["OPS"] else torch.float32, device=v.device)
+    gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
+    kern._backward_prep[(b * h, -(-n // _ROWS))](
+        g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
+    )  # rows with no real key (D = 0): no gradient
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
-    starts = _initial_states(kern, launch, k, v, w, keep, qoff, s0, z0, segments)
-    later = None
-    if count > 1:
-        later = _segment_starts(kern, launch, q, gn, gd, w, keep, qoff, None, segments, queries=True)
+    sums = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
     grid = (b * h * count, *launch.grid[1:])
     w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
     common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **launch.constants)
     root = math.sqrt(scale)
     kern._backward_q[grid](
-        q, k, v, w_arg, keep_arg, qoff, *(starts or (ds0, dz0)), gn, gd, dq, n, h, count, length, scale, root, eps,
-        HAS_S0=starts is not None, **common,
+        q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), *(sums or (ds0, dz0)), gn, gd, dq, n, h, count,
+        length, scale, root, eps, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **common,
     )  # fmt: skip
     kern._backward_kv[grid](
         q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, *(later or (ds0, dz0)), ds0, dz0, n, h, count, length, scale,
         root, eps, HAS_LATER=later is not None, **common,
     )  # fmt: skip
-    ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()  # the first segment's walk ends at the start
-    dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds_first, dz_first
+    if s0 is None:  # no initial state to differentiate
+        ds_first, dz_first = ds0.new_empty(0), dz0.new_empty(0)
+    else:  # the first segment's walk ends at the start
+        ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()
+        dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
+    del gn, gd, later  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
+    dq = dq.to(q.dtype)
+    dk = dk.to(k.dtype)
+    dv = dv.to(v.dtype)
+    return dq, dk, dv, ds_first, dz_first
 
 
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
-    shapes = ((b, h, n, d), (b, h, n, 1), (b * h, n), (b, h, m, d), (b, h, m))
-    return tuple(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    count = _segments(_Launch(q, v, w, kernel, chunk, scale, eps), v.device)[0]
+    sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
+    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *sums)
+    return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if s0 is None:
+        return *grads, v.new_empty(0, dtype=torch.float32), v.new_empty(0, dtype=torch.float32)
     return *grads, v.new_empty((b, h, m, d), dtype=torch.float32), v.new_empty((b, h, m), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
-    out, den, qoff, _, _ = output
+    out, den, qoff, _, _, sums, z_sums = output
     ctx.settings = (kernel, scale, eps, chunk)
-    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den)
+    ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
-def _autograd_backward(ctx, g, _g_den, _g_qoff, _g_s, _g_z):
-    q, k, v, w, keep, qoff, s0, z0, out, den = ctx.saved_tensors
-    dq, dk, dv, ds0, dz0 = _backward_op(g, q, k, v, w, keep, qoff, s0, z0, out, den, *ctx.settings)
+def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums
+    if g is None:  # out was not used
+        return (None,) * 11
+    dq, dk, dv, ds0, dz0 = _backward_op(g, *ctx.saved_tensors, *ctx.settings)
+    s0 = ctx.saved_tensors[6]
     state = s0 is not None
     return dq, dk, dv, None, None, ds0 if state else None, dz0 if state else None, None, None, None, None
 
@@ -330,10 +364,7 @@ def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z
     and kernel "features"; v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
     chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
-    lost): the final state (detached) and the count (0-dim) of positions that see a real key yet whose every visible
-    key underflowed."""
-    out, den, _, s, z = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
-    lost = den.detach() <= _TINY
-    if keep is not None:
-        lost = lost & (keep.cumsum(1) > 0)[:, None, :, None]
-    return out.to(v.dtype), s.detach(), z.detach(), lost.sum()
+    lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
+    every visible key underflowed."""
+    out, den, _, s, z, _, _ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    return out, s.detach(), z.detach(), den[-1]

@@ -25,11 +25,20 @@ from linearformers.modeling.attention.feature_maps import random_features
 from linearformers.modeling.attention.reference import favor_reference, linear_reference
 
 CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]),
-]
+ON_CPU = pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")
+ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+DEVICES = [pytest.param("cpu", marks=ON_CPU), pytest.param("cuda", marks=ON_CUDA)]
 DTYPES = [torch.float32, torch.bfloat16]
+# CUDA compiles the kernels once per dtype and configuration (float32's, the slowest, for up to half a minute each):
+# there bf16 runs everywhere and float32 once, the fused softmax map (and the float32 initial-state test)
+CASES = [("cpu", dtype, ON_CPU) for dtype in DTYPES] + [("cuda", torch.bfloat16, ON_CUDA)]
+FEATURE_CASES = [pytest.param(dev, dtype, marks=on, id=f"{dev}-{str(dtype)[6:]}") for dev, dtype, on in CASES]
+MAP_CASES = [
+    pytest.param(dev, dtype, kernel, marks=on, id=f"{dev}-{str(dtype)[6:]}-{kernel}")
+    for dev, dtype, on in [*CASES, ("cuda", torch.float32, ON_CUDA)]
+    for kernel in ("softmax", "relu")
+    if dev == "cpu" or dtype == torch.bfloat16 or kernel == "softmax"
+]
 # (batch, heads, m, head_dim, chunk) per device; the CPU's m and head_dim give several m-blocks or d-blocks of 16
 SIZES = {"cpu": (2, 1, 48, 32, 16), "cuda": (1, 12, 256, 64, None)}
 FAVOR_SIZES = {"cpu": (2, 1, 32, 48, 16), "cuda": (1, 12, 256, 64, None)}
@@ -68,8 +77,7 @@ def _assert_close(got, expected, tol, what):
         assert error <= bound, f"{what}: {name} max error {error:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("device", "dtype"), FEATURE_CASES)
 def test_given_features_match_the_reference(device, dtype):
     """linear_attention(backend="triton") on given features: output and dphi_q, dphi_k, dv as the float64
     reference of the same (rounded) inputs, at every length of LENGTHS, with keys padded left and right."""
@@ -96,9 +104,7 @@ def test_given_features_match_the_reference(device, dtype):
         _assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize(("device", "dtype", "kernel"), MAP_CASES)
 def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     """favor_attention(backend="triton"), its feature map computed inside the kernels: output and dq, dk, dv as the
     float64 reference of the same (rounded) inputs, keys padded left and right."""
@@ -127,12 +133,12 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     _assert_close(got, expected, TOLERANCE[dtype], kernel)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_long_sequences_match_the_chunked_backend_on_cuda(dtype):
-    """n = 4099 (64 chunks and a partial one), 12 heads x 64, m = 256: the fused softmax map's output and gradients
-    as the chunked PyTorch backend's (whose float64 reference would not fit in memory)."""
+def test_long_sequences_match_the_chunked_backend_on_cuda():
+    """n = 4099 (64 chunks and a partial one), 12 heads x 64, m = 256, bf16: the fused softmax map's output and
+    gradients as the chunked PyTorch backend's (whose float64 reference would not fit in memory)."""
+    dtype = torch.bfloat16
     n, (b, h, m, d, _) = LONG, FAVOR_SIZES["cuda"]
     w = draw_random_features(m, d, seed=5, device="cuda")
     inputs = [_randn(b, h, n, d, device="cuda", seed=s, dtype=dtype) for s in (6, 7, 8)]
@@ -149,7 +155,7 @@ def test_initial_state_continues_a_prefill(device):
     """With the state of a first call, a second call gives the full sequence's outputs; the final state is the
     whole sequence's, and gradients reach the initial state as through the chunked backend."""
     b, h, m, d, chunk = SIZES[device]
-    n, cut = (37, 21) if device == "cpu" else (1000, 611)
+    n, cut = (37, 5) if device == "cpu" else (1000, 611)  # the continued call crosses segments too
     pq, pk = (torch.rand(b, h, n, m, generator=torch.Generator().manual_seed(s)).to(device) for s in (1, 2))
     v = _randn(b, h, n, d, device=device, seed=3, dtype=torch.float32)
     kw = dict(causal=True, chunk_size=chunk, return_state=True, backend="triton")
@@ -192,6 +198,22 @@ def test_keys_of_large_norm_are_redone_with_offsets(device):
     else:
         expected = favor_attention(q, k, v, w, causal=True, backend="chunked").double()
     assert (out.double() - expected).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_before_the_first_real_key_are_not_lost(device):
+    """Left padding: the positions before a sequence's first real key have D = 0 and are not counted as lost, so
+    favor_attention does not redo the call; keys of large norm after them are."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = LENGTHS[device][-1]
+    w = draw_random_features(m, d, seed=5, device=device)
+    q, k, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8))
+    keep = torch.ones(b, n, device=device)
+    keep[:, : n // 3] = 0.0
+    *_, lost = triton_causal_linear(q, k, v, w, keep, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    assert lost.item() == 0
+    *_, lost = triton_causal_linear(q, k * 15.0, v, w, keep, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
+    assert lost.item() == b * h * (n - n // 3)  # every position from the first real key on
 
 
 @pytest.mark.parametrize("device", DEVICES)
