@@ -133,6 +133,69 @@ def _start_state(
     return s, z
 
 
+@triton.jit
+def _segment(n, P, L, XD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """This program's segment seg (of b·h·P), its (batch, head) bh, its positions [start, end), its m- and d-blocks
+    om, od, and where bh's rows start in the (n, XD), (n, D) and (n,) tensors."""
+    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
+    bh = seg // P
+    start = (seg % P) * L
+    end = tl.minimum(start + L, n)
+    om = tl.program_id(1) * BM + tl.arange(0, BM)
+    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    return seg, bh, start, end, om, od, bh * n * XD, bh * n * D, bh * n
+
+
+@triton.jit
+def _key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP: tl.constexpr):
+    """The (C,) float32 weights of the keys at ``ot``: KEEP of bh's batch when given, else 1; 0 past n."""
+    if HAS_KEEP:
+        keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
+    else:
+        keep = tmask.to(tl.float32)
+    return keep
+
+
+@triton.jit
+def _chunk(
+    Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D: tl.constexpr,
+    XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr, HAS_KEEP: tl.constexpr, OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """What every causal kernel reads of the chunk ``ot``: its mask, the keys' weights, the query features and the
+    weighted key features, each with the x, W' of :func:`_features`, and v (C, BD) float32."""
+    tmask = ot < n
+    keep = _key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP)
+    pq, xq, wq = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+    pk, xk, wk = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+    pk = pk * keep[:, None]
+    vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    return tmask, keep, pq, xq, wq, pk, xk, wk, vv
+
+
+@triton.jit
+def _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D: tl.constexpr):
+    """dL/dN (C, BD) and dL/dD (C,) of the chunk ``ot``, as :func:`_backward_prep` stored them."""
+    gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0)
+    gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0)
+    return gn, gd
+
+
+@triton.jit
+def _advance(s, z, pk, vv, OPS: tl.constexpr, PREC: tl.constexpr):
+    """The state after the chunk: s + phi_kᵀ v, z + Σ phi_k."""
+    s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
+    z += tl.sum(pk, 0)
+    return s, z
+
+
+@triton.jit
+def _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M: tl.constexpr, D: tl.constexpr):
+    """Store the segment's (BM, BD) state and, from the first d-block only, its BM sums."""
+    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
+    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+
+
 @triton.jit(do_not_specialize=_LENGTHS)
 def _query_offsets(
     Q,
@@ -198,25 +261,14 @@ def _forward(
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
-    bh = seg // P
-    start = (seg % P) * L
-    end = tl.minimum(start + L, n)
-    om = tl.program_id(1) * BM + tl.arange(0, BM)
-    od = tl.program_id(2) * BD + tl.arange(0, BD)
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
     s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
-        tmask = ot < n
-        if HAS_KEEP:
-            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
-        else:
-            keep = tmask.to(tl.float32)
-        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-        pk = pk * keep[:, None]
-        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        tmask, _keep, pq, _x, _w, pk, _x, _w, vv = _chunk(
+            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
+            OPS, PREC,
+        )  # fmt: skip
         scores = tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
         scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
         num = tl.dot(_operand(scores, OPS), _operand(vv, OPS), input_precision=PREC)
@@ -224,10 +276,8 @@ def _forward(
         den = tl.sum(scores, 1) + tl.sum(pq * z[None, :], 1)
         tl.atomic_add(NUM + vrow + ot[:, None] * D + od[None, :], num, mask=tmask[:, None])
         tl.atomic_add(DEN + qrow + ot, den, mask=tmask & (ot * 0 + tl.program_id(2) == 0))
-        s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
-        z += tl.sum(pk, 0)
-    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
-    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+        s, z = _advance(s, z, pk, vv, OPS, PREC)
+    _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M, D)
 
 
 @triton.jit
@@ -295,28 +345,17 @@ def _backward_q(
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
-    bh = seg // P
-    start = (seg % P) * L
-    end = tl.minimum(start + L, n)
-    om = tl.program_id(1) * BM + tl.arange(0, BM)
-    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
     s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
-        tmask = ot < n
-        if HAS_KEEP:
-            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
-        else:
-            keep = tmask.to(tl.float32)
-        pq, x, w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-        pk = pk * keep[:, None]
-        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0)
-        gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0) * first
+        tmask, _keep, pq, x, w, pk, _x, _w, vv = _chunk(
+            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
+            OPS, PREC,
+        )  # fmt: skip
+        gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
+        gd = gd * first
         d_scores = tl.dot(_operand(gn, OPS), _operand(tl.trans(vv), OPS), input_precision=PREC) + gd[:, None]
         d_scores = tl.where(ot[:, None] >= ot[None, :], d_scores, 0.0)
         dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
@@ -324,8 +363,7 @@ def _backward_q(
         dpq += gd[:, None] * z[None, :]
         dq = _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
         _add_input_grad(DQ, row, ot, tmask, om, dq, XD, XDP, MAP)
-        s += tl.dot(_operand(tl.trans(pk), OPS), _operand(vv, OPS), input_precision=PREC)
-        z += tl.sum(pk, 0)
+        s, z = _advance(s, z, pk, vv, OPS, PREC)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -364,30 +402,18 @@ def _backward_kv(
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    seg = tl.program_id(0).to(tl.int64)  # segment p of (batch, head) bh: positions [p L, p L + L)
-    bh = seg // P
-    start = (seg % P) * L
-    end = tl.minimum(start + L, n)
-    om = tl.program_id(1) * BM + tl.arange(0, BM)
-    od = tl.program_id(2) * BD + tl.arange(0, BD)
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
     first = (tl.program_id(2) == 0).to(tl.float32)
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
     # the gradient of this segment's end state: the queries' sums of the later segments
     ds, dz = _start_state(DS0, DZ0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, False, HAS_LATER, True)
     chunks = tl.cdiv(end - start, C)
     for i in range(0, chunks):
         ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
-        tmask = ot < n
-        if HAS_KEEP:
-            keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
-        else:
-            keep = tmask.to(tl.float32)
-        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, x, w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-        pk = pk * keep[:, None]
-        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0)
-        gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0)
+        tmask, keep, pq, _x, _w, pk, x, w, vv = _chunk(
+            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
+            OPS, PREC,
+        )  # fmt: skip
+        gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
         causal = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
         d_scores_t = tl.dot(_operand(vv, OPS), _operand(tl.trans(gn), OPS), input_precision=PREC)
         d_scores_t = tl.where(causal, d_scores_t + first * gd[None, :], 0.0)
@@ -403,8 +429,7 @@ def _backward_kv(
         tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None])
         ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
         dz += tl.sum(pq * gd[:, None], 0)
-    tl.store(DS0 + seg * M * D + om[:, None] * D + od[None, :], ds)
-    tl.store(DZ0 + seg * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
+    _store_state(DS0, DZ0, seg, om, od, ds, dz, M, D)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -439,13 +464,7 @@ def _segment_sums(
 ):
     """Each segment's sums, which the segments before (forward) or after it (backward) need: keys (X = K, Y = V),
     Σ phi_k vᵀ and Σ phi_k; queries (X = Q, Y = gn, G = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
-    seg = tl.program_id(0).to(tl.int64)
-    bh = seg // P
-    start = (seg % P) * L
-    end = tl.minimum(start + L, n)
-    om = tl.program_id(1) * BM + tl.arange(0, BM)
-    od = tl.program_id(2) * BD + tl.arange(0, BD)
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
     s = tl.zeros((BM, BD), tl.float32)
     z = tl.zeros((BM,), tl.float32)
     for c in range(start, end, C):
@@ -463,8 +482,7 @@ def _segment_sums(
         y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         s += tl.dot(_operand(tl.trans(phi), OPS), _operand(y, OPS), input_precision=PREC)
         z += tl.sum(phi * weight[:, None], 0)
-    tl.store(S_OUT + seg * M * D + om[:, None] * D + od[None, :], s)
-    tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+    _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M, D)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
