@@ -6,7 +6,7 @@
 Opt-in until measured on a GPU: ``backend="triton"`` runs it when named, ``backend=None`` never picks it. The
 kernels have run only under Triton's interpreter so far.
 
-Kernels (:mod:`_triton_bidirectional_kernels`):
+Kernels (:mod:`_triton_bidirectional_kernels`; ``_offsets`` is the causal kernels' own, in :mod:`_triton_kernels`):
 
 * ``_offsets`` (softmax map): the largest of each position's m exponents, one float per query and per key. The keys'
   maximum over the real keys of a (batch, head), in torch, is their offset: taken off every key exponent, it cancels
@@ -56,7 +56,8 @@ _TINY = 1e-30
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from ._triton_bidirectional_kernels import _grad_kv, _grad_q, _offsets, _output, _sums
+    from ._triton_bidirectional_kernels import _grad_kv, _grad_q, _output, _sums
+    from ._triton_kernels import _offsets
 
     return SimpleNamespace(_grad_kv=_grad_kv, _grad_q=_grad_q, _offsets=_offsets, _output=_output, _sums=_sums)
 

@@ -2,7 +2,8 @@
 precision).
 
 Imported only when a call runs them, so that the library imports without Triton. Only long-stable ``tl`` APIs, as
-in :mod:`_triton_kernels`, whose exponent, operand and feature-gradient helpers these kernels share.
+in :mod:`_triton_kernels`, whose exponent, operand, feature-gradient and input-gradient helpers these kernels
+share (and whose ``_offsets`` kernel the launcher runs).
 """
 
 try:  # transformers' check of Hub remote code skips try blocks: a model exported with this file loads without Triton
@@ -11,7 +12,7 @@ try:  # transformers' check of Hub remote code skips try blocks: a model exporte
 except ImportError as err:  # imported only after _triton_linear.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
-from ._triton_kernels import _exponents, _feature_grad, _operand
+from ._triton_kernels import _add_input_grad, _exponents, _feature_grad, _operand
 
 
 @triton.jit
@@ -50,36 +51,6 @@ def _phi(
             phi = tl.exp(tl.minimum(u - off[:, None], 0.0))  # <= 0 for every real row: no inf to select away
     phi = tl.where(live[:, None], phi, 0.0)
     return phi, x, w
-
-
-@triton.jit
-def _offsets(
-    X,
-    W,
-    OUT,
-    n,
-    scale,
-    root,
-    M: tl.constexpr,
-    XD: tl.constexpr,
-    XDP: tl.constexpr,
-    C: tl.constexpr,
-    BM: tl.constexpr,
-    IS_QUERY: tl.constexpr,
-    OPS: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The largest of the softmax map's m exponents per position (queries w·x' - |x'|²/2 + |w|²/2, keys
-    w·x' - |x'|²/2 - |w|²/2)."""
-    bh = tl.program_id(0).to(tl.int64)
-    ot = tl.program_id(1) * C + tl.arange(0, C)
-    tmask = ot < n
-    top = tl.full((C,), -float("inf"), tl.float32)
-    for mb in range(0, M, BM):
-        om = mb + tl.arange(0, BM)
-        u, _x, _w = _exponents(X, W, bh * n * XD, ot, tmask, om, scale, root, XD, XDP, 1, IS_QUERY, OPS, PREC)
-        top = tl.maximum(top, tl.max(u, 1))
-    tl.store(OUT + bh * n + ot, top, mask=tmask)
 
 
 @triton.jit
@@ -194,16 +165,6 @@ def _output(
 
 
 @triton.jit
-def _add_grad(DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr):
-    """Store dL/dx (C, XDP), or this m-block's dL/dphi (C, BM) for given features, into DX."""
-    if MAP == 0:
-        tl.store(DX + row + ot[:, None] * XD + om[None, :], dx, mask=tmask[:, None])
-    else:
-        ox = tl.arange(0, XDP)
-        tl.store(DX + row + ot[:, None] * XD + ox[None, :], dx, mask=tmask[:, None] & (ox[None, :] < XD))
-
-
-@triton.jit
 def _grad_q(
     Q,
     W,
@@ -246,11 +207,11 @@ def _grad_q(
         z = tl.load(Z + bh * M + om)
         dpq = tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC) + gd[:, None] * z[None, :]
         if MAP == 0:
-            _add_grad(DQ, row, ot, tmask, om, dpq, XD, XDP, MAP)
+            _add_input_grad(DQ, row, ot, tmask, om, dpq, XD, XDP, MAP, False)
         else:
             dx += _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
     if MAP != 0:
-        _add_grad(DQ, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP)
+        _add_input_grad(DQ, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP, False)
 
 
 @triton.jit
@@ -307,9 +268,9 @@ def _grad_kv(
         dpk = tl.where(live[:, None], dpk, 0.0)
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
         if MAP == 0:
-            _add_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP)
+            _add_input_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP, False)
         else:
             dx += _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
     if MAP != 0:
-        _add_grad(DK, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP)
+        _add_input_grad(DK, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP, False)
     tl.store(DV + vrow + ot[:, None] * D + od[None, :], dv, mask=tmask[:, None] & dmask[None, :])

@@ -196,11 +196,11 @@ def _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M: tl.constexpr, D: tl.constex
     tl.store(Z_OUT + seg * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
 
 
-@triton.jit(do_not_specialize=_LENGTHS)
-def _query_offsets(
-    Q,
+@triton.jit(do_not_specialize=["n"])
+def _offsets(
+    X,
     W,
-    QOFF,
+    OUT,
     n,
     scale,
     root,
@@ -209,19 +209,21 @@ def _query_offsets(
     XDP: tl.constexpr,
     C: tl.constexpr,
     BM: tl.constexpr,
+    IS_QUERY: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """The softmax map's query offsets: the largest of the m exponents w·q' - |q'|²/2 + |w|²/2, per position."""
+    """The largest of the softmax map's m exponents per position (queries w·x' - |x'|²/2 + |w|²/2, keys
+    w·x' - |x'|²/2 - |w|²/2): the causal kernels' query offsets, and both offsets of the bidirectional ones."""
     bh = tl.program_id(0).to(tl.int64)
     ot = tl.program_id(1) * C + tl.arange(0, C)
     tmask = ot < n
     top = tl.full((C,), -float("inf"), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        u, _x, _w = _exponents(Q, W, bh * n * XD, ot, tmask, om, scale, root, XD, XDP, 1, True, OPS, PREC)
+        u, _x, _w = _exponents(X, W, bh * n * XD, ot, tmask, om, scale, root, XD, XDP, 1, IS_QUERY, OPS, PREC)
         top = tl.maximum(top, tl.max(u, 1))
-    tl.store(QOFF + bh * n + ot, top, mask=tmask)
+    tl.store(OUT + bh * n + ot, top, mask=tmask)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -300,13 +302,22 @@ def _feature_grad(
 
 
 @triton.jit
-def _add_input_grad(DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr):
-    """Add this program's share of dL/dx (C, XDP), or of dL/dphi (C, BM) for given features, into DX."""
+def _add_input_grad(
+    DX, row, ot, tmask, om, dx, XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr, ATOMIC: tl.constexpr
+):
+    """Put dL/dx (C, XDP), or this m-block's dL/dphi (C, BM) for given features, into DX: added (ATOMIC, where
+    several programs share the rows) or stored."""
     if MAP == 0:
-        tl.atomic_add(DX + row + ot[:, None] * XD + om[None, :], dx, mask=tmask[:, None])
+        ptrs = DX + row + ot[:, None] * XD + om[None, :]
+        mask = tmask[:, None]
     else:
         ox = tl.arange(0, XDP)
-        tl.atomic_add(DX + row + ot[:, None] * XD + ox[None, :], dx, mask=tmask[:, None] & (ox[None, :] < XD))
+        ptrs = DX + row + ot[:, None] * XD + ox[None, :]
+        mask = tmask[:, None] & (ox[None, :] < XD)
+    if ATOMIC:
+        tl.atomic_add(ptrs, dx, mask=mask)
+    else:
+        tl.store(ptrs, dx, mask=mask)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
@@ -362,7 +373,7 @@ def _backward_q(
         dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC)
         dpq += gd[:, None] * z[None, :]
         dq = _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
-        _add_input_grad(DQ, row, ot, tmask, om, dq, XD, XDP, MAP)
+        _add_input_grad(DQ, row, ot, tmask, om, dq, XD, XDP, MAP, True)
         s, z = _advance(s, z, pk, vv, OPS, PREC)
 
 
@@ -425,7 +436,7 @@ def _backward_kv(
         dv = tl.dot(_operand(scores_t, OPS), _operand(gn, OPS), input_precision=PREC)
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
         dk = _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
-        _add_input_grad(DK, row, ot, tmask, om, dk, XD, XDP, MAP)
+        _add_input_grad(DK, row, ot, tmask, om, dk, XD, XDP, MAP, True)
         tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None])
         ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
         dz += tl.sum(pq * gd[:, None], 0)

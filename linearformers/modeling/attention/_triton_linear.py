@@ -36,7 +36,7 @@ m-blocks for dv) is again atomically added. Through the FAVOR+ maps (inside the 
 s x Σ_m du for the softmax map's keys (their -|x'|²/2); the queries' per-row terms cancel in N / D.
 
 The softmax map's queries are taken relative to their largest exponent over all m features (a factor per query,
-which cancels in N / D, but must be the same in every m-block): a first small kernel (``_query_offsets``) computes
+which cancels in N / D, but must be the same in every m-block): a first small kernel (``_offsets``) computes
 it, one float per position.
 
 Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
@@ -127,7 +127,7 @@ def kernels():
         _backward_q,
         _forward,
         _normalize,
-        _query_offsets,
+        _offsets,
         _segment_sums,
     )
 
@@ -137,7 +137,7 @@ def kernels():
         _backward_q=_backward_q,
         _forward=_forward,
         _normalize=_normalize,
-        _query_offsets=_query_offsets,
+        _offsets=_offsets,
         _segment_sums=_segment_sums,
     )
 
@@ -239,9 +239,10 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     dev = v.device
     qoff = torch.empty(b * h, n, dtype=torch.float32, device=dev)  # read by the softmax map only
     if kernel == "softmax":
-        kern._query_offsets[(b * h, -(-n // chunk))](
-            q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], cst["OPS"], cst["PREC"]
-        )
+        kern._offsets[(b * h, -(-n // chunk))](
+            q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], True, cst["OPS"],
+            cst["PREC"],
+        )  # fmt: skip
     count, length = segments
     sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
