@@ -2,8 +2,8 @@
 precision).
 
 Imported only when a call runs them, so that the library imports without Triton. Only long-stable ``tl`` APIs, as
-in :mod:`_triton_kernels`, whose exponent, operand, feature-gradient and input-gradient helpers these kernels
-share (and whose ``_offsets`` kernel the launcher runs).
+in :mod:`_triton_kernels`, whose exponent, operand, key-weight, feature-gradient and input-gradient helpers these
+kernels share (and whose ``_offsets`` kernel the launcher runs).
 """
 
 try:  # transformers' check of Hub remote code skips try blocks: a model exported with this file loads without Triton
@@ -12,7 +12,7 @@ try:  # transformers' check of Hub remote code skips try blocks: a model exporte
 except ImportError as err:  # imported only after _triton_linear.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
-from ._triton_kernels import _add_input_grad, _exponents, _feature_grad, _operand
+from ._triton_kernels import _add_input_grad, _exponents, _feature_grad, _key_weights, _operand
 
 
 @triton.jit
@@ -51,6 +51,48 @@ def _phi(
             phi = tl.exp(tl.minimum(u - off[:, None], 0.0))  # <= 0 for every real row: no inf to select away
     phi = tl.where(live[:, None], phi, 0.0)
     return phi, x, w
+
+
+@triton.jit
+def _real_keys(KEEP, KOFF, bh, H, n, ot, tmask, C: tl.constexpr, HAS_KEEP: tl.constexpr):
+    """Which of the keys ``ot`` are real (before n, kept), and their (C,) offset: the (batch, head)'s key offset."""
+    live = tmask & (_key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP) > 0)
+    off = tl.zeros((C,), tl.float32) + tl.load(KOFF + bh)
+    return live, off
+
+
+@triton.jit
+def _tile(n, XD: tl.constexpr, D: tl.constexpr, C: tl.constexpr, DP: tl.constexpr):
+    """This program's (batch, head) bh and C positions ``ot`` (mask ``tmask``), the padded d columns ``od`` (mask
+    ``dmask``), and where bh's rows start in the (n, XD), (n, D) and (n,) tensors."""
+    bh = tl.program_id(0).to(tl.int64)
+    ot = tl.program_id(1) * C + tl.arange(0, C)
+    tmask = ot < n
+    od = tl.arange(0, DP)
+    dmask = od < D
+    return bh, ot, tmask, od, dmask, bh * n * XD, bh * n * D, bh * n
+
+
+@triton.jit
+def _state(S, Z, bh, om, od, dmask, M: tl.constexpr, D: tl.constexpr):
+    """The m-block ``om`` of bh's (m, d) and (m,) sums, float32."""
+    s = tl.load(S + bh * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
+    z = tl.load(Z + bh * M + om)
+    return s, z
+
+
+@triton.jit
+def _map_grad(
+    DX, row, ot, tmask, om, dphi, phi, x, w, dx, scale, eps, XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr,
+    IS_QUERY: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """dx plus this m-block's share of dL/dx (C, XDP); given features (MAP 0) have no map: their dL/dphi (C, BM) is
+    stored at once, and dx comes back as it was."""
+    if MAP == 0:
+        _add_input_grad(DX, row, ot, tmask, om, dphi, XD, XDP, MAP, False)
+    else:
+        dx += _feature_grad(dphi, phi, x, w, scale, eps, MAP, IS_QUERY, OPS, PREC)
+    return dx
 
 
 @triton.jit
@@ -104,11 +146,7 @@ def _sums(
             live = tmask
             weight = tl.load(G + qrow + ot, mask=tmask, other=0.0)
         else:
-            off = tl.zeros((C,), tl.float32) + tl.load(OFF + bh)
-            if HAS_KEEP:
-                live = tmask & (tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0) > 0)
-            else:
-                live = tmask
+            live, off = _real_keys(KEEP, OFF, bh, H, n, ot, tmask, C, HAS_KEEP)
             weight = live.to(tl.float32)
         phi, _x, _w = _phi(X, W, row, ot, live, om, off, scale, root, eps, XD, XDP, MAP, QUERIES, OPS, PREC)
         y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
@@ -143,20 +181,14 @@ def _output(
     PREC: tl.constexpr,
 ):
     """out = phi_q S / phi_q·z and D = phi_q·z for C queries, over every m-block (float32)."""
-    bh = tl.program_id(0).to(tl.int64)
-    ot = tl.program_id(1) * C + tl.arange(0, C)
-    tmask = ot < n
-    od = tl.arange(0, DP)
-    dmask = od < D
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    bh, ot, tmask, od, dmask, row, vrow, qrow = _tile(n, XD, D, C, DP)
     off = tl.load(QOFF + qrow + ot, mask=tmask, other=0.0)
     num = tl.zeros((C, DP), tl.float32)
     den = tl.zeros((C,), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pq, _x, _w = _phi(Q, W, row, ot, tmask, om, off, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        s = tl.load(S + bh * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
-        z = tl.load(Z + bh * M + om)
+        s, z = _state(S, Z, bh, om, od, dmask, M, D)
         num += tl.dot(_operand(pq, OPS), _operand(s, OPS), input_precision=PREC)
         den += tl.sum(pq * z[None, :], 1)
     out = num / tl.maximum(den, 1e-30)[:, None]
@@ -190,12 +222,7 @@ def _grad_q(
     PREC: tl.constexpr,
 ):
     """dL/dq for C queries: dphi_q = S gn + z gd per m-block, through the map, summed over the m-blocks."""
-    bh = tl.program_id(0).to(tl.int64)
-    ot = tl.program_id(1) * C + tl.arange(0, C)
-    tmask = ot < n
-    od = tl.arange(0, DP)
-    dmask = od < D
-    row, vrow, qrow = bh * n * XD, bh * n * D, bh * n
+    bh, ot, tmask, od, dmask, row, vrow, qrow = _tile(n, XD, D, C, DP)
     off = tl.load(QOFF + qrow + ot, mask=tmask, other=0.0)
     gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
     gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0)
@@ -203,13 +230,9 @@ def _grad_q(
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pq, x, w = _phi(Q, W, row, ot, tmask, om, off, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        s = tl.load(S + bh * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
-        z = tl.load(Z + bh * M + om)
+        s, z = _state(S, Z, bh, om, od, dmask, M, D)
         dpq = tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC) + gd[:, None] * z[None, :]
-        if MAP == 0:
-            _add_input_grad(DQ, row, ot, tmask, om, dpq, XD, XDP, MAP, False)
-        else:
-            dx += _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
+        dx = _map_grad(DQ, row, ot, tmask, om, dpq, pq, x, w, dx, scale, eps, XD, XDP, MAP, True, OPS, PREC)
     if MAP != 0:
         _add_input_grad(DQ, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP, False)
 
@@ -244,17 +267,8 @@ def _grad_kv(
 ):
     """dL/dk and dL/dv for C keys: dphi_k = dS v + dz and dv = dSᵀ phi_k per m-block (0 for padded keys), the
     first through the map, both summed over the m-blocks."""
-    bh = tl.program_id(0).to(tl.int64)
-    ot = tl.program_id(1) * C + tl.arange(0, C)
-    tmask = ot < n
-    od = tl.arange(0, DP)
-    dmask = od < D
-    row, vrow = bh * n * XD, bh * n * D
-    if HAS_KEEP:
-        live = tmask & (tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0) > 0)
-    else:
-        live = tmask
-    off = tl.zeros((C,), tl.float32) + tl.load(KOFF + bh)
+    bh, ot, tmask, od, dmask, row, vrow, _qrow = _tile(n, XD, D, C, DP)
+    live, off = _real_keys(KEEP, KOFF, bh, H, n, ot, tmask, C, HAS_KEEP)
     vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
     vv = vv.to(tl.float32)
     dv = tl.zeros((C, DP), tl.float32)
@@ -262,15 +276,11 @@ def _grad_kv(
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pk, x, w = _phi(K, W, row, ot, live, om, off, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-        ds = tl.load(DS + bh * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
-        dz = tl.load(DZ + bh * M + om)
+        ds, dz = _state(DS, DZ, bh, om, od, dmask, M, D)
         dpk = tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC) + dz[None, :]
         dpk = tl.where(live[:, None], dpk, 0.0)
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
-        if MAP == 0:
-            _add_input_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP, False)
-        else:
-            dx += _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
+        dx = _map_grad(DK, row, ot, tmask, om, dpk, pk, x, w, dx, scale, eps, XD, XDP, MAP, False, OPS, PREC)
     if MAP != 0:
         _add_input_grad(DK, row, ot, tmask, tl.arange(0, BM), dx, XD, XDP, MAP, False)
     tl.store(DV + vrow + ot[:, None] * D + od[None, :], dv, mask=tmask[:, None] & dmask[None, :])
