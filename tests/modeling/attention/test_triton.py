@@ -23,12 +23,19 @@ from linearformers.modeling.attention._triton_linear import triton_causal_linear
 from linearformers.modeling.attention.backends import choose_backend
 from linearformers.modeling.attention.feature_maps import random_features
 from linearformers.modeling.attention.reference import favor_reference, linear_reference
+from tests.modeling.attention._triton_cases import (
+    CUDA,
+    DTYPES,
+    ON_CPU,
+    ON_CUDA,
+    TOLERANCE,
+    assert_close,
+    padding_mask,
+    randn,
+    run_with_grads,
+)
 
-CUDA = torch.cuda.is_available()
-ON_CPU = pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")
-ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 DEVICES = [pytest.param("cpu", marks=ON_CPU), pytest.param("cuda", marks=ON_CUDA)]
-DTYPES = [torch.float32, torch.bfloat16]
 # CUDA compiles the kernels once per dtype and configuration (float32's, the slowest, for up to half a minute each):
 # there bf16 runs everywhere and float32 once, the fused softmax map (and the float32 initial-state test)
 CASES = [("cpu", dtype, ON_CPU) for dtype in DTYPES] + [("cuda", torch.bfloat16, ON_CUDA)]
@@ -44,37 +51,6 @@ SIZES = {"cpu": (2, 1, 48, 32, 16), "cuda": (1, 12, 256, 64, None)}
 FAVOR_SIZES = {"cpu": (2, 1, 32, 48, 16), "cuda": (1, 12, 256, 64, None)}
 LENGTHS = {"cpu": (1, 13, 37), "cuda": (1000,)}  # one position, less than a chunk, several chunks and a partial one
 LONG = 4099  # CUDA: against the chunked backend
-# max error / max |reference|: float32 computes in float32 throughout; bf16 rounds its operands (and the output)
-TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
-
-
-def _randn(*shape, device, seed, dtype=torch.float64, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
-
-
-def _mask(b, n, device):
-    """Left padding in the first sequence, right padding in the second (both keep a real key)."""
-    mask = torch.ones(b, n, dtype=torch.bool, device=device)
-    if b > 1 and n > 2:
-        mask[0, : n // 3] = False
-        mask[1, n - n // 3 :] = False
-    return mask
-
-
-def _run(fn, inputs, grad):
-    """fn's output and its inputs' gradients under the upstream gradient ``grad``, all in float64."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    out.backward(grad.to(out.dtype))
-    return [out.detach().double(), *(t.grad.double() for t in leaves)]
-
-
-def _assert_close(got, expected, tol, what):
-    for name, a, b in zip(("out", "grad 1", "grad 2", "grad 3", "grad 4", "grad 5"), got, expected):
-        error = (a - b).abs().max().item()
-        bound = tol * max(b.abs().max().item(), 1.0)  # an exact 0 (dphi_q at n = 1) gets the scale of 1
-        assert error <= bound, f"{what}: {name} max error {error:.3g} > {bound:.3g}"
 
 
 @pytest.mark.parametrize(("device", "dtype"), FEATURE_CASES)
@@ -86,22 +62,22 @@ def test_given_features_match_the_reference(device, dtype):
         pq, pk = (
             torch.rand(b, h, n, m, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (1, 2)
         )
-        inputs = [t.to(device=device, dtype=dtype) for t in (pq, pk, _randn(b, h, n, d, device="cpu", seed=3))]
-        grad = _randn(b, h, n, d, device=device, seed=4)
-        mask = _mask(b, n, device)
-        got = _run(
+        inputs = [t.to(device=device, dtype=dtype) for t in (pq, pk, randn(b, h, n, d, seed=3, dtype=torch.float64))]
+        grad = randn(b, h, n, d, device=device, seed=4, dtype=torch.float64)
+        mask = padding_mask(b, n, device)
+        got = run_with_grads(
             lambda *x, mask=mask: linear_attention(
                 *x, causal=True, key_padding_mask=mask, chunk_size=chunk, backend="triton"
             ),
             inputs,
             grad,
         )
-        expected = _run(
+        expected = run_with_grads(
             lambda *x, mask=mask: linear_reference(*x, causal=True, key_padding_mask=mask),
             [t.double() for t in inputs],
             grad,
         )
-        _assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
+        assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
 
 
 @pytest.mark.parametrize(("device", "dtype", "kernel"), MAP_CASES)
@@ -111,10 +87,10 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = LENGTHS[device][-1]
     w = draw_random_features(m, d, seed=5, device=device)
-    inputs = [_randn(b, h, n, d, device=device, seed=s, dtype=dtype) for s in (6, 7, 8)]
-    grad = _randn(b, h, n, d, device=device, seed=9)
-    mask = _mask(b, n, device)
-    got = _run(
+    inputs = [randn(b, h, n, d, device=device, seed=s, dtype=dtype) for s in (6, 7, 8)]
+    grad = randn(b, h, n, d, device=device, seed=9, dtype=torch.float64)
+    mask = padding_mask(b, n, device)
+    got = run_with_grads(
         lambda *x: favor_attention(
             *x, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=chunk, backend="triton"
         ),
@@ -129,8 +105,8 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
         pq, pk = (random_features(x, w.double(), is_query=t, kernel=kernel) for x, t in ((q, True), (k, False)))
         return linear_reference(pq, pk, v, causal=True, key_padding_mask=mask)
 
-    expected = _run(reference, [t.double() for t in inputs], grad)
-    _assert_close(got, expected, TOLERANCE[dtype], kernel)
+    expected = run_with_grads(reference, [t.double() for t in inputs], grad)
+    assert_close(got, expected, TOLERANCE[dtype], kernel)
 
 
 @pytest.mark.cuda
@@ -141,13 +117,13 @@ def test_long_sequences_match_the_chunked_backend_on_cuda():
     dtype = torch.bfloat16
     n, (b, h, m, d, _) = LONG, FAVOR_SIZES["cuda"]
     w = draw_random_features(m, d, seed=5, device="cuda")
-    inputs = [_randn(b, h, n, d, device="cuda", seed=s, dtype=dtype) for s in (6, 7, 8)]
-    grad = _randn(b, h, n, d, device="cuda", seed=9)
+    inputs = [randn(b, h, n, d, device="cuda", seed=s, dtype=dtype) for s in (6, 7, 8)]
+    grad = randn(b, h, n, d, device="cuda", seed=9, dtype=torch.float64)
     got, expected = (
-        _run(lambda *x, backend=backend: favor_attention(*x, w, causal=True, backend=backend), inputs, grad)
+        run_with_grads(lambda *x, backend=backend: favor_attention(*x, w, causal=True, backend=backend), inputs, grad)
         for backend in ("triton", "chunked")
     )
-    _assert_close(got, expected, TOLERANCE[dtype], "n=4099")
+    assert_close(got, expected, TOLERANCE[dtype], "n=4099")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,7 +133,7 @@ def test_initial_state_continues_a_prefill(device):
     b, h, m, d, chunk = SIZES[device]
     n, cut = (37, 5) if device == "cpu" else (1000, 611)  # the continued call crosses segments too
     pq, pk = (torch.rand(b, h, n, m, generator=torch.Generator().manual_seed(s)).to(device) for s in (1, 2))
-    v = _randn(b, h, n, d, device=device, seed=3, dtype=torch.float32)
+    v = randn(b, h, n, d, device=device, seed=3, dtype=torch.float32)
     kw = dict(causal=True, chunk_size=chunk, return_state=True, backend="triton")
     full, (s_full, z_full) = linear_attention(pq, pk, v, **kw)
     _, state = linear_attention(pq[:, :, :cut], pk[:, :, :cut], v[:, :, :cut], **kw)
@@ -166,10 +142,10 @@ def test_initial_state_continues_a_prefill(device):
     torch.testing.assert_close(s_end, s_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(z_end, z_full, rtol=1e-4, atol=1e-4)
 
-    grad = _randn(b, h, n - cut, d, device=device, seed=4)
+    grad = randn(b, h, n - cut, d, device=device, seed=4, dtype=torch.float64)
     inputs = [pq[:, :, cut:], pk[:, :, cut:], v[:, :, cut:], *state]
     got, expected = (
-        _run(
+        run_with_grads(
             lambda q, k, x, s, z, backend=backend: linear_attention(
                 q, k, x, causal=True, initial_state=(s, z), backend=backend
             ),
@@ -178,7 +154,7 @@ def test_initial_state_continues_a_prefill(device):
         )
         for backend in ("triton", "chunked")
     )
-    _assert_close(got, expected, TOLERANCE[torch.float32], "continued")
+    assert_close(got, expected, TOLERANCE[torch.float32], "continued")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,8 +164,8 @@ def test_keys_of_large_norm_are_redone_with_offsets(device):
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = LENGTHS[device][-1]
     w = draw_random_features(m, d, seed=5, device=device)
-    q, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 8))
-    k = _randn(b, h, n, d, device=device, seed=7, dtype=torch.float32, scale=15.0)
+    q, v = (randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 8))
+    k = randn(b, h, n, d, device=device, seed=7, dtype=torch.float32, scale=15.0)
     *_, lost = triton_causal_linear(q, k, v, w, None, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
     assert lost.item() > 0  # at offset 0 every feature of these keys underflows
     out = favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
@@ -207,7 +183,7 @@ def test_positions_before_the_first_real_key_are_not_lost(device):
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = LENGTHS[device][-1]
     w = draw_random_features(m, d, seed=5, device=device)
-    q, k, v = (_randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8))
+    q, k, v = (randn(b, h, n, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8))
     keep = torch.ones(b, n, device=device)
     keep[:, : n // 3] = 0.0
     *_, lost = triton_causal_linear(q, k, v, w, keep, "softmax", d**-0.5, 0.0, chunk or 64, None, None)
@@ -222,14 +198,16 @@ def test_compiles_without_graph_break(device):
     included, and gives the eager output and gradients."""
     b, h, m, d, chunk = FAVOR_SIZES[device]
     w = draw_random_features(m, d, seed=5, device=device)
-    inputs = [_randn(b, h, 37, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8)]
-    grad = _randn(b, h, 37, d, device=device, seed=9)
+    inputs = [randn(b, h, 37, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8)]
+    grad = randn(b, h, 37, d, device=device, seed=9, dtype=torch.float64)
 
     def fn(q, k, v):
         return favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-5, "compiled")  # atomics: any order
+    assert_close(
+        run_with_grads(compiled, inputs, grad), run_with_grads(fn, inputs, grad), 1e-5, "compiled"
+    )  # atomics: any order
 
 
 def test_refusals(monkeypatch):

@@ -23,47 +23,22 @@ from linearformers.modeling.attention import (
 from linearformers.modeling.attention.backends import choose_backend
 from linearformers.modeling.attention.feature_maps import random_features
 from linearformers.modeling.attention.reference import favor_reference, linear_reference
+from tests.modeling.attention._triton_cases import (
+    CUDA,
+    DTYPES,
+    ON_CPU,
+    TOLERANCE,
+    assert_close,
+    padding_mask,
+    randn,
+    run_with_grads,
+)
 
-CUDA = torch.cuda.is_available()
-CPU_ONLY = pytest.mark.skipif(CUDA, reason="with CUDA the cuda cases run the compiled kernels")
-ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
-DTYPES = [torch.float32, torch.bfloat16]
+QKV = ("out", "grad q", "grad k", "grad v")  # what assert_close calls the outputs of run_with_grads
 B, H, M, D, TILE = 2, 1, 32, 48, 16  # CPU sizes: two m-blocks of 16, several tiles of 16 positions
-# max error / max |reference|: float32 computes in float32 throughout; bf16 rounds its operands (and the output)
-TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
 
 
-def _randn(*shape, seed, device="cpu", dtype=torch.float32, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
-
-
-def _mask(b, n, device="cpu"):
-    """Left padding in the first sequence, right padding in the second (both keep a real key)."""
-    mask = torch.ones(b, n, dtype=torch.bool, device=device)
-    if b > 1 and n > 2:
-        mask[0, : n // 3] = False
-        mask[1, n - n // 3 :] = False
-    return mask
-
-
-def _run(fn, inputs, grad):
-    """fn's output and its inputs' gradients under the upstream gradient ``grad``, all in float64."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    out.backward(grad.to(out.dtype))
-    return [out.detach().double(), *(t.grad.double() for t in leaves)]
-
-
-def _assert_close(got, expected, tol, what):
-    for name, a, b in zip(("out", "grad q", "grad k", "grad v"), got, expected):
-        assert torch.isfinite(a).all(), f"{what}: {name} is not finite"
-        error = (a - b).abs().max().item()
-        bound = tol * max(b.abs().max().item(), 1.0)  # an exact 0 (dq at n = 1) gets the scale of 1
-        assert error <= bound, f"{what}: {name} max error {error:.3g} > {bound:.3g}"
-
-
-@CPU_ONLY
+@ON_CPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])
 def test_fused_maps_match_the_reference(dtype, kernel):
@@ -72,60 +47,68 @@ def test_fused_maps_match_the_reference(dtype, kernel):
     past two tiles, keys padded left and right."""
     w = draw_random_features(M, D, seed=5)
     for n in (1, 13, 37):
-        inputs = [_randn(B, H, n, D, seed=s, dtype=dtype) for s in (6, 7, 8)]
-        grad = _randn(B, H, n, D, seed=9, dtype=torch.float64)
-        mask = _mask(B, n)
+        inputs = [randn(B, H, n, D, seed=s, dtype=dtype) for s in (6, 7, 8)]
+        grad = randn(B, H, n, D, seed=9, dtype=torch.float64)
+        mask = padding_mask(B, n)
         kw = dict(kernel=kernel, key_padding_mask=mask)
-        got = _run(lambda *x, kw=kw: favor_attention(*x, w, chunk_size=TILE, backend="triton", **kw), inputs, grad)
-        expected = _run(lambda *x, kw=kw: favor_reference(*x, w, **kw), [t.double() for t in inputs], grad)
-        _assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n={n}")
+        got = run_with_grads(
+            lambda *x, kw=kw: favor_attention(*x, w, chunk_size=TILE, backend="triton", **kw), inputs, grad
+        )
+        expected = run_with_grads(lambda *x, kw=kw: favor_reference(*x, w, **kw), [t.double() for t in inputs], grad)
+        assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n={n}", QKV)
 
 
-@CPU_ONLY
+@ON_CPU
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_given_features_match_the_reference(dtype):
     """linear_attention(causal=False, backend="triton") on given features, 21 queries over 37 keys padded left and
     right: output and dphi_q, dphi_k, dv as the float64 reference of the same (rounded) inputs."""
     pq, pk = (torch.rand(B, H, n, M, generator=torch.Generator().manual_seed(s)) for s, n in ((1, 21), (2, 37)))
-    inputs = [pq.to(dtype), pk.to(dtype), _randn(B, H, 37, D, seed=3, dtype=dtype)]
-    grad = _randn(B, H, 21, D, seed=4, dtype=torch.float64)
-    mask = _mask(B, 37)
-    got = _run(lambda *x: linear_attention(*x, key_padding_mask=mask, chunk_size=TILE, backend="triton"), inputs, grad)
-    expected = _run(lambda *x: linear_reference(*x, key_padding_mask=mask), [t.double() for t in inputs], grad)
-    _assert_close(got, expected, TOLERANCE[dtype], "features")
+    inputs = [pq.to(dtype), pk.to(dtype), randn(B, H, 37, D, seed=3, dtype=dtype)]
+    grad = randn(B, H, 21, D, seed=4, dtype=torch.float64)
+    mask = padding_mask(B, 37)
+    got = run_with_grads(
+        lambda *x: linear_attention(*x, key_padding_mask=mask, chunk_size=TILE, backend="triton"), inputs, grad
+    )
+    expected = run_with_grads(
+        lambda *x: linear_reference(*x, key_padding_mask=mask), [t.double() for t in inputs], grad
+    )
+    assert_close(got, expected, TOLERANCE[dtype], "features", QKV)
 
 
-@CPU_ONLY
+@ON_CPU
 def test_keys_of_large_norm_keep_their_weight():
     """Keys with |k| scale^½ = 40, whose every feature underflows float32 at offset 0: taken relative to the
     largest real key exponent of their (batch, head), they give the reference's output and gradients."""
     w = draw_random_features(M, D, seed=5)
     n, scale = 37, D**-0.5
-    q, k, v = (_randn(B, H, n, D, seed=s) for s in (6, 7, 8))
+    q, k, v = (randn(B, H, n, D, seed=s) for s in (6, 7, 8))
     k = k * (40.0 / (k.norm(dim=-1, keepdim=True) * math.sqrt(scale)))
-    grad = _randn(B, H, n, D, seed=9, dtype=torch.float64)
-    mask = _mask(B, n)
-    got = _run(
+    grad = randn(B, H, n, D, seed=9, dtype=torch.float64)
+    mask = padding_mask(B, n)
+    got = run_with_grads(
         lambda *x: favor_attention(*x, w, key_padding_mask=mask, chunk_size=TILE, backend="triton"), (q, k, v), grad
     )
-    expected = _run(lambda *x: favor_reference(*x, w, key_padding_mask=mask), [t.double() for t in (q, k, v)], grad)
+    expected = run_with_grads(
+        lambda *x: favor_reference(*x, w, key_padding_mask=mask), [t.double() for t in (q, k, v)], grad
+    )
     # float32 exponents near -800 carry ~1e-4 absolute error, so do the key weights exp(u - offset)
-    _assert_close(got, expected, 2e-3, "large keys")
+    assert_close(got, expected, 2e-3, "large keys", QKV)
 
 
-@CPU_ONLY
+@ON_CPU
 def test_compiles_without_graph_break():
     """The kernels are custom ops: torch.compile(fullgraph=True) takes the call whole and gives the eager output
     and gradients."""
     w = draw_random_features(M, D, seed=5)
-    inputs = [_randn(B, H, 37, D, seed=s) for s in (6, 7, 8)]
-    grad = _randn(B, H, 37, D, seed=9)
+    inputs = [randn(B, H, 37, D, seed=s) for s in (6, 7, 8)]
+    grad = randn(B, H, 37, D, seed=9)
 
     def fn(q, k, v):
         return favor_attention(q, k, v, w, chunk_size=TILE, backend="triton")
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    _assert_close(_run(compiled, inputs, grad), _run(fn, inputs, grad), 1e-6, "compiled")
+    assert_close(run_with_grads(compiled, inputs, grad), run_with_grads(fn, inputs, grad), 1e-6, "compiled", QKV)
 
 
 def test_refusals_and_never_the_default(monkeypatch):
@@ -167,15 +150,15 @@ def test_long_sequences_match_the_chunked_backend_on_cuda(dtype, kernel, padded)
     backend's (whose float64 reference would not fit in memory)."""
     b, h, m, d, n = 1, 12, 256, 64, 4099
     w = draw_random_features(m, d, seed=5, device="cuda")
-    inputs = [_randn(b, h, n, d, seed=s, device="cuda", dtype=dtype) for s in (6, 7, 8)]
-    grad = _randn(b, h, n, d, seed=9, device="cuda")
-    mask = _mask(b, n, "cuda") if padded else None
+    inputs = [randn(b, h, n, d, seed=s, device="cuda", dtype=dtype) for s in (6, 7, 8)]
+    grad = randn(b, h, n, d, seed=9, device="cuda")
+    mask = padding_mask(b, n, "cuda") if padded else None
     kw = dict(kernel=kernel, key_padding_mask=mask)
     got, expected = (
-        _run(lambda *x, backend=backend: favor_attention(*x, w, backend=backend, **kw), inputs, grad)
+        run_with_grads(lambda *x, backend=backend: favor_attention(*x, w, backend=backend, **kw), inputs, grad)
         for backend in ("triton", "chunked")
     )
-    _assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n=4099")
+    assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n=4099", QKV)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,14 +169,14 @@ def test_matches_float64_features_on_cuda(dtype):
     of the same (rounded) inputs, within a bound on the max error (bf16: its gradients included)."""
     b, h, m, d, n = 2, 12, 256, 64, 1000
     w = draw_random_features(m, d, seed=5, device="cuda")
-    inputs = [_randn(b, h, n, d, seed=s, device="cuda", dtype=dtype) for s in (6, 7, 8)]
-    grad = _randn(b, h, n, d, seed=9, device="cuda", dtype=torch.float64)
-    mask = _mask(b, n, "cuda")
-    got = _run(lambda *x: favor_attention(*x, w, key_padding_mask=mask, backend="triton"), inputs, grad)
+    inputs = [randn(b, h, n, d, seed=s, device="cuda", dtype=dtype) for s in (6, 7, 8)]
+    grad = randn(b, h, n, d, seed=9, device="cuda", dtype=torch.float64)
+    mask = padding_mask(b, n, "cuda")
+    got = run_with_grads(lambda *x: favor_attention(*x, w, key_padding_mask=mask, backend="triton"), inputs, grad)
 
     def reference(q, k, v):
         pq, pk = (random_features(x, w.double(), is_query=t) for x, t in ((q, True), (k, False)))
         return linear_reference(pq, pk, v, key_padding_mask=mask)
 
-    expected = _run(reference, [t.double() for t in inputs], grad)
-    _assert_close(got, expected, TOLERANCE[dtype], "n=1000")
+    expected = run_with_grads(reference, [t.double() for t in inputs], grad)
+    assert_close(got, expected, TOLERANCE[dtype], "n=1000", QKV)
