@@ -341,9 +341,9 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums
     if g is None:  # out was not used
         return (None,) * 11
-    dq, dk, dv, ds0, dz0 = _backward_op(g, *ctx.saved_tensors, *ctx.settings)
-    s0 = ctx.saved_tensors[6]
-    state = s0 is not None
+    saved = ctx.saved_tensors  # read once: non-reentrant activation checkpointing unpacks each saved tensor once
+    dq, dk, dv, ds0, dz0 = _backward_op(g, *saved, *ctx.settings)
+    state = saved[6] is not None  # s0: an initial state was given
     return dq, dk, dv, None, None, ds0 if state else None, dz0 if state else None, None, None, None, None
 
 

@@ -245,3 +245,58 @@ def test_triton_is_the_causal_default_on_cuda():
     assert choose_backend(None, v, 256, None, causal=True, inputs=(v, v)) == "triton"
     assert choose_backend(None, v[..., :40], 256, None, causal=True, inputs=(v, v)) == "chunked"
     assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "chunked"
+
+
+def _triton_by_default(original, calls):
+    """choose_backend with backend=None turned to "triton" (as on CUDA for causal calls; the bidirectional kernel
+    is opt-in there), except for a continued prefill, which the fused FAVOR+ path does not take; each choice is
+    appended to ``calls``."""
+
+    def choose(backend, v, num_features, chunk_size, *, causal, **kwargs):
+        chosen = original(backend, v, num_features, chunk_size, causal=causal, **kwargs)
+        calls.append("triton" if backend is None and not kwargs.get("state_in") else chosen)
+        return calls[-1]
+
+    return choose
+
+
+@ON_CPU
+@pytest.mark.parametrize("decoder", [True, False], ids=["causal-lm", "mlm"])
+@pytest.mark.parametrize("kernel", ["softmax", "relu", "hedgehog"])
+def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel, decoder, monkeypatch):
+    """A Performer whose attention runs the Triton kernels (here interpreted), with gradient checkpointing on, gives
+    the loss and gradients of the same model on the PyTorch backends: the kernels' custom ops recompute under
+    torch.utils.checkpoint like any op (their backward reads its saved tensors once, as non-reentrant checkpointing
+    requires)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    import linearformers.modeling.attention.favor as favor
+    import linearformers.modeling.attention.linear as linear
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        "performer", kernel=kernel, is_decoder=decoder, hidden_size=64, num_attention_heads=4, num_random_features=32
+    )
+    torch.manual_seed(0)
+    model = (AutoModelForCausalLM if decoder else AutoModelForMaskedLM).from_config(cfg).train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want_loss, want_grads = loss_and_grads()
+    calls = []
+    for module in (favor, linear):
+        monkeypatch.setattr(module, "choose_backend", _triton_by_default(module.choose_backend, calls))
+    got_loss, got_grads = loss_and_grads()
+    assert "triton" in calls
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert len(got_grads) == len(want_grads)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()) + 1e-9)
