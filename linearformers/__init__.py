@@ -28,7 +28,7 @@ for _family in FAMILIES.values():
 
 # PEFT picks LoRA's default target_modules by model_type, as for in-tree models (llama's are q_proj and v_proj, the
 # names this package's attention uses too). peft stays optional; it cannot be imported under python -OO (a
-# ValueError from transformers' docstring processing), where linearformers still must
+# ValueError from transformers' docstring processing), where linearformers must still import
 try:
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 except (ImportError, ValueError):
