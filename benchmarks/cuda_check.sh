@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, in two calls sized for a short lease (each under the device's 10-minute limit per command):
+# The GPU check, in calls sized for a short lease (each under the device's 10-minute limit per command):
+#   bash benchmarks/cuda_check.sh diag     # the tests below (4 pytest workers) while the sweep compiles, then
+#                                          # benchmarks/triton_sweep.py: launch settings and a per-kernel profile
 #   bash benchmarks/cuda_check.sh tests    # pytest -m cuda, and the torch.compile tests on the machine's own torch
 #   bash benchmarks/cuda_check.sh bench    # benchmarks/gpu.py: attention at 4K / 16K / 64K, training at 16K / 64K
 # Everything lands in $OUT (default /tmp/cuda_check). Wheels in .whl/ (transformers and the like, for a machine
@@ -27,6 +29,28 @@ if u.find_spec('triton'): import triton; print('triton', triton.__version__)" 2>
 
 for part in "${@:-tests bench}"; do
 case $part in
+diag)
+    stamp "CUDA tests (xdist) and the torch.compile tests in the background; the sweep's kernels compile meanwhile"
+    (timeout "${COMPILE_S:-200}" $PY -m pytest -q -p no:cacheprovider tests/modeling/test_compile.py \
+        >"$OUT/compile_tests.log" 2>&1; echo "exit $?" >>"$OUT/compile_tests.log") &
+    compile_job=$!
+    (timeout "${CUDA_TESTS_S:-170}" $PY -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=15 -n 4 tests \
+        >"$OUT/cuda_tests.log" 2>&1; echo "exit $?" >>"$OUT/cuda_tests.log") &
+    tests_job=$!
+    timeout "${PRECOMPILE_S:-170}" $PY benchmarks/triton_sweep.py --out "$OUT" --precompile-only --jobs 8 \
+        >"$OUT/sweep_compile.log" 2>&1
+    stamp "sweep compiled; waiting for the tests"
+    wait $tests_job
+    tail -30 "$OUT/cuda_tests.log"
+    stamp "the sweep (GPU to itself but for the compile tests' CPU work)"
+    # shellcheck disable=SC2086
+    timeout "${SWEEP_S:-110}" $PY benchmarks/triton_sweep.py --out "$OUT" --jobs 0 ${SWEEP_ARGS:---warmup 1 --repeats 3} \
+        >"$OUT/sweep.log" 2>&1
+    echo "exit $?" >>"$OUT/sweep.log"
+    grep -v "^ \|^{\|^}" "$OUT/sweep.log" | tail -20
+    wait $compile_job
+    tail -3 "$OUT/compile_tests.log"
+    ;;
 tests)
     stamp "torch.compile tests on this torch (CPU, in the background) and the CUDA tests"
     (timeout "${COMPILE_S:-400}" $PY -m pytest -q -p no:cacheprovider tests/modeling/test_compile.py \

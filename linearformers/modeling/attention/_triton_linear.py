@@ -75,6 +75,8 @@ from ._precision import outside_autocast
 DEFAULT_CHUNK = 64
 _ROWS = 64  # positions per program of the elementwise kernels (_normalize, _backward_prep)
 MAPS = {"features": 0, "softmax": 1, "relu": 2}
+# Launch settings that benchmarks/triton_sweep.py varies on a GPU; None keeps the defaults of _Launch and _segments
+TUNING: dict[str, int | None] = {"warps": None, "stages": None, "programs_per_sm": None}
 
 
 _FOUND: dict[str, bool] = {}  # whether triton imports, checked once (a plain dict: torch.compile traces it)
@@ -153,7 +155,10 @@ class _Launch:
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
         self.grid = (b * h, self.m // _block(self.m), d // _block(d))
         # a program holds ~10 tiles of C x 64 float32 at the largest blocks: 8 warps keep them in registers
-        self.warps = 8 if chunk * _block(self.m) >= 64 * 64 else 4
+        self.warps = TUNING["warps"] or (8 if chunk * _block(self.m) >= 64 * 64 else 4)
+        self.options = {"num_warps": self.warps}
+        if TUNING["stages"] is not None:
+            self.options["num_stages"] = TUNING["stages"]
         # bf16 operands for bf16 inputs; under the interpreter, float32 operands rounded to bf16 (see _operand)
         ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
         self.constants = dict(
@@ -187,9 +192,16 @@ _BACKWARD_SCHEMA = (
 
 
 @functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _program_target(device: torch.device) -> int:
-    """How many programs a grid wants: two per multiprocessor on CUDA (asked once per device), 8 interpreted."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    """How many programs a grid wants: two per multiprocessor on CUDA, 8 interpreted."""
+    if device.type != "cuda":
+        return 8
+    return (TUNING["programs_per_sm"] or 2) * _multiprocessors(device)
 
 
 def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
@@ -215,7 +227,7 @@ def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
     kern._segment_sums[(b * h * count, *launch.grid[1:])](
         x, y, _or(g, qoff), _or(w, qoff), _or(keep, qoff), qoff, sums, z_sums, launch.n, h, count, length,
         launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
-        num_warps=launch.warps, **launch.constants,
+        **launch.options, **launch.constants,
     )  # fmt: skip
     return sums, z_sums
 
@@ -253,7 +265,7 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     kern._forward[(b * h * count, *launch.grid[1:])](
         q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), num,
         den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
-        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, num_warps=launch.warps, **cst,
+        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
     )  # fmt: skip
     out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
     # where the first real key is, per batch: positions before it see none, and are not lost
@@ -289,7 +301,7 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
     later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
     grid = (b * h * count, *launch.grid[1:])
     w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
-    common = dict(HAS_KEEP=keep is not None, num_warps=launch.warps, **launch.constants)
+    common = dict(HAS_KEEP=keep is not None, **launch.options, **launch.constants)
     root = math.sqrt(scale)
     kern._backward_q[grid](
         q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), *(sums or (ds0, dz0)), gn, gd, dq, n, h, count,
