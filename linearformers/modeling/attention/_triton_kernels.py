@@ -51,7 +51,8 @@ def _exponents(
     xmask = ox < XD
     x = tl.load(X + row + ot[:, None] * XD + ox[None, :], mask=tmask[:, None] & xmask[None, :], other=0.0)
     x = x.to(tl.float32)
-    w = tl.load(W + om[:, None] * XD + ox[None, :], mask=xmask[None, :], other=0.0) * root
+    w_rows = tl.load(W + om[:, None] * XD + ox[None, :], mask=xmask[None, :], other=0.0)
+    w = w_rows * root
     if OPS > 0:  # x is bf16 already; W' = W_hi + W_lo, each bf16: the product keeps ~16 bits
         w_hi = _operand(w, OPS)
         w_lo = _operand(w - w_hi.to(tl.float32), OPS)
@@ -61,7 +62,7 @@ def _exponents(
         u = tl.dot(x, tl.trans(w), input_precision=PREC)
     if MAP == 1:
         half_x = 0.5 * scale * tl.sum(x * x, 1)
-        half_w = 0.5 * tl.sum(w * w, 1)
+        half_w = 0.5 * tl.sum(w_rows * w_rows, 1)  # |w|²/2 of the projection's own rows: keys -|w - x'|²/2 <= 0
         if IS_QUERY:
             u = u - half_x[:, None] + half_w[None, :]
         else:

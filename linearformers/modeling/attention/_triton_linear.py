@@ -17,7 +17,7 @@ and counts the lost positions). Then S += phi_kᵀ V, z += Σ phi_k.
 
 Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
 H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
-(:func:`_segments`: about two programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
+(:func:`_segments`: about four programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
 phi_kᵀ V and phi_k (P (m, d) states per head); each segment's walk starts from the sum of those before it (and the
 initial state), which its programs add up themselves (a few tiles each). Backward does the same with the queries'
 Σ phi_q gnᵀ and Σ phi_q gd, summed over the segments after each one.
@@ -75,7 +75,11 @@ from ._precision import outside_autocast
 DEFAULT_CHUNK = 64
 _ROWS = 64  # positions per program of the elementwise kernels (_normalize, _backward_prep)
 MAPS = {"features": 0, "softmax": 1, "relu": 2}
-# Launch settings that benchmarks/triton_sweep.py varies on a GPU; None keeps the defaults of _Launch and _segments
+# Launch settings, chosen by benchmarks/triton_sweep.py on an H100 (C = 64, 4 warps, no software pipelining, four
+# programs per multiprocessor: the fastest of 48 settings for the fused softmax map at 4K, 16K and 64K; pipelining
+# stages hold more tiles in shared memory and registers, which a program carrying its state cannot spare). The sweep
+# overrides them here; None keeps these defaults.
+DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_PROGRAMS_PER_SM = 4, 1, 4
 TUNING: dict[str, int | None] = {"warps": None, "stages": None, "programs_per_sm": None}
 
 
@@ -154,11 +158,8 @@ class _Launch:
         self.m = q.shape[-1] if kernel == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
         self.grid = (b * h, self.m // _block(self.m), d // _block(d))
-        # a program holds ~10 tiles of C x 64 float32 at the largest blocks: 8 warps keep them in registers
-        self.warps = TUNING["warps"] or (8 if chunk * _block(self.m) >= 64 * 64 else 4)
-        self.options = {"num_warps": self.warps}
-        if TUNING["stages"] is not None:
-            self.options["num_stages"] = TUNING["stages"]
+        self.warps = TUNING["warps"] or DEFAULT_WARPS
+        self.options = {"num_warps": self.warps, "num_stages": TUNING["stages"] or DEFAULT_STAGES}
         # bf16 operands for bf16 inputs; under the interpreter, float32 operands rounded to bf16 (see _operand)
         ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
         self.constants = dict(
@@ -198,15 +199,15 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _program_target(device: torch.device) -> int:
-    """How many programs a grid wants: two per multiprocessor on CUDA, 8 interpreted."""
+    """How many programs a grid wants: four per multiprocessor on CUDA, 8 interpreted."""
     if device.type != "cuda":
         return 8
-    return (TUNING["programs_per_sm"] or 2) * _multiprocessors(device)
+    return (TUNING["programs_per_sm"] or DEFAULT_PROGRAMS_PER_SM) * _multiprocessors(device)
 
 
 def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
-    has about two programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
+    has about four programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
     would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_sums`). The
     interpreter takes 8 programs, so that the CPU tests cross segments."""
     chunks = -(-launch.n // launch.chunk)

@@ -5,7 +5,11 @@ to bf16 (a gradient that reaches q by two paths, the kernel and the feature map,
 roundings): every element then stays within a few bf16 half ulps (2^-9 relative) of the exact result, so the
 relative max error max|g - g64| / max|g64| stays at a few 1e-3 whatever the positions. A mean bound alone would
 miss a few positions that lose their digits (a cancellation at low precision); hence a bound on the max as well.
-Bounds are 2-3x the errors measured on the CPU; the CUDA cases take the same bounds.
+Bounds are 2-3x the errors measured on the CPU. On CUDA the kernels multiply bf16 operands on the tensor cores
+(features, states, scores rounded to bf16 before each product, with float32 accumulation, as flash attention rounds
+its probabilities): a few more roundings per element, up to 0.0147 (max) and 0.0085 (mean) on an H100, where the CPU
+computes in float32; the CUDA bounds are twice those. Errors from a bf16 step that should be float32 (an exponent
+or a cancellation in bf16) are 4-16x the rounding, above either bound.
 """
 
 import math
@@ -32,6 +36,7 @@ B, H, N, D, M, WINDOW = 1, 2, 259, 16, 32, 32  # N not a multiple of the window:
 # bidirectional Linformer projects the sequence, E x, in the inputs' dtype (_precision): 0.0066 and 0.0056
 BOUNDS = {"linformer": (1.5e-2, 1.2e-2)}
 DEFAULT_BOUNDS = (1.2e-2, 5e-3)
+CUDA_BOUNDS = (3e-2, 1.7e-2)  # bf16 operands on the tensor cores (module docstring)
 
 DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.cuda)] * torch.cuda.is_available()
 
@@ -130,10 +135,12 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def _assert_within_bounds(name, low, high):
-    max_bound, mean_bound = BOUNDS.get(name, DEFAULT_BOUNDS)
-    for what, got, want in zip(("out", "dq", "dk", "dv"), low, high):
-        max_error, mean_error = _errors(got, want)
-        assert max_error < max_bound and mean_error < mean_bound, (what, max_error, mean_error)
+    if low[0].device.type == "cuda":
+        max_bound, mean_bound = (max(a, b) for a, b in zip(BOUNDS.get(name, DEFAULT_BOUNDS), CUDA_BOUNDS))
+    else:
+        max_bound, mean_bound = BOUNDS.get(name, DEFAULT_BOUNDS)
+    errors = {what: _errors(got, want) for what, got, want in zip(("out", "dq", "dk", "dv"), low, high)}
+    assert all(top < max_bound and mean < mean_bound for top, mean in errors.values()), errors
 
 
 def _bf16_and_float64(kernel, device, autocast=False, qk_scale=1.5):

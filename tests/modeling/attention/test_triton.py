@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from linearformers.modeling.attention import (
     draw_random_features,
     favor_attention,
+    favor_step,
     linear_attention,
     set_triton_kernels,
 )
@@ -155,6 +156,27 @@ def test_initial_state_continues_a_prefill(device):
         for backend in ("triton", "chunked")
     )
     assert_close(got, expected, TOLERANCE[torch.float32], "continued")
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fused_maps_final_state_is_the_chunked_backends_so_decoding_continues_it(device, kernel):
+    """The state a fused-map prefill returns is at the chunked backend's scale (softmax keys at offset 0, their
+    features exp(-|w - k'|²/2) <= 1), so favor_step continues it: the next token's output equals a full call's."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = 37 if device == "cpu" else 1000  # several segments
+    q, k, v = (randn(b, h, n + 1, d, device=device, seed=s) for s in (1, 2, 3))
+    w = draw_random_features(m, d, seed=4, device=device)
+    kw = dict(causal=True, kernel=kernel, chunk_size=chunk, return_state=True)
+    _, (s_fused, z_fused, m_fused) = favor_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], w, backend="triton", **kw)
+    _, (s_chunked, z_chunked, _) = favor_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], w, backend="chunked", **kw)
+    for got, want in ((s_fused, s_chunked), (z_fused, z_chunked)):  # softmax states are ~1e-8: a relative atol
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    step, _ = favor_step(
+        q[:, :, n:], k[:, :, n:], v[:, :, n:], w, (s_fused, z_fused, m_fused), kernel=kernel
+    )  # fmt: skip
+    full = favor_attention(q, k, v, w, causal=True, kernel=kernel, backend="chunked")
+    torch.testing.assert_close(step, full[:, :, n:], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
