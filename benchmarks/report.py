@@ -459,7 +459,7 @@ SECTIONS = [
         "feature_map_backward.json",
         "Attention: what the learned map keeps for backward",
         "Each kernel with the Hedgehog map composed of torch's ops and with `softmax_pair` (one autograd function that "
-        "keeps only its result), in alternating subprocesses. \"Kept for backward\" counts the distinct storages "
+        'keeps only its result), in alternating subprocesses. "Kept for backward" counts the distinct storages '
         "autograd saves in one forward; peak memory and seconds are single runs.",
         section_feature_map_backward,
     ),
@@ -484,7 +484,7 @@ SECTIONS = [
     (
         "training_learned.json",
         "Training: the learned map and the hybrid",
-        "The same stack with `kernel=\"hedgehog\"` (m = 128), and the hybrid with a 64-token window on it.",
+        'The same stack with `kernel="hedgehog"` (m = 128), and the hybrid with a 64-token window on it.',
         section_training,
     ),
     (
@@ -610,7 +610,9 @@ def readme_tables(results: Path = RESULTS) -> dict[str, str]:
     sweep = _read(results / "attention.json")
     speed = attention_sweep(sweep, list(README_SPEED), ATTENTION_KERNELS, _sdpa_of)
     speed += ["", "Run: " + stamp_line(sweep.get("header"))]
-    files = [results / name for name in ("conversion.json", "conversion_key_scale.json", "conversion_linformer_hybrid.json")]
+    files = [
+        results / name for name in ("conversion.json", "conversion_key_scale.json", "conversion_linformer_hybrid.json")
+    ]
     header, body, lines = conversion_rows(files, detail=False)
     conversion = [*_table(header, body), "", *lines]
     return {"speed": "\n".join(speed) + "\n", "conversion": "\n".join(conversion) + "\n"}
@@ -635,12 +637,16 @@ def main(argv: list[str] | None = None) -> int:
     stale = [path for path, text in pages.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(ROOT)} differs from what the results give: run python benchmarks/report.py")
+            print(f"{_shown(path)} differs from what the results give: run python benchmarks/report.py")
         return 1 if stale else 0
     for path in stale:
         path.write_text(pages[path])
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {_shown(path)}")
     return 0
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 if __name__ == "__main__":
