@@ -126,6 +126,24 @@ def section_attention(path: Path) -> list[str]:
         "",
         *attention_sweep(data, list(ATTENTION_KERNELS), ATTENTION_KERNELS, _sdpa_of),
     ]
+    fractions = [name for name in ("performer", "performer_causal", "performer_causal_chunked") if name in rows]
+    fractions = [name for name in fractions if any(row and "matmul_fraction" in row for row in rows[name].values())]
+    if fractions:
+        lengths = sorted({int(n) for name in fractions for n in rows[name]})
+        out += [
+            "",
+            f"FAVOR+ achieved fraction of the measured float32 matmul rate ({data['matmul_gflops']:.0f} GFLOP/s in this "
+            "run; FLOPs counted by `favor_flops`):",
+            "",
+            *_table(
+                ["kernel", *map(str, lengths)],
+                [
+                    [ATTENTION_KERNELS[name]]
+                    + [f"{row['matmul_fraction']:.0%}" if (row := rows[name].get(str(n))) else "-" for n in lengths]
+                    for name in fractions
+                ],
+            ),
+        ]
     if any(name in rows for name in ATTENTION_LAYERS):
         out += [
             "",
@@ -421,7 +439,8 @@ SECTIONS = [
         "m = 256, Linformer k = 256 (learned E, F); peers `performer-pytorch` 1.1.4 and `linformer` 0.2.3 (the "
         "`bench` extra). Every configuration in its own subprocess, best of 3 timed repeats of forward + "
         "`out.backward(grad)` with a fixed upstream gradient; peak memory is `ru_maxrss` above the subprocess's "
-        "baseline. Ratios are to SDPA measured in the same run. Plot: `results/attention.png`.",
+        "baseline. Ratios are to SDPA measured in the same run. performer-pytorch's causal path materializes an O(n m d) "
+        "prefix tensor (~9.5 GB at 4096) and is skipped beyond. Plot: `results/attention.png`.",
         section_attention,
     ),
     (
@@ -568,7 +587,10 @@ GPU_INTRO = (
     "`benchmarks/gpu.py` on a GPU: one attention layer (12 heads x 64, batch 1, bf16, forward + backward with a fixed "
     "upstream gradient) against `scaled_dot_product_attention` on the flash backend, and training steps (bf16 "
     "autocast, AdamW, batch 1) against transformers' GPT-2 and BERT with SDPA. CUDA events, median after warm-up; "
-    "peak memory from `torch.cuda.max_memory_allocated`; each kernel or model in its own subprocess."
+    "peak memory from `torch.cuda.max_memory_allocated`; each kernel or model in its own subprocess. "
+    '`pip install -e ".[gpu]"` adds flash-linear-attention for its rows; `bash benchmarks/cuda_check.sh tests` runs '
+    "`pytest -m cuda` and the compile tests on the GPU, `bash benchmarks/cuda_check.sh bench` the benchmark; "
+    "`python benchmarks/gpu.py --device cpu --quick` is a CPU smoke run."
 )
 
 
