@@ -32,13 +32,20 @@ def command() -> str:
     return shlex.join(["python", str(script), *sys.argv[1:]])
 
 
+# the code a measurement runs; edits elsewhere (docs, results) do not make a stamp -dirty
+CODE = ("linearformers", "benchmarks/*.py", "benchmarks/*.sh")
+
+
 def commit() -> str:
-    """The short hash of HEAD, with ``-dirty`` when tracked files differ from it; "unknown" outside a git clone."""
+    """The short hash of HEAD, with ``-dirty`` when the package or the benchmark scripts differ from it; "unknown"
+    outside a git clone."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
-        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True).returncode
+        clean = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", *CODE], cwd=ROOT, capture_output=True
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head if clean == 0 else f"{head}-dirty"

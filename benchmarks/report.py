@@ -322,6 +322,30 @@ def section_conversion(path: Path) -> list[str]:
     return [*_table(header, body), "", *lines]
 
 
+def section_attention_mass(path: Path) -> list[str]:
+    data = _read(path)
+    shares = _table(
+        ["layer", "window", "[CLS]", "[SEP]", "other keys"],
+        [[str(r["layer"]), *(f"{r[key]:.3f}" for key in ("window", "cls", "sep", "other"))] for r in data["shares"]],
+    )
+    errors = _table(
+        ["window", "window only", "+ [CLS]", "+ [CLS] + [SEP]"],
+        [[str(r["window"]), *(f"{r[key]:.3f}" for key in ("window_only", "cls", "cls_sep"))] for r in data["errors"]],
+    )
+    window = data["args"]["shares_window"]
+    return [
+        f"Mean share of each query's attention, window {window}:",
+        "",
+        *shares,
+        "",
+        "Relative error of the last hidden states when every layer keeps exact attention on these keys only:",
+        "",
+        *errors,
+        "",
+        "Run: " + stamp_line(data.get("header")),
+    ]
+
+
 def section_hybrid_anatomy(path: Path) -> list[str]:
     data = _read(path)
     top = list(data["layers"][0]["top_keys"])
@@ -511,6 +535,15 @@ SECTIONS = [
         "Training: glibc's mmap threshold raised",
         "The learned-map run with `--malloc_mmap_threshold 17179869184`; the stamps say which code each ran.",
         section_training,
+    ),
+    (
+        "attention_mass.json",
+        "Conversion: where all-MiniLM-L6-v2's attention goes",
+        "On the 8 evaluation blocks of the conversion benchmark, per layer, the mean share of each query's softmax "
+        "attention in its window (|s − t| < w, [CLS] and [SEP] aside), on [CLS], on [SEP] and on the other keys; then "
+        "what exact attention on a window (and [CLS], [SEP]) alone keeps, the other keys dropped and the kept scores "
+        "renormalized: what a hybrid's linear part has left to approximate.",
+        section_attention_mass,
     ),
     (
         "conversion.json",
