@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _stamp import finish_stamp, start_stamp
 from isolated import add_allocator_argument, apply_allocator_argument, emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
@@ -277,6 +278,7 @@ def main() -> None:
         emit(worker(args.worker[0], int(args.worker[1]), args.repeats, args.threads))
         return
     suffix = apply_allocator_argument(args)
+    stamp = start_stamp()
     lengths = [512, 1024, 2048, 4096] if args.quick else args.lengths
     if args.paired:
         unknown = sorted(set(args.paired) - set(KERNELS))
@@ -284,10 +286,13 @@ def main() -> None:
             parser.error(f"--paired takes kernel names from {KERNELS}, not {unknown}")
         ratios, memory = paired(args.paired, lengths, args.pairs, args.repeats, args.threads, args.timeout)
         args.out.mkdir(parents=True, exist_ok=True)
-        # kernel@n -> sorted ratios, and -> [kernel MB, SDPA MB] per pair; later runs replace their own keys
+        # kernel@n -> sorted ratios, -> [kernel MB, SDPA MB] per pair, and -> the stamp of the run that measured it;
+        # later runs replace their own keys
+        stamp = finish_stamp(stamp)
         for name, found in (
             (f"attention_paired{suffix}.json", ratios),
             (f"attention_paired{suffix}_memory.json", memory),
+            (f"attention_paired{suffix}_stamp.json", dict.fromkeys(ratios, stamp)),
         ):
             path = args.out / name
             merged = json.loads(path.read_text()) if path.exists() else {}
@@ -359,7 +364,9 @@ def main() -> None:
     for line in checks:
         print("  " + line)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"attention{suffix}.json").write_text(json.dumps({"matmul_gflops": rate / 1e9, "rows": rows}, indent=2))
+    (args.out / f"attention{suffix}.json").write_text(
+        json.dumps({"header": finish_stamp(stamp), "matmul_gflops": rate / 1e9, "rows": rows}, indent=2)
+    )
     _plot(rows, lengths, args.out / f"attention{suffix}.png")
 
 

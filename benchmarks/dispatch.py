@@ -1,4 +1,5 @@
-"""Counts behind the README's GPU-path claims, on CPU: aten ops dispatched and torch.compile graph breaks.
+"""Counts behind the GPU-path claims of docs/attention-and-backends.md and docs/design.md, on CPU: aten ops
+dispatched and torch.compile graph breaks.
 
     python benchmarks/dispatch.py                 # op counts and graph breaks
     python benchmarks/dispatch.py --ops           # op counts only

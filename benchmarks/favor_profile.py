@@ -1,4 +1,4 @@
-"""Where causal FAVOR+ spends its time: the figures behind the README's "Causal FAVOR+ on the CPU" paragraph.
+"""Where causal FAVOR+ spends its time: the figures behind docs/design.md, "Causal FAVOR+ on x86-64 CPUs".
 
 One forward + backward of `favor_attention(causal=True)` at the attention benchmark's shape (12 heads x 64, m = 256,
 chunk 32, float32, 2 threads), through the chunked backend (`backend="chunked"`: every chunk at once in batched

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import torch
+from _stamp import finish_stamp, start_stamp
 from attention import DIM, HEADS, LEARNED, RESULTS, _kernel, forward_backward
 from isolated import emit, run_isolated
 
@@ -74,6 +75,7 @@ def main() -> None:
         variant, name, n = args.worker
         emit(worker(variant, name, int(n), args.repeats, args.threads))
         return
+    stamp = start_stamp()
     rows = []
     print(
         "| kernel | n | kept for backward, composed → softmax_pair (MB) | "
@@ -97,7 +99,11 @@ def main() -> None:
             print(
                 f"| {name} | {n} | {a[0]['saved_mb']:.0f} → {b[0]['saved_mb']:.0f} | {peaks} | {seconds} |", flush=True
             )
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {"header": finish_stamp(stamp), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from _stamp import finish_stamp, start_stamp
 from isolated import emit, peak_rss_mb, run_isolated
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
@@ -130,6 +131,7 @@ def main() -> None:
     if args.worker:
         emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.max_len))
         return
+    stamp = start_stamp()
     stem = "generation"
     if args.quick:
         args.contexts, args.steps, stem = [512, 2048], 8, "generation.quick"  # keeps the full run's files
@@ -171,7 +173,13 @@ def main() -> None:
     growing = all(b > a for a, b in itertools.pairwise(ratios))
     print(f"GPT-2 / Performer ratio grows with every context step: {growing}")
     RESULTS.mkdir(exist_ok=True)
-    meta = {"threads": args.threads, "steps": args.steps, "torch": torch.__version__, "max_len": max_len}
+    meta = {
+        "header": finish_stamp(stamp),
+        "threads": args.threads,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "max_len": max_len,
+    }
     (RESULTS / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     try:
         import matplotlib

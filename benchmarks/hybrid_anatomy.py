@@ -34,6 +34,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from _stamp import finish_stamp, start_stamp
 from conversion import RESULTS, load_minilm, settings
 from transformers import get_cosine_schedule_with_warmup
 
@@ -269,6 +270,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    stamp = start_stamp()
     n = args.block
     teacher, eval_ids, train_ids = load_minilm(n, args.eval_blocks)
     if args.model_dir:
@@ -315,6 +317,7 @@ def main() -> None:
         result["probe"] = probe(
             model, teacher, args.probe_layer, probe_ids, hidden[args.probe_layer], args.probe_steps, args.probe_lr
         )
+    result = {"header": finish_stamp(stamp), **result}
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _stamp import finish_stamp, start_stamp
 from isolated import add_allocator_argument, apply_allocator_argument, emit, peak_rss_mb, run_isolated
 
 RESULTS = Path(__file__).parent / "results"
@@ -115,6 +116,7 @@ def main() -> None:
         emit(worker(args.worker[0], int(args.worker[1]), args.steps, args.threads))
         return
     suffix = apply_allocator_argument(args)
+    stamp = start_stamp()
     models = [name for name in MODELS if name in args.models]
     rows: dict[str, dict[int, dict | None]] = {name: {} for name in models}
     for n in args.lengths:
@@ -144,7 +146,9 @@ def main() -> None:
                     frac = rows[name][n]["tokens_per_s"] / ident["tokens_per_s"]
                     print(f"  {name} at {n}: {frac:.0%} {'met' if frac >= 0.8 else 'MISSED'}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"training{suffix}.json").write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=2))
+    (args.out / f"training{suffix}.json").write_text(
+        json.dumps({"header": finish_stamp(stamp), "shape": SHAPE, "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

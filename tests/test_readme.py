@@ -1,11 +1,11 @@
-"""Every command in README.md runs as written: a docs test.
+"""Every command in README.md and docs/*.md runs as written, and every relative link resolves: a docs test.
 
 What runs:
-- each line of every ```bash block, continuation lines joined, comments dropped, `&&` chains followed (`cd` moves
+- each line of every ```bash block of README.md and docs/*.md, continuation lines joined, comments dropped, `&&` chains followed (`cd` moves
   the working folder). `python`, `linearformers-train` and `accelerate` are this interpreter's and its neighbours in
   the virtual environment's `bin/`;
-- the ```python block under "## Usage", as written but for `max_steps=2` (offline: its tokenizer is the [dev]
-  extra's MiniLM).
+- the ```python block under the README's "## Usage", as written but for `max_steps=2` (offline: its tokenizer is
+  the [dev] extra's MiniLM).
 
 Where: a temporary folder laid out as a fresh clone after `make data` (the repository's `examples/` copied in, and
 the data files `make data` writes, made by the same command and then cut to a few kB).
@@ -22,6 +22,11 @@ Not run:
 - lines starting with `flock` (the long benchmarks), and any block holding the marker `# docs-test: skip`
   (write the reason after it, e.g. `# docs-test: skip (20 min benchmark)`);
 - other ```python blocks (they name placeholder folders, such as "path/to/bert").
+
+What is checked without running: every relative link and image of README.md, docs/*.md and benchmarks/README.md
+points at a file of the repository (and a `#anchor` at a heading of that page); README.md stays within 250 lines;
+the prose (outside the tables `benchmarks/report.py` generates) names no temporary folder, lock file, load average
+or commit.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [*DOCS, ROOT / "benchmarks" / "README.md"]
+README_MAX_LINES = 250
 BIN = Path(sys.executable).parent
 SKIP_MARKER = "# docs-test: skip"
 DATA_FILES = ("train.txt", "validation.txt", "train.csv", "validation.csv")
@@ -107,24 +115,26 @@ def tiny(argv: list[str]) -> list[str]:
     return out
 
 
-def blocks(language: str) -> list[tuple[str, str]]:
+def blocks(language: str, text: str = README) -> list[tuple[str, str]]:
     """(heading above it, body) of every fenced block in that language."""
     found = []
-    for match in re.finditer(rf"^```{language}\n(.*?)^```", README, flags=re.M | re.S):
-        headings = re.findall(r"^#+ (.+)$", README[: match.start()], flags=re.M)
+    for match in re.finditer(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S):
+        headings = re.findall(r"^#+ (.+)$", text[: match.start()], flags=re.M)
         found.append((headings[-1] if headings else "", match.group(1)))
     return found
 
 
 def bash_commands() -> list[tuple[str, str]]:
+    """(page: heading, command) of every bash line of README.md and docs/*.md that the test runs."""
     commands = []
-    for heading, body in blocks("bash"):
-        if SKIP_MARKER in body:
-            continue
-        for line in body.replace("\\\n", " ").splitlines():
-            line = line.strip()
-            if line and not line.startswith(("#", "flock ")):
-                commands.append((heading, line))
+    for page in DOCS:
+        for heading, body in blocks("bash", page.read_text()):
+            if SKIP_MARKER in body:
+                continue
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.strip()
+                if line and not line.startswith(("#", "flock ")):
+                    commands.append((f"{page.relative_to(ROOT)}: {heading}", line))
     return commands
 
 
@@ -212,3 +222,55 @@ def test_readme_usage_snippet_runs_offline_as_written(clone):
     (folder / "usage.py").write_text(snippet)
     _run([sys.executable, "usage.py"], folder, _env(clone))
     assert (folder / "out" / "final" / "model.safetensors").is_file()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    return {_slug(heading) for heading in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # code blocks hold no links
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return [target for target in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", target)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(ROOT)) for page in PAGES])
+def test_every_relative_link_resolves(page):
+    """A link or image to a file that moved, or to a heading that was renamed, fails here."""
+    assert page.exists(), f"{page.relative_to(ROOT)} is missing"
+    broken = []
+    for target in _links(page):
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading with that anchor in {linked.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_docs_pages_are_linked_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in _links(ROOT / "README.md")}
+    assert not [page.name for page in DOCS[1:] if page.resolve() not in linked]
+
+
+def test_readme_stays_short():
+    lines = len(README.splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+    )
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[str(page.relative_to(ROOT)) for page in DOCS])
+def test_prose_names_no_machine_state(page):
+    """Temporary folders, lock files, load averages and commits belong to the benchmark stamps (the tables
+    benchmarks/report.py generates) and to the changelog, not to the prose."""
+    text = re.sub(r"<!-- generated: \w+ -->.*?<!-- end -->", "", page.read_text(), flags=re.S)
+    found = re.findall(r"/tmp/\S*|\bflock /|load average:? [\d(]|\b(?:at|commit) [0-9a-f]{7}\b", text)
+    assert not found, f"{page.relative_to(ROOT)}: {found}"

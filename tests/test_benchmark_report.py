@@ -1,0 +1,105 @@
+"""benchmarks/report.py: the benchmark tables are generated from the result files, stamped by them, and cannot drift."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_script
+
+ROOT = Path(__file__).resolve().parent.parent
+report = load_script(ROOT / "benchmarks" / "report.py")
+stamp = load_script(ROOT / "benchmarks" / "_stamp.py")
+
+STAMP = {
+    "command": "python benchmarks/training.py --lengths 512 --out /somewhere/else",
+    "commit": "abc1234",
+    "device": "Some CPU, 2 cores",
+    "load_average_before": [0.5, 0.7, 0.9],
+    "load_average_after": [1.25, 1.0, 0.9],
+}
+
+
+def _training(header: dict | None = STAMP) -> dict:
+    row = {"tokens_per_s": 100.0, "seconds": 1.0, "peak_mb": 10.0}
+    data = {"shape": {}, "rows": {"identity": {"512": row}, "performer": {"512": {**row, "tokens_per_s": 90.0}}}}
+    return {"header": header, **data} if header else data
+
+
+def test_checked_in_pages_equal_what_the_results_give():
+    """benchmarks/README.md and the README's generated tables are exactly report.py's output from the checked-in
+    results: edit a result or the script without regenerating, and this fails."""
+    assert (ROOT / "benchmarks" / "README.md").read_text() == report.benchmarks_readme()
+    readme = (ROOT / "README.md").read_text()
+    assert readme == report.fill(readme, report.readme_tables())
+
+
+def test_check_flag_exits_1_and_names_a_stale_page(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "BENCHMARKS_README", tmp_path / "README.md")
+    (tmp_path / "README.md").write_text("stale\n")
+    assert report.main(["--check"]) == 1
+    assert f"{tmp_path / 'README.md'} differs from what the results give" in capsys.readouterr().out
+    assert (tmp_path / "README.md").read_text() == "stale\n"  # --check writes nothing
+
+
+def test_a_table_carries_the_stamp_of_its_result_file(tmp_path):
+    (tmp_path / "training.json").write_text(json.dumps(_training()))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| 512 | 100 | 90 (90%) | - |" in page
+    line = next(line for line in page.splitlines() if line.startswith("Run: "))
+    assert line == (
+        "Run: `python benchmarks/training.py --lengths 512` · commit abc1234 · Some CPU, 2 cores · "
+        "load average: 0.50 before, 1.25 after"
+    )  # the --out folder names the machine, not the figures: dropped
+
+
+def test_a_result_without_a_stamp_says_unknown(tmp_path):
+    (tmp_path / "training.json").write_text(json.dumps(_training(header=None)))
+    assert "Run: `unknown` · commit unknown · unknown · load average: unknown" in report.benchmarks_readme(tmp_path)
+
+
+def test_paired_rows_from_two_runs_name_their_run(tmp_path):
+    """Later paired runs replace only their own keys, so one file holds several runs: each row names its stamp."""
+    other = {**STAMP, "commit": "def5678"}
+    (tmp_path / "attention_paired.json").write_text(json.dumps({"performer@4096": [2.0, 3.0], "linformer@4096": [4.0]}))
+    (tmp_path / "attention_paired_memory.json").write_text(json.dumps({"linformer@4096": [[10, 20]]}))
+    (tmp_path / "attention_paired_stamp.json").write_text(
+        json.dumps({"performer@4096": STAMP, "linformer@4096": other})
+    )
+    page = report.benchmarks_readme(tmp_path)
+    assert "| linformer | 4096 | 1 | 4.00x | 10 / 20 | 1 |" in page
+    assert "| performer | 4096 | 2 | 2.50x (2.00-3.00x) | - | 2 |" in page
+    assert "1. `python benchmarks/training.py --lengths 512` · commit def5678" in page
+    assert "2. `python benchmarks/training.py --lengths 512` · commit abc1234" in page
+
+
+def test_a_result_file_without_a_table_is_refused(tmp_path):
+    (tmp_path / "mystery.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no table for \['mystery.json'\]: add them to SECTIONS"):
+        report.benchmarks_readme(tmp_path)
+
+
+def test_fill_replaces_only_between_the_markers():
+    text = "keep\n<!-- generated: speed -->\nold\n<!-- end -->\nkeep too\n"
+    assert report.fill(text, {"speed": "new\n"}) == "keep\n<!-- generated: speed -->\nnew\n<!-- end -->\nkeep too\n"
+    with pytest.raises(ValueError, match=r"no '<!-- generated: NAME -->' .* block for \['conversion'\]"):
+        report.fill(text, {"speed": "new\n", "conversion": "x\n"})
+
+
+def test_stamp_records_command_commit_device_and_load_before_and_after():
+    found = stamp.finish_stamp(stamp.start_stamp())
+    assert set(found) == {"command", "commit", "device", "load_average_before", "load_average_after"}
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert found["commit"].removesuffix("-dirty") == head.stdout.strip()
+    assert found["command"].startswith("python ") and len(found["load_average_after"]) == 3
+    assert found["device"].endswith(" cores")
+
+
+def test_stamp_command_is_the_script_and_its_arguments(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "training.py"), "--lengths", "512", "a b"])
+    assert stamp.command() == "python benchmarks/training.py --lengths 512 'a b'"
