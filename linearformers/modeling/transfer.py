@@ -515,7 +515,7 @@ def calibrate_query_scale(
     for batch, i, q, k, scores in _original_scores(model, source, ids, mask, batch_size):
         q, k, scores = q[:, :g], k[:, :g], scores[:, :g]  # the global heads, whose linear part the scale serves
         linear = _linear_keys(batch.mask, config.hybrid_window, config.hybrid_sinks, config.is_decoder)
-        phi_q, phi_k, own = layers[i].attention.keyed_map_features(q, k, batch.key_mask)  # with the keys' scale
+        phi_q, phi_k, own = layers[i].attention.hybrid_features(q, k, batch.key_mask, query_scale=False)
         exact = scores.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
         mass = ((phi_q @ phi_k.transpose(-1, -2)) * linear).sum(-1)
         target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())

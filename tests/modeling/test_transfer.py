@@ -467,7 +467,7 @@ def _log_mass_targets(attention, x, mask, window, sinks, causal):
     with torch.no_grad():
         q = attention._split(attention.q_proj(x))[:, :g].double()
         k = attention._split(attention.k_proj(x))[:, :g].double()
-        phi_q, phi_k, _ = attention.map_features(q.float(), k.float(), mask if not mask.all() else None)
+        phi_q, phi_k = attention.feature_map(q.float(), is_query=True), attention.feature_map(k.float(), is_query=False)
         if attention.key_scale_weight is not None:  # the keys' learned scale, written out
             raw = (k.float() * attention.key_scale_weight[None, :, None, :]).sum(-1) + attention.key_scale_bias[:, None]
             phi_k = phi_k * torch.exp(20.0 * torch.tanh(raw / 20.0))[..., None]
