@@ -3,13 +3,14 @@ block, pooler and MLM head.
 
 The global heads are the family's: each family subclasses ``LinearAttention`` in its own file (performer.py,
 linformer.py) to write ``global_attention``, and its PreTrainedModel names that class as ``attention_class``, which
-the model hands to every ``LinearAttentionLayer``. Shapes: hidden states are (batch, length, hidden_size); inside
+the model hands to every ``LinearAttentionBlock``. Shapes: hidden states are (batch, length, hidden_size); inside
 attention tensors are (batch, heads, length, head_dim).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -204,7 +205,7 @@ class LinearAttentionMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(hidden_states)))
 
 
-class LinearAttentionLayer(GradientCheckpointingLayer):
+class LinearAttentionBlock(GradientCheckpointingLayer):
     """One block, around the family's ``attention_class``. Encoder (BERT, post-LN): x = LN(x + attn(x));
     x = LN(x + mlp(x)). Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x))."""
 
@@ -266,3 +267,16 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.LayerNorm(self.act(self.dense(hidden_states))))
+
+
+def __getattr__(name: str) -> type:
+    # the block's old name, which transformers' cache layer (transformers.cache_utils.LinearAttentionLayer) also has
+    if name == "LinearAttentionLayer":
+        warnings.warn(
+            "linearformers.modeling.layers.LinearAttentionLayer is now LinearAttentionBlock; the old name goes away "
+            "in linearformers 0.3.0",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return LinearAttentionBlock
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
