@@ -30,7 +30,7 @@ from .base import (
     LinearAttentionPreTrainedModel,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention
+from .layers import LinearAttention, NewTensor
 
 
 class LinformerAttention(LinearAttention):
@@ -43,6 +43,12 @@ class LinformerAttention(LinearAttention):
     starts at 0. Without a hybrid_window the layer has no ``window_balance``."""
 
     kernel_name = "Linformer's E/F projections"
+    new_tensors = {
+        **LinearAttention.new_tensors,
+        "e_proj": NewTensor(start="window_means", projection=True),
+        "f_proj": NewTensor(start="window_means", projection=True),
+        "window_balance": NewTensor(),  # zero: gamma = 1
+    }
 
     def __init__(self, config: LinformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -188,6 +194,8 @@ class LinformerModel(LinearAttentionModel, LinformerPreTrainedModel):
     """The bare Linformer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). With
     ``sharing="layerwise"`` (learned projections) it owns the one E = F of every layer, ``shared_projection``
     (k, max_seq_length). See LinearAttentionModel."""
+
+    new_tensors = {"shared_projection": NewTensor(start="window_means", projection=True)}
 
     def __init__(self, config: LinformerConfig, add_pooling_layer: bool = True):
         super().__init__(config, add_pooling_layer)

@@ -42,7 +42,7 @@ from .base import (
     LinearAttentionPreTrainedModel,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention
+from .layers import LinearAttention, NewTensor
 
 
 class PerformerAttention(LinearAttention):
@@ -76,6 +76,18 @@ class PerformerAttention(LinearAttention):
     KEY_SCALE_BOUND = 20.0
 
     kernel_name = "FAVOR+ (Performer)"
+    # all at the model's initialization: features drawn from the seed, maps as HedgehogFeatureMap starts them,
+    # balances and scales at zero
+    new_tensors = {
+        **LinearAttention.new_tensors,
+        "random_features": NewTensor(),
+        "feature_map": NewTensor(),
+        "window_balance": NewTensor(),
+        "query_scale_weight": NewTensor(),
+        "query_scale_bias": NewTensor(),
+        "key_scale_weight": NewTensor(),
+        "key_scale_bias": NewTensor(),
+    }
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -401,6 +413,8 @@ class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
     """The bare Performer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). In
     training it redraws every layer's features each ``config.feature_redraw_interval`` forwards. See
     LinearAttentionModel."""
+
+    new_tensors = {"feature_redraws": NewTensor()}  # the redraw counter, from zero
 
     def __init__(self, config: PerformerConfig, add_pooling_layer: bool = True):
         super().__init__(config, add_pooling_layer)
