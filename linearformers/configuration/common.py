@@ -224,8 +224,8 @@ class LinearAttentionConfig(PreTrainedConfig):
         )
 
     def hybrid_text(self, rest: str) -> str:
-        """The model card's sentences on the hybrid heads, whose exact window joins ``rest`` ("" without a
-        hybrid_window)."""
+        """The model card's sentences on the hybrid heads of a family with ``hybrid_window`` and ``hybrid_sinks``
+        fields (both have them), whose exact window joins ``rest`` ("" without a hybrid_window)."""
         if not self.hybrid_window:
             return ""
         sinks = (
