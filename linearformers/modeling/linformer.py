@@ -54,7 +54,8 @@ class LinformerAttention(LinearAttention):
         super().__init__(config, layer_idx)
         k = config.projected_length_for(layer_idx)
         n = config.max_seq_length
-        self.window = n // k if config.projection != "learned" else None
+        # pooling and conv read n / k positions per slot: their kernel and stride (not the hybrid's window)
+        self.pool_stride = n // k if config.projection != "learned" else None
         self.e_proj = self.f_proj = None
         if config.projection == "learned" and config.sharing != "layerwise":
             shape = (self.num_global, k, n) if config.sharing == "per_head" else (k, n)
@@ -63,9 +64,9 @@ class LinformerAttention(LinearAttention):
                 self.f_proj = nn.Parameter(torch.empty(shape))
         elif config.projection == "conv":
             d = self.head_dim
-            self.e_proj = nn.Parameter(torch.empty(d, d, self.window))
+            self.e_proj = nn.Parameter(torch.empty(d, d, self.pool_stride))
             if config.sharing not in ("key_value", "layerwise"):
-                self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
+                self.f_proj = nn.Parameter(torch.empty(d, d, self.pool_stride))
         self._projection_owner = None
         self.window_balance = (
             nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
@@ -118,7 +119,7 @@ class LinformerAttention(LinearAttention):
                 torch.exp(self.window_balance),
                 self.config.hybrid_window,
                 method=self.config.projection,
-                window=self.window,
+                window=self.pool_stride,
                 key_padding_mask=attention_mask,
                 sinks=self.config.hybrid_sinks,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
@@ -131,7 +132,7 @@ class LinformerAttention(LinearAttention):
                 e,
                 f,
                 method=self.config.projection,
-                window=self.window,
+                window=self.pool_stride,
                 key_padding_mask=attention_mask,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
             )
