@@ -5,7 +5,7 @@
     # 8 GPUs, DDP, bf16
     accelerate launch --config_file examples/accelerate_configs/ddp.yaml examples/train_accelerate.py \
         --task clm --family performer --train_file train.txt --output_dir out/ddp --bf16
-    # FSDP (full shard; wraps LinearAttentionLayer blocks)
+    # FSDP (full shard; wraps LinearAttentionBlock blocks)
     accelerate launch --config_file examples/accelerate_configs/fsdp.yaml examples/train_accelerate.py ...
     # two CPU processes (gloo), as the tests do
     torchrun --nproc_per_node 2 examples/train_accelerate.py --use_cpu ...

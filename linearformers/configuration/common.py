@@ -4,6 +4,8 @@ Each field declares its type and, where it has one, its own range or choices, wh
 construction and on every assignment. ``validate_architecture`` holds the rules that tie fields together.
 """
 
+import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -35,6 +37,11 @@ def at_least_or_none(low: int) -> Callable[..., Any]:
 # positive(default=768)`. The excluded upper bound inf refuses infinity; NaN fails every bound.
 positive = interval(min=0, exclude_min=True)
 positive_finite = interval(min=0, max=math.inf, exclude_min=True, exclude_max=True)
+
+
+# the metadata key of a shared field that sets the attention rather than the stack's shape (attention_fields); a
+# dict per field: the field factories store their validator in it
+ATTENTION = "attention"
 
 
 # The Args entries of the shared fields, appended to the docstrings of LinearAttentionConfig and of each family's
@@ -118,9 +125,10 @@ class LinearAttentionConfig(PreTrainedConfig):
     position_embedding_type: Literal["absolute", "sinusoidal", "rotary"] = "absolute"
     rope_theta: int | float = positive_finite(default=10000.0)
     classifier_dropout: int | float | None = dropout_probability(default=None)
-    num_local_heads: int = interval(min=0)(default=0)
-    local_window: int = positive(default=128)
-    local_relative_bias: bool = False
+    # the local heads' fields set the attention (attention_fields), the others above the stack's shape
+    num_local_heads: int = interval(min=0)(default=0, metadata={ATTENTION: True})
+    local_window: int = positive(default=128, metadata={ATTENTION: True})
+    local_relative_bias: bool = dataclasses.field(default=False, metadata={ATTENTION: True})
     is_decoder: bool = False
     use_cache: bool = True
     pad_token_id: int | None = 0
@@ -163,6 +171,21 @@ class LinearAttentionConfig(PreTrainedConfig):
         # errors in StrictDataclassClassValidationError; from here they arrive as the plain ValueError they are.
         self.validate_architecture()
 
+    @classmethod
+    def attention_fields(cls) -> tuple[dataclasses.Field, ...]:
+        """The fields of a family's config that set its attention, not the shape of the stack a conversion copies
+        from BERT / GPT-2: every field the family's class declares itself, and the shared ones marked
+        ``ATTENTION`` (the local heads'). The conversion CLI offers one flag for each."""
+        own = inspect.get_annotations(cls)
+        return tuple(f for f in dataclasses.fields(cls) if f.name in own or f.metadata.get(ATTENTION))
+
+    @classmethod
+    def conversion_defaults(cls, fields: dict, max_positions: int) -> dict:
+        """``fields`` (the user's settings for a model converted from a BERT / GPT-2 checkpoint of
+        ``max_positions`` positions) with this family's defaults for conversion added; a value the user gave wins.
+        None is a value (``feature_redraw_interval=None``: never redraw) unless the family says otherwise."""
+        return dict(fields)
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -188,6 +211,32 @@ class LinearAttentionConfig(PreTrainedConfig):
         raise ValueError(
             f"an input of {tokens} exceeds {name}={value}, the longest a model of this config accepts. "
             f"Truncate the input, or {fix}."
+        )
+
+    def local_heads_text(self) -> str:
+        """The model card's sentence on the local heads ("" without them); see the families' ``describe``."""
+        if not self.num_local_heads:
+            return ""
+        bias = " with a learned relative-position bias" if self.local_relative_bias else ""
+        return (
+            f" {self.num_local_heads} of the {self.num_attention_heads} heads are local softmax heads over a window "
+            f"of {self.local_window} tokens{bias}."
+        )
+
+    def hybrid_text(self, rest: str) -> str:
+        """The model card's sentences on the hybrid heads of a family with ``hybrid_window`` and ``hybrid_sinks``
+        fields (both have them), whose exact window joins ``rest`` ("" without a hybrid_window)."""
+        if not self.hybrid_window:
+            return ""
+        sinks = (
+            f" The first {self.hybrid_sinks} real token(s) of each sequence are attention sinks, in every query's "
+            "window."
+            if self.hybrid_sinks
+            else ""
+        )
+        return (
+            f" Each global head adds exact softmax attention over a window of {self.hybrid_window} tokens to its "
+            f"{rest}, normalized together with a learned per-head balance (LoLCATs hybrid).{sinks}"
         )
 
     def validate_architecture(self) -> None:

@@ -67,6 +67,16 @@ class LinformerConfig(LinearAttentionConfig):
             self.max_seq_length = self.max_position_embeddings
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def conversion_defaults(cls, fields: dict, max_positions: int) -> dict:
+        """n = the checkpoint's positions (also where ``max_seq_length`` is None) and k = n: E = F = I, so that the
+        converted model starts as the original's attention exactly."""
+        fields = dict(fields)
+        if fields.get("max_seq_length") is None:
+            fields["max_seq_length"] = max_positions
+        fields.setdefault("projected_length", fields["max_seq_length"])
+        return fields
+
     def projected_length_for(self, layer_idx: int) -> int:
         if self.projected_length_per_layer is not None:
             return self.projected_length_per_layer[layer_idx]
@@ -74,6 +84,27 @@ class LinformerConfig(LinearAttentionConfig):
 
     def sequence_limit(self) -> tuple[int, str]:
         return self.max_seq_length, "max_seq_length"
+
+    def describe(self) -> tuple[str, str, list[str]]:
+        """What the model card says of this attention: the rest of its summary (after the family's description in
+        ``modeling/registry.py``), the details (markdown bullets) and the limits."""
+        k = self.projected_length_per_layer or self.projected_length
+        summary = (
+            f", keys and values projected along the sequence from n={self.max_seq_length} to k={k} "
+            f"({self.projection} projection, {self.sharing} sharing)."
+        )
+        details = (
+            f"- maximum sequence length n = {self.max_seq_length}\n- projected length k = {k}\n- projection: "
+            f"{self.projection}, sharing: {self.sharing}\n- position embeddings: {self.position_embedding_type}"
+            f"{self.local_heads_text()}{self.hybrid_text('Linformer slots, in one softmax')}"
+        )
+        limits = [
+            f"Inputs longer than max_seq_length={self.max_seq_length} raise an error: E and F are "
+            f"k x {self.max_seq_length} matrices."
+        ]
+        if self.is_decoder:
+            limits.append("The causal variant writes slots by position (never reads the future).")
+        return summary, details, limits
 
     def validate_architecture(self) -> None:
         super().validate_architecture()

@@ -88,6 +88,66 @@ class PerformerConfig(LinearAttentionConfig):
         "hedgehog" map."""
         return self.kernel != "hedgehog"
 
+    def describe(self) -> tuple[str, str, list[str]]:
+        """What the model card says of this attention: the rest of its summary (after the family's description in
+        ``modeling/registry.py``), the details (markdown bullets) and the limits."""
+        if self.kernel == "hedgehog":
+            summary = (
+                f" with a learned Hedgehog feature map (m={self.num_random_features} features per head, "
+                "[softmax(xW + b), softmax(-(xW + b))])."
+            )
+            features = (
+                f"- learned feature map per head: m = {self.num_random_features} (hedgehog kernel), trained and saved "
+                "with the weights; never redrawn"
+            )
+            limits = [
+                "The Hedgehog map is learned with the model: it imitates softmax attention only as well as training "
+                "made it."
+            ]
+        else:
+            summary = (
+                f" with m={self.num_random_features} {'orthogonal' if self.orthogonal_features else 'i.i.d.'} random "
+                f"features and the {self.kernel} kernel."
+            )
+            redraw = (
+                f"every {self.feature_redraw_interval} training forward passes (micro-batches: with gradient "
+                "accumulation, more often than every that many optimizer steps)"
+                if self.feature_redraw_interval
+                else "never"
+            )
+            features = (
+                f"- random features per head: m = {self.num_random_features} ({self.kernel} kernel), saved with "
+                f"the weights; redrawn {redraw}, deterministically from feature_seed={self.feature_seed}"
+            )
+            if self.kernel == "softmax":
+                limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
+            else:
+                limits = [
+                    "The ReLU kernel is an attention of its own, not an approximation of softmax attention: weights "
+                    "trained with softmax attention do not carry over unchanged."
+                ]
+        query_scale = (
+            " The linear scores take a learned log scale per query (hybrid_query_scale), which puts them on the "
+            "window's scale."
+            if self.hybrid_query_scale
+            else ""
+        )
+        key_scale = (
+            " Each key's linear features take a learned log scale (hybrid_key_scale), its own weight with every query."
+            if self.hybrid_key_scale
+            else ""
+        )
+        details = (
+            f"{features}\n- causal chunk size: {self.causal_chunk_size}\n- position embeddings: "
+            f"{self.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
+            f"{self.local_heads_text()}{self.hybrid_text('linear attention on the other keys')}{query_scale}{key_scale}"
+        )
+        if self.position_embedding_type == "absolute":
+            limits.append(f"Learned absolute positions: at most {self.max_position_embeddings} tokens.")
+        else:
+            limits.append("No length limit of its own: positions are computed, not learned.")
+        return summary, details, limits
+
     def validate_architecture(self) -> None:
         super().validate_architecture()
         if self.kernel == "hedgehog" and self.num_random_features % 2:

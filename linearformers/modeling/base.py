@@ -30,8 +30,8 @@ from ..configuration.common import LinearAttentionConfig
 from .cache import LinearAttentionCache
 from .layers import (
     LinearAttention,
+    LinearAttentionBlock,
     LinearAttentionEmbeddings,
-    LinearAttentionLayer,
     LinearAttentionPooler,
     MaskedLMHead,
     rotary_cos_sin,
@@ -70,14 +70,14 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
     and saves that carry the Hub code (``save_pretrained``).
 
     A family's PreTrainedModel sets ``config_class`` and ``attention_class`` (its LinearAttention subclass, which
-    every LinearAttentionLayer builds), and initializes its own modules in ``_init_weights`` before deferring here.
+    every LinearAttentionBlock builds), and initializes its own modules in ``_init_weights`` before deferring here.
     """
 
     attention_class: type[LinearAttention] = LinearAttention
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionLayer"]
-    _can_record_outputs = {"hidden_states": LinearAttentionLayer}
+    _no_split_modules = ["LinearAttentionEmbeddings", "LinearAttentionBlock"]
+    _can_record_outputs = {"hidden_states": LinearAttentionBlock}
     # heads without a pooler (masked LM, token classification, QA) load checkpoints that have one, as BERT's do
     _keys_to_ignore_on_load_unexpected = [r"pooler\."]
 
@@ -344,7 +344,7 @@ class LinearAttentionModel(LinearAttentionPreTrainedModel):
         config.validate_architecture()
         self.embeddings = LinearAttentionEmbeddings(config)
         self.layers = nn.ModuleList(
-            [LinearAttentionLayer(config, i, self.attention_class) for i in range(config.num_hidden_layers)]
+            [LinearAttentionBlock(config, i, self.attention_class) for i in range(config.num_hidden_layers)]
         )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.is_decoder else None
         self.pooler = LinearAttentionPooler(config) if add_pooling_layer and not config.is_decoder else None

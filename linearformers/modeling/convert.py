@@ -23,6 +23,8 @@ import dataclasses
 import difflib
 import functools
 import json
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +36,9 @@ from transformers.utils import cached_file
 
 from .. import modeling
 from ..cli import check_writable, raised_by_linearformers
+from .layers import new_tensors
 from .registry import FAMILIES, HEADS, Family, Head, get_family
 from .transfer import (
-    FINETUNE_MODES,
     TransferArguments,
     TransferReport,
     attention_transfer,
@@ -70,21 +72,6 @@ BERT_LAYER = {
 }
 # one GPT-2 block's Conv1D modules -> our nn.Linear modules (c_attn is split into q, k, v separately)
 GPT2_LINEAR = {"attn.c_proj": "attention.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
-# the names of the tensors a converted model has that no checkpoint holds, and how they start (see the docstring)
-NEW_TENSORS = (
-    "e_proj",
-    "f_proj",
-    "shared_projection",
-    "relative_bias",
-    "random_features",
-    "window_balance",
-    "query_scale_weight",
-    "query_scale_bias",
-    "key_scale_weight",
-    "key_scale_bias",
-)
-# modules whose every tensor is new: the learned feature maps, left at the model's initialization
-NEW_MODULES = ("feature_map",)
 # the files that make a tokenizer: a folder without any of them has none (transformers would build an empty one)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
 
@@ -208,19 +195,10 @@ def _check_overrides(overrides: dict, family: Family) -> None:
 
 
 def _attention_fields(max_positions: int, overrides: dict, family: Family) -> dict:
-    """The user's attention settings (checked by ``_check_overrides``); a Linformer defaults to n = max positions and
-    k = n (exact at start).
-
-    None is a value (``feature_redraw_interval=None``: never redraw), except for Linformer's ``max_seq_length``,
-    whose None means its default here too.
-    """
+    """The user's attention settings (checked by ``_check_overrides``), with the family's defaults for a model
+    converted from ``max_positions`` positions (``conversion_defaults`` of its config)."""
     _check_overrides(overrides, family)
-    fields = dict(overrides)
-    if family.name == "linformer":
-        if fields.get("max_seq_length") is None:
-            fields["max_seq_length"] = max_positions
-        fields.setdefault("projected_length", fields["max_seq_length"])
-    return fields
+    return family.config_class.conversion_defaults(overrides, max_positions)
 
 
 def _new_model(family: Family, head: Head, fields: dict, max_positions: int, overrides: dict) -> PreTrainedModel:
@@ -230,22 +208,16 @@ def _new_model(family: Family, head: Head, fields: dict, max_positions: int, ove
 
 
 def _init_new(model: nn.Module) -> list[str]:
-    """Initialize the tensors no checkpoint holds (``NEW_TENSORS``, and those of ``NEW_MODULES``); returns their
-    names. Linformer's E / F start as the identity (k = n) or window means, local-head biases at zero; Performer
-    features are already drawn, and learned feature maps, window balances and query and key scales keep the model's
-    initialization."""
+    """Start the tensors no checkpoint holds, as their modules declare (``layers.NewTensor``); returns their names."""
     initialized = []
+    new = new_tensors(model)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     for name, tensor in tensors.items():
-        module, _, kind = name.rpartition(".")
-        if module.rpartition(".")[-1] in NEW_MODULES:
-            initialized.append(name)
+        if name not in new:
             continue
-        if kind not in NEW_TENSORS:
-            continue
-        if kind in ("e_proj", "f_proj", "shared_projection"):
+        if new[name].start == "window_means":
             _pooling_init(tensor, model.config.projection)
-        elif kind == "relative_bias":
+        elif new[name].start == "zeros":
             nn.init.zeros_(tensor)
         initialized.append(name)
     return initialized
@@ -277,7 +249,7 @@ def _copy_weights(
 ) -> tuple[PreTrainedModel, ConversionReport]:
     """Load ``source``'s weights into ``model`` by the mapping table ``copies`` and initialize the rest.
 
-    The report lists each tensor mapped (source -> ours), initialized (``NEW_TENSORS``, and ``fresh``: ours that stay
+    The report lists each tensor mapped (source -> ours), initialized (the new tensors, and ``fresh``: ours that stay
     at their fresh initialization) and ignored (source tensors no row reads, except ``tied``, the source's copies of
     tied weights). A ValueError names a row whose target we lack or whose shapes differ, and any weight of ours
     that is neither mapped nor initialized.
@@ -301,8 +273,7 @@ def _copy_weights(
     report.ignored = sorted(set(state) - {copy.source for copy in copies} - set(tied))
     covered = set(loaded) | {name + suffix for name in report.initialized for suffix in ("", ".weight")}
     ours_tied = {k for k in target if k.endswith("lm_head.weight") or k.endswith("lm_head.decoder.weight")}
-    # the Performer redraw counter starts at zero in a new model
-    missing = sorted(k for k in target if k not in covered and k not in ours_tied and not k.endswith("feature_redraws"))
+    missing = sorted(k for k in target if k not in covered and k not in ours_tied)
     if missing:
         raise ValueError(f"conversion left these weights of {type(model).__name__} without a source: {missing}")
     model.tie_weights()
@@ -549,34 +520,50 @@ def convert_gpt2(
     return model, report
 
 
-# CLI flags that set config fields when given: Performer's (the hybrid's window and sinks are both families'), then
-# Linformer's (a flag of the other family raises)
-CONFIG_FLAGS = {
-    "num_random_features": int,
-    "kernel": str,
-    "hybrid_window": int,
-    "hybrid_sinks": int,
-    "hybrid_query_scale": bool,
-    "hybrid_key_scale": bool,
-    "projected_length": int,
-    "max_seq_length": int,
-    "num_local_heads": int,
-    "local_window": int,
-}
-# CLI flags of attention transfer -> TransferArguments fields
-TRANSFER_FLAGS = {
-    "transfer_steps": ("steps", int),
-    "transfer_lr": ("learning_rate", float),
-    "transfer_projection_lr": ("projection_learning_rate", float),
-    "transfer_batch_size": ("batch_size", int),
-    "transfer_length": ("max_length", int),
-    "finetune_steps": ("finetune_steps", int),
-    "finetune": ("finetune", str),
-    "finetune_lr": ("finetune_learning_rate", float),
-    "finetune_new_lr": ("finetune_new_learning_rate", float),
-    "lora_r": ("lora_r", int),
-    "choose_local_heads": ("choose_local_heads", bool),
-}
+def _flag(name: str, kind, default, text: str, default_text: str | None = None) -> tuple[str, dict]:
+    """The option string and argparse keywords of a dataclass field ``name`` of type ``kind``: a bool is a switch
+    (``--name`` sets True, or ``--no_name`` sets False where the default is True), a Literal offers its choices, a
+    list takes one or more values. Absent, a flag is None, so that only given flags reach the dataclass."""
+    kinds = [k for k in typing.get_args(kind) if k is not type(None)] if _is_union(kind) else [kind]
+    if kinds == [bool]:
+        if default is True:
+            return f"--no_{name}", dict(dest=name, action="store_const", const=False, help=f"{text} = False")
+        return f"--{name}", dict(action="store_const", const=True, help=f"{text} = True")
+    help_text = f"{text} (default: {default if default_text is None else default_text})"
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is typing.Literal:
+        choices = typing.get_args(kinds[0])
+        return f"--{name}", dict(type=type(choices[0]), choices=choices, help=help_text)
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is list:
+        return f"--{name}", dict(type=typing.get_args(kinds[0])[0], nargs="+", metavar=name.upper(), help=help_text)
+    if set(kinds) == {int, float}:
+        kinds = [float]
+    if len(kinds) != 1 or kinds[0] not in (int, float, str):
+        raise TypeError(f"no command-line form for field {name!r} of type {kind}; give it one in convert._flag")
+    return f"--{name}", dict(type=kinds[0], metavar=name.upper(), help=help_text)
+
+
+def _is_union(kind) -> bool:
+    return typing.get_origin(kind) in (typing.Union, types.UnionType)
+
+
+def _config_flags() -> dict[str, tuple[str, dict]]:
+    """Field name -> flag of every family's attention fields (``attention_fields`` of its config; a name two families
+    share is one flag, whose default is each family's own)."""
+    flags = {}
+    for family in FAMILIES.values():
+        for f in family.config_class.attention_fields():  # the configs' annotations are types, not strings
+            flags.setdefault(f.name, _flag(f.name, f.type, f.default, f"the config's {f.name}", "the family's"))
+    return flags
+
+
+def _transfer_flags() -> dict[str, tuple[str, dict]]:
+    """TransferArguments field name -> its flag (named by the field's metadata ``flag``, else the field)."""
+    hints = typing.get_type_hints(TransferArguments)  # transfer.py's annotations are strings
+    flags = {}
+    for f in dataclasses.fields(TransferArguments):
+        option, kwargs = _flag(f.metadata.get("flag", f.name), hints[f.name], f.default, f"TransferArguments.{f.name}")
+        flags[f.name] = option, {**kwargs, "dest": f"transfer.{f.name}"}
+    return flags
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -589,36 +576,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", help="folder or Hub id of a BertModel / BertFor* / GPT2LMHeadModel checkpoint")
     parser.add_argument("output", help="folder to save the converted model (and the tokenizer, if any)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="performer")
-    for name, kind in CONFIG_FLAGS.items():
-        if kind is bool:  # a switch: None when absent, so that only given flags reach the config
-            parser.add_argument(f"--{name}", action="store_const", const=True, help=f"the config's {name} = True")
-            continue
-        parser.add_argument(f"--{name}", type=kind, help=f"the config's {name} (default: the family's)")
+    config_flags = _config_flags()
+    for option, kwargs in config_flags.values():
+        parser.add_argument(option, **kwargs)
     parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
     parser.add_argument("--cache_dir", help="Hugging Face cache folder (default: the usual HF cache)")
     group = parser.add_argument_group(
         "attention transfer", "fit the new attention parameters to the original's attention before saving"
     )
     group.add_argument("--transfer_file", help="UTF-8 text file to fit on; needs a tokenizer saved with the source")
-    for flag, (name, kind) in TRANSFER_FLAGS.items():
-        default = getattr(TransferArguments, name)
-        if kind is bool:  # a switch: None when absent, so that only given flags reach TransferArguments
-            group.add_argument(f"--{flag}", action="store_const", const=True, help=f"TransferArguments.{name}")
-            continue
-        choices = FINETUNE_MODES if name == "finetune" else None
-        group.add_argument(f"--{flag}", type=kind, choices=choices, help=f"TransferArguments.{name} ({default})")
+    transfer_flags = _transfer_flags()
+    for option, kwargs in transfer_flags.values():
+        group.add_argument(option, **kwargs)
     args = parser.parse_args(argv)
     hub = dict(revision=args.revision, cache_dir=args.cache_dir)
-    given = {flag: getattr(args, flag) for flag in TRANSFER_FLAGS if getattr(args, flag) is not None}
+    given = {
+        name: getattr(args, kwargs["dest"])
+        for name, (_, kwargs) in transfer_flags.items()
+        if getattr(args, kwargs["dest"]) is not None
+    }
     transfer = None
     if args.transfer_file is not None:
         try:
-            transfer = TransferArguments(**{TRANSFER_FLAGS[flag][0]: value for flag, value in given.items()})
+            transfer = TransferArguments(**given)
         except (TypeError, ValueError) as error:
             parser.error(str(error))
     elif given:
-        parser.error(f"--{next(iter(given))} is a setting of attention transfer, which needs --transfer_file")
-    overrides = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k) is not None}  # None: not given
+        parser.error(
+            f"{transfer_flags[next(iter(given))][0]} is a setting of attention transfer, which needs --transfer_file"
+        )
+    overrides = {k: getattr(args, k) for k in config_flags if getattr(args, k) is not None}  # None: not given
     try:
         _check_overrides(overrides, get_family(args.family))
         # before the conversion and its attention transfer (minutes), not after them

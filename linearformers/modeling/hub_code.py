@@ -22,14 +22,14 @@ from pathlib import Path
 from transformers import PreTrainedConfig
 from transformers.utils import CONFIG_NAME
 
-from .registry import HEADS
+from .registry import FAMILIES, HEADS, get_family
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # True in a flat copy (modeling_hub_code.py, loaded with trust_remote_code): there is no package source to read
 FLAT_COPY = Path(__file__).stem != "hub_code"
-# the modules the written code starts from; everything they import relatively is found with ast (remote_modules)
-ROOT_MODULES = ("configuration.linformer", "configuration.performer", "modeling.linformer", "modeling.performer")
-AUTO_SUFFIXES = {head.auto_class: head.suffix for head in HEADS.values()}  # Auto class name -> class suffix
+# the modules the written code starts from, each family's (its registry row); everything they import relatively is
+# found with ast (remote_modules)
+ROOT_MODULES = tuple(sorted(m for f in FAMILIES.values() for m in (f.config_module, f.modeling_module)))
 
 
 def flat_name(dotted: str) -> str:
@@ -140,9 +140,8 @@ def write_hub_files(config: PreTrainedConfig, folder: str | Path) -> list[str]:
 
 def auto_map_for(config: PreTrainedConfig) -> dict[str, str]:
     """auto_map entries for AutoConfig and every Auto model class of the config's family."""
-    family = type(config).__name__.removesuffix("Config")
-    module = f"modeling_{config.model_type}"
-    mapping = {"AutoConfig": f"configuration_{config.model_type}.{type(config).__name__}"}
-    for auto, suffix in AUTO_SUFFIXES.items():
-        mapping[auto] = f"{module}.{family}{suffix}"
+    family = get_family(config.model_type)
+    mapping = {"AutoConfig": f"{flat_name(family.config_module)}.{family.config_class.__name__}"}
+    for head in HEADS.values():
+        mapping[head.auto_class] = f"{flat_name(family.modeling_module)}.{family.class_name(head)}"
     return mapping

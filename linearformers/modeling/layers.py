@@ -3,13 +3,16 @@ block, pooler and MLM head.
 
 The global heads are the family's: each family subclasses ``LinearAttention`` in its own file (performer.py,
 linformer.py) to write ``global_attention``, and its PreTrainedModel names that class as ``attention_class``, which
-the model hands to every ``LinearAttentionLayer``. Shapes: hidden states are (batch, length, hidden_size); inside
+the model hands to every ``LinearAttentionBlock``. Shapes: hidden states are (batch, length, hidden_size); inside
 attention tensors are (batch, heads, length, head_dim).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -19,6 +22,38 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.common import LinearAttentionConfig
 from .attention.local import causal_local_attention, local_attention, num_relative_positions
 from .cache import LinearAttentionCache
+
+
+@dataclass(frozen=True)
+class NewTensor:
+    """A tensor that a module adds to the softmax attention of BERT / GPT-2, declared by the module in its
+    ``new_tensors`` (attribute name -> NewTensor; a submodule's every tensor is new). ``convert.py`` starts it,
+    ``transfer.py`` trains it (a parameter; a buffer stays as it is).
+
+    start: how a conversion starts it: "model" (the model's own initialization), "zeros", or "window_means" (each of
+        the k slots the mean of its window of n / k positions, so that at k = n it is the identity).
+    projection: one of Linformer's E / F along the sequence, which attention transfer trains at its own
+        ``projection_learning_rate`` (and, in a decoder, on their nonzero entries only).
+    """
+
+    start: Literal["model", "zeros", "window_means"] = "model"
+    projection: bool = False
+
+
+def new_tensors(model: nn.Module) -> dict[str, NewTensor]:
+    """Every tensor of ``model`` that one of its modules declares new (``new_tensors``), by its name in
+    ``model.named_parameters()`` / ``named_buffers()``; a tensor the module does not have (None) is left out."""
+    found = {}
+    for prefix, module in model.named_modules():
+        for attribute, declared in getattr(module, "new_tensors", {}).items():
+            value = getattr(module, attribute, None)
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            if isinstance(value, nn.Module):
+                for inner, _ in (*value.named_parameters(), *value.named_buffers()):
+                    found[f"{name}.{inner}"] = declared
+            elif value is not None:
+                found[name] = declared
+    return found
 
 
 def sinusoidal_embeddings(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -102,6 +137,8 @@ class LinearAttention(nn.Module):
     """
 
     kernel_name = "linear attention"
+    # the tensors this module adds to a converted model (NewTensor); a family's attention extends the table
+    new_tensors: ClassVar[dict[str, NewTensor]] = {"relative_bias": NewTensor(start="zeros")}
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int):
         super().__init__()
@@ -204,7 +241,7 @@ class LinearAttentionMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(hidden_states)))
 
 
-class LinearAttentionLayer(GradientCheckpointingLayer):
+class LinearAttentionBlock(GradientCheckpointingLayer):
     """One block, around the family's ``attention_class``. Encoder (BERT, post-LN): x = LN(x + attn(x));
     x = LN(x + mlp(x)). Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x))."""
 
@@ -266,3 +303,16 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.LayerNorm(self.act(self.dense(hidden_states))))
+
+
+def __getattr__(name: str) -> type:
+    # the block's old name, which transformers' cache layer (transformers.cache_utils.LinearAttentionLayer) also has
+    if name == "LinearAttentionLayer":
+        warnings.warn(
+            "linearformers.modeling.layers.LinearAttentionLayer is now LinearAttentionBlock; the old name goes away "
+            "in linearformers 0.3.0",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return LinearAttentionBlock
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ from .base import (
     LinearAttentionPreTrainedModel,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention
+from .layers import LinearAttention, NewTensor
 
 
 class LinformerAttention(LinearAttention):
@@ -43,12 +43,19 @@ class LinformerAttention(LinearAttention):
     starts at 0. Without a hybrid_window the layer has no ``window_balance``."""
 
     kernel_name = "Linformer's E/F projections"
+    new_tensors = {
+        **LinearAttention.new_tensors,
+        "e_proj": NewTensor(start="window_means", projection=True),
+        "f_proj": NewTensor(start="window_means", projection=True),
+        "window_balance": NewTensor(),  # zero: gamma = 1
+    }
 
     def __init__(self, config: LinformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         k = config.projected_length_for(layer_idx)
         n = config.max_seq_length
-        self.window = n // k if config.projection != "learned" else None
+        # pooling and conv read n / k positions per slot: their kernel and stride (not the hybrid's window)
+        self.pool_stride = n // k if config.projection != "learned" else None
         self.e_proj = self.f_proj = None
         if config.projection == "learned" and config.sharing != "layerwise":
             shape = (self.num_global, k, n) if config.sharing == "per_head" else (k, n)
@@ -57,9 +64,9 @@ class LinformerAttention(LinearAttention):
                 self.f_proj = nn.Parameter(torch.empty(shape))
         elif config.projection == "conv":
             d = self.head_dim
-            self.e_proj = nn.Parameter(torch.empty(d, d, self.window))
+            self.e_proj = nn.Parameter(torch.empty(d, d, self.pool_stride))
             if config.sharing not in ("key_value", "layerwise"):
-                self.f_proj = nn.Parameter(torch.empty(d, d, self.window))
+                self.f_proj = nn.Parameter(torch.empty(d, d, self.pool_stride))
         self._projection_owner = None
         self.window_balance = (
             nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
@@ -112,7 +119,7 @@ class LinformerAttention(LinearAttention):
                 torch.exp(self.window_balance),
                 self.config.hybrid_window,
                 method=self.config.projection,
-                window=self.window,
+                window=self.pool_stride,
                 key_padding_mask=attention_mask,
                 sinks=self.config.hybrid_sinks,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
@@ -125,7 +132,7 @@ class LinformerAttention(LinearAttention):
                 e,
                 f,
                 method=self.config.projection,
-                window=self.window,
+                window=self.pool_stride,
                 key_padding_mask=attention_mask,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
             )
@@ -188,6 +195,8 @@ class LinformerModel(LinearAttentionModel, LinformerPreTrainedModel):
     """The bare Linformer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). With
     ``sharing="layerwise"`` (learned projections) it owns the one E = F of every layer, ``shared_projection``
     (k, max_seq_length). See LinearAttentionModel."""
+
+    new_tensors = {"shared_projection": NewTensor(start="window_means", projection=True)}
 
     def __init__(self, config: LinformerConfig, add_pooling_layer: bool = True):
         super().__init__(config, add_pooling_layer)

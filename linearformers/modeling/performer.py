@@ -42,7 +42,7 @@ from .base import (
     LinearAttentionPreTrainedModel,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention
+from .layers import LinearAttention, NewTensor
 
 
 class PerformerAttention(LinearAttention):
@@ -76,6 +76,18 @@ class PerformerAttention(LinearAttention):
     KEY_SCALE_BOUND = 20.0
 
     kernel_name = "FAVOR+ (Performer)"
+    # all at the model's initialization: features drawn from the seed, maps as HedgehogFeatureMap starts them,
+    # balances and scales at zero
+    new_tensors = {
+        **LinearAttention.new_tensors,
+        "random_features": NewTensor(),
+        "feature_map": NewTensor(),
+        "window_balance": NewTensor(),
+        "query_scale_weight": NewTensor(),
+        "query_scale_bias": NewTensor(),
+        "key_scale_weight": NewTensor(),
+        "key_scale_bias": NewTensor(),
+    }
 
     def __init__(self, config: PerformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -130,68 +142,194 @@ class PerformerAttention(LinearAttention):
         past_key_values: LinearAttentionCache | None,
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        # the op pair and what goes in: the hybrid takes q, k and the map's features; the random FAVOR+ map is fused
-        # into its kernels (q, k in); a learned map's features go to linear attention
         if self.window_balance is not None:
-            phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
-            inputs = (q, k, v, phi_q, phi_k, torch.exp(self.window_balance), self.config.hybrid_window)
-            attend, step = hybrid_attention, hybrid_step
-            fixed = {"query_log_scale": log_scale, "sinks": self.config.hybrid_sinks}
-        elif self.feature_map is None:
-            inputs = (q, k, v)
-            attend, step = favor_attention, favor_step
-            fixed = {
-                "projection": self.random_features,
-                "kernel": self.config.kernel,
-                "kernel_eps": self.config.kernel_eps,
-            }
-        else:
-            inputs = (self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), v)
-            attend, step, fixed = linear_attention, linear_step, {}
-        if not self.causal:
-            return attend(*inputs, causal=False, key_padding_mask=attention_mask, **fixed)
-        # the causal linear ops' chunk; the hybrid works by blocks of its window
-        chunked = {} if attend is hybrid_attention else {"chunk_size": self.config.causal_chunk_size}
+            return self.hybrid_heads(q, k, v, attention_mask, past_key_values)
+        if self.feature_map is None:
+            return self.favor_heads(q, k, v, attention_mask, past_key_values)
+        return self.learned_map_heads(q, k, v, attention_mask, past_key_values)
+
+    def favor_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+    ) -> torch.Tensor:
+        """FAVOR+ with the random features, which the op maps q and k by inside its kernels."""
+        c = self.config
         if past_key_values is None:
-            return attend(*inputs, causal=True, key_padding_mask=attention_mask, **chunked, **fixed)
+            return favor_attention(
+                q,
+                k,
+                v,
+                self.random_features,
+                causal=self.causal,
+                key_padding_mask=attention_mask,
+                kernel=c.kernel,
+                kernel_eps=c.kernel_eps,
+                chunk_size=c.causal_chunk_size if self.causal else None,
+            )
         state = past_key_values.get_state(self.layer_idx)
-        if q.shape[2] == 1 and state is not None:
-            out, state = step(*inputs, state=state, key_padding_mask=attention_mask, **fixed)
+        if q.shape[2] == 1 and state is not None:  # a decoding step
+            out, state = favor_step(
+                q,
+                k,
+                v,
+                self.random_features,
+                state,
+                key_padding_mask=attention_mask,
+                kernel=c.kernel,
+                kernel_eps=c.kernel_eps,
+            )
         else:  # a prefill, or a prompt fed in pieces
-            out, state = attend(
-                *inputs,
+            out, state = favor_attention(
+                q,
+                k,
+                v,
+                self.random_features,
+                causal=True,
+                key_padding_mask=attention_mask,
+                kernel=c.kernel,
+                kernel_eps=c.kernel_eps,
+                chunk_size=c.causal_chunk_size,
+                initial_state=state,
+                return_state=True,
+            )
+        past_key_values.set_state(self.layer_idx, state)
+        return out
+
+    def learned_map_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+    ) -> torch.Tensor:
+        """Linear attention of the learned map's features."""
+        phi_q, phi_k = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+        if past_key_values is None:
+            return linear_attention(
+                phi_q,
+                phi_k,
+                v,
+                causal=self.causal,
+                key_padding_mask=attention_mask,
+                chunk_size=self.config.causal_chunk_size if self.causal else None,
+            )
+        state = past_key_values.get_state(self.layer_idx)
+        if q.shape[2] == 1 and state is not None:  # a decoding step
+            out, state = linear_step(phi_q, phi_k, v, state=state, key_padding_mask=attention_mask)
+        else:  # a prefill, or a prompt fed in pieces
+            out, state = linear_attention(
+                phi_q,
+                phi_k,
+                v,
+                causal=True,
+                key_padding_mask=attention_mask,
+                chunk_size=self.config.causal_chunk_size,
+                initial_state=state,
+                return_state=True,
+            )
+        past_key_values.set_state(self.layer_idx, state)
+        return out
+
+    def hybrid_heads(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: LinearAttentionCache | None,
+    ) -> torch.Tensor:
+        """The LoLCATs hybrid: exact softmax on the window (q, k) and the feature map on the other keys (phi_q,
+        phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size."""
+        c = self.config
+        phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
+        gamma = torch.exp(self.window_balance)
+        if past_key_values is None:
+            return hybrid_attention(
+                q,
+                k,
+                v,
+                phi_q,
+                phi_k,
+                gamma,
+                c.hybrid_window,
+                causal=self.causal,
+                key_padding_mask=attention_mask,
+                query_log_scale=log_scale,
+                sinks=c.hybrid_sinks,
+            )
+        state = past_key_values.get_state(self.layer_idx)
+        if q.shape[2] == 1 and state is not None:  # a decoding step
+            out, state = hybrid_step(
+                q,
+                k,
+                v,
+                phi_q,
+                phi_k,
+                gamma,
+                c.hybrid_window,
+                state=state,
+                key_padding_mask=attention_mask,
+                query_log_scale=log_scale,
+                sinks=c.hybrid_sinks,
+            )
+        else:  # a prefill, or a prompt fed in pieces
+            out, state = hybrid_attention(
+                q,
+                k,
+                v,
+                phi_q,
+                phi_k,
+                gamma,
+                c.hybrid_window,
                 causal=True,
                 key_padding_mask=attention_mask,
                 initial_state=state,
                 return_state=True,
-                **chunked,
-                **fixed,
+                query_log_scale=log_scale,
+                sinks=c.hybrid_sinks,
             )
         past_key_values.set_state(self.layer_idx, state)
         return out
 
     def hybrid_features(
-        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None, *, query_scale: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The linear part's features of the hybrid: phi_q, phi_k (batch, global heads, n, m), float32, and the
-        queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes: the map's own
-        (:meth:`map_features`) plus, with ``hybrid_query_scale``, the learned q_t·a_h + b_h, in float32; with
-        ``hybrid_key_scale``, phi_k carries the keys' scale (:meth:`keyed_map_features`)."""
-        phi_q, phi_k, log_scale = self.keyed_map_features(q, k, attention_mask)
-        if self.query_scale_weight is None:
-            return phi_q, phi_k, log_scale
-        learned = _per_head_dot(q, self.query_scale_weight) + self.query_scale_bias.float()[None, :, None]
-        return phi_q, phi_k, learned if log_scale is None else log_scale + learned
+        """The features of the hybrid's linear part: phi_q, phi_k (batch, global heads, n, m), float32, and the
+        queries' log scale ℓ (batch, global heads, n) that ``hybrid_attention`` takes, or None.
 
-    def keyed_map_features(
-        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """:meth:`map_features` with, under ``hybrid_key_scale``, phi_k times exp(r) (:meth:`key_log_scale`): the
-        features of the linear part before the learned query scale."""
-        phi_q, phi_k, log_scale = self.map_features(q, k, attention_mask)
-        key_scale = self.key_log_scale(k)
-        if key_scale is not None:
-            phi_k = phi_k * torch.exp(key_scale)[..., None]
+        First the map's own. The learned map: its features, ℓ = None. "relu": the ReLU features, ℓ = None. The random
+        "softmax" map: the positive features of ``favor_positive``, whose query features have their row maximum u_t
+        taken off (detached: it cancels against ℓ) and lack the estimator's 1/m, so phi_q·phi_k = m exp(scale q·k -
+        u_t) in expectation (Lemma 1); ℓ_t = u_t - log m puts them back on the softmax's scale, and the window's
+        exact scores and the FAVOR+ estimate elsewhere then add up to an estimate of softmax attention at gamma = 1.
+        "relu" and the learned map are attentions of their own, whose scale gamma learns against: LoLCATs' form.
+
+        Then, with ``hybrid_key_scale``, phi_k times exp(r) (:meth:`key_log_scale`); and with ``hybrid_query_scale``
+        (unless ``query_scale=False``: ``calibrate_query_scale`` fits that term), the learned q_t·a_h + b_h added to
+        ℓ, in float32."""
+        c = self.config
+        if self.feature_map is not None:
+            phi_q, phi_k, log_scale = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None
+        elif c.kernel == "relu":
+            phi_q = relu_features(q, self.random_features, eps=c.kernel_eps)
+            phi_k = relu_features(k, self.random_features, eps=c.kernel_eps, key_padding_mask=attention_mask)
+            log_scale = None
+        else:
+            u = favor_exponents(q, self.random_features, is_query=True)
+            top = u.amax(dim=-1, keepdim=True).detach()
+            phi_q = torch.exp(u - top)
+            phi_k = favor_positive(k, self.random_features, is_query=False, key_padding_mask=attention_mask)
+            log_scale = top.squeeze(-1) - math.log(self.random_features.shape[0])
+        if self.key_scale_weight is not None:
+            phi_k = phi_k * torch.exp(self.key_log_scale(k))[..., None]
+        if query_scale and self.query_scale_weight is not None:
+            learned = _per_head_dot(q, self.query_scale_weight) + self.query_scale_bias.float()[None, :, None]
+            log_scale = learned if log_scale is None else log_scale + learned
         return phi_q, phi_k, log_scale
 
     def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:
@@ -202,28 +340,6 @@ class PerformerAttention(LinearAttention):
             return None
         raw = _per_head_dot(k, self.key_scale_weight) + self.key_scale_bias.float()[None, :, None]
         return self.KEY_SCALE_BOUND * torch.tanh(raw / self.KEY_SCALE_BOUND)
-
-    def map_features(
-        self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The feature map's own part of :meth:`hybrid_features`: phi_q, phi_k and ℓ (None but for FAVOR+).
-
-        The random "softmax" map: the positive features of ``favor_positive``, whose query features have their row
-        maximum u_t taken off (detached: it cancels against ℓ) and lack the estimator's 1/m, so
-        phi_q·phi_k = m exp(scale q·k - u_t) in expectation (Lemma 1); ℓ_t = u_t - log m puts them back on the
-        softmax's scale, and the window's exact scores and the FAVOR+ estimate elsewhere then add up to an estimate
-        of softmax attention at gamma = 1. "relu" and the learned map are attentions of their own, whose scale
-        gamma learns against: ℓ = None, LoLCATs' form."""
-        if self.feature_map is not None:
-            return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None
-        projection, c = self.random_features, self.config
-        if c.kernel == "relu":
-            phi_q = relu_features(q, projection, eps=c.kernel_eps)
-            return phi_q, relu_features(k, projection, eps=c.kernel_eps, key_padding_mask=attention_mask), None
-        u = favor_exponents(q, projection, is_query=True)
-        top = u.amax(dim=-1, keepdim=True).detach()
-        phi_k = favor_positive(k, projection, is_query=False, key_padding_mask=attention_mask)
-        return torch.exp(u - top), phi_k, top.squeeze(-1) - math.log(projection.shape[0])
 
 
 def _per_head_dot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -297,6 +413,8 @@ class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
     """The bare Performer stack: embeddings and blocks, with a pooler (encoder) or a final norm (decoder). In
     training it redraws every layer's features each ``config.feature_redraw_interval`` forwards. See
     LinearAttentionModel."""
+
+    new_tensors = {"feature_redraws": NewTensor()}  # the redraw counter, from zero
 
     def __init__(self, config: PerformerConfig, add_pooling_layer: bool = True):
         super().__init__(config, add_pooling_layer)

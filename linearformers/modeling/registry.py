@@ -3,7 +3,8 @@
 A family's model classes are named ``family.prefix + head.suffix`` (``Performer`` + ``ForMaskedLM``). Registration
 with the Auto classes (``linearformers/__init__.py``), the Hub code's ``auto_map`` (``hub_code.py``), the model card
 (``hub_cards/card.py``), conversion from BERT / GPT-2 (``convert.py``) and the training CLI (``training/loop.py``)
-all read these tables, so adding a head or a family is one row here.
+all read these tables, so adding a head is one row here, and a family is one row and its own files: its config
+(fields, card text, conversion defaults) and its models (attention and the tensors it adds).
 
 Auto classes are named, not imported: this module is part of the Hub code, which imports no more of transformers
 than the models need.
@@ -32,11 +33,15 @@ class Head:
 @dataclass(frozen=True)
 class Family:
     """One attention family: its config class (whose ``model_type`` is the family's name), the prefix of its model
-    class names, and what the model card says its attention is."""
+    class names, what the model card says its attention is (its config's ``describe`` adds the settings), and the
+    package modules of its config and its models (``configuration.performer``, ``modeling.performer``), from which
+    ``hub_code.py`` writes the Hub code."""
 
     config_class: type
     prefix: str
     description: str
+    config_module: str
+    modeling_module: str
 
     @property
     def name(self) -> str:
@@ -79,8 +84,20 @@ HEADS: dict[str, Head] = {
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
-        Family(PerformerConfig, "Performer", "FAVOR+ attention (Choromanski et al., 2021)"),
-        Family(LinformerConfig, "Linformer", "Linformer attention (Wang et al., 2020)"),
+        Family(
+            PerformerConfig,
+            "Performer",
+            "FAVOR+ attention (Choromanski et al., 2021)",
+            "configuration.performer",
+            "modeling.performer",
+        ),
+        Family(
+            LinformerConfig,
+            "Linformer",
+            "Linformer attention (Wang et al., 2020)",
+            "configuration.linformer",
+            "modeling.linformer",
+        ),
     )
 }
 

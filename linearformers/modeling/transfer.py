@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,23 +41,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from .attention import softmax_attention
 from .base import LinearAttentionPreTrainedModel
-from .layers import LinearAttention
+from .layers import LinearAttention, new_tensors
 
-# a parameter is new to a converted model (and trained by attention transfer) if a part of its name is one of these
-TRANSFER_NAMES = (
-    "feature_map",
-    "window_balance",
-    "query_scale_weight",
-    "query_scale_bias",
-    "key_scale_weight",
-    "key_scale_bias",
-    "e_proj",
-    "f_proj",
-    "shared_projection",
-    "relative_bias",
-)
-# Linformer's projections, which take their own learning rate (TransferArguments.projection_learning_rate)
-PROJECTION_NAMES = ("e_proj", "f_proj", "shared_projection")
 FINETUNE_MODES = ("full", "lora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 DEFAULT_MAX_LENGTH = 512  # block length when neither the arguments nor the model's limit ask for less
@@ -64,7 +50,8 @@ DEFAULT_MAX_LENGTH = 512  # block length when neither the arguments nor the mode
 
 @dataclass
 class TransferArguments:
-    """Settings of :func:`attention_transfer`; each is checked at construction (a ValueError names the field).
+    """Settings of :func:`attention_transfer`; each is checked at construction (a ValueError names the field). The
+    conversion CLI offers each as a flag: the field's name, or its metadata's ``flag``.
 
     Args:
         steps: optimizer steps of stage 1, attention transfer (default 200).
@@ -98,20 +85,20 @@ class TransferArguments:
         progress: show tqdm progress bars (default True).
     """
 
-    steps: int = 200
-    learning_rate: float = 1e-2
-    projection_learning_rate: float = 1e-3
-    batch_size: int = 8
-    max_length: int | None = None
-    eval_batches: int = 1
+    steps: int = field(default=200, metadata={"flag": "transfer_steps"})
+    learning_rate: float = field(default=1e-2, metadata={"flag": "transfer_lr"})
+    projection_learning_rate: float = field(default=1e-3, metadata={"flag": "transfer_projection_lr"})
+    batch_size: int = field(default=8, metadata={"flag": "transfer_batch_size"})
+    max_length: int | None = field(default=None, metadata={"flag": "transfer_length"})
+    eval_batches: int = field(default=1, metadata={"flag": "transfer_eval_batches"})
     finetune_steps: int = 0
-    finetune: str = "full"
-    finetune_learning_rate: float = 1e-4
-    finetune_new_learning_rate: float | None = None
+    finetune: Literal[FINETUNE_MODES] = "full"
+    finetune_learning_rate: float = field(default=1e-4, metadata={"flag": "finetune_lr"})
+    finetune_new_learning_rate: float | None = field(default=None, metadata={"flag": "finetune_new_lr"})
     lora_r: int = 8
     choose_local_heads: bool = False
     calibrate_query_scale: bool = True
-    seed: int = 0
+    seed: int = field(default=0, metadata={"flag": "transfer_seed"})
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -200,19 +187,18 @@ class TransferReport:
         return "\n".join(lines)
 
 
-def _is_transfer_name(name: str) -> bool:
-    return any(part in TRANSFER_NAMES for part in name.split("."))
-
-
-def _is_projection(name: str) -> bool:
-    return name.rpartition(".")[-1] in PROJECTION_NAMES
+def _projections(model: nn.Module) -> set[str]:
+    """The names of Linformer's E / F among the model's new tensors (``NewTensor.projection``)."""
+    return {name for name, declared in new_tensors(model).items() if declared.projection}
 
 
 def transfer_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters attention transfer trains: those whose name has a part in ``TRANSFER_NAMES`` (learned feature
-    maps, window balances, Linformer's E / F and shared projection, local-head relative biases), shared ones once.
+    """The parameters attention transfer trains: those that the model's modules declare new (``new_tensors``:
+    learned feature maps, window balances, query and key scales, Linformer's E / F and shared projection, local-head
+    relative biases), shared ones once.
     A ValueError says how to get some when the model has none (a random-feature Performer, a pooling Linformer)."""
-    found = [(name, param) for name, param in model.named_parameters() if _is_transfer_name(name)]
+    new = new_tensors(model)
+    found = [(name, param) for name, param in model.named_parameters() if name in new]
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no new attention parameters for attention transfer to train: its "
@@ -515,7 +501,7 @@ def calibrate_query_scale(
     for batch, i, q, k, scores in _original_scores(model, source, ids, mask, batch_size):
         q, k, scores = q[:, :g], k[:, :g], scores[:, :g]  # the global heads, whose linear part the scale serves
         linear = _linear_keys(batch.mask, config.hybrid_window, config.hybrid_sinks, config.is_decoder)
-        phi_q, phi_k, own = layers[i].attention.keyed_map_features(q, k, batch.key_mask)  # with the keys' scale
+        phi_q, phi_k, own = layers[i].attention.hybrid_features(q, k, batch.key_mask, query_scale=False)
         exact = scores.masked_fill(~linear, float("-inf")).logsumexp(-1)  # (b, h, n)
         mass = ((phi_q @ phi_k.transpose(-1, -2)) * linear).sum(-1)
         target = exact - mass.clamp_min(1e-30).log() - (0.0 if own is None else own.float())
@@ -727,9 +713,9 @@ def _keep_causal_slots(model: PreTrainedModel, trained: list[tuple[str, nn.Param
     the zeros keeps each slot's first position, and the function is smooth in the rest."""
     if not model.config.is_decoder:
         return []
-    hooks = []
+    hooks, projections = [], _projections(model)
     for name, param in trained:
-        if _is_projection(name):
+        if name in projections:
             support = (param.detach() != 0).to(param.dtype)
             hooks.append(param.register_hook(lambda grad, support=support: grad * support))
     return hooks
@@ -768,7 +754,7 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
         return torch.stack(per_layer).mean()
 
     losses, seconds = _train(
-        _learning_rate_groups(trained, args),
+        _learning_rate_groups(trained, _projections(model), args),
         args.steps,
         transfer_loss,
         "attention transfer",
@@ -793,26 +779,30 @@ def _stages(model, source, trained, ids, mask, eval_blocks, args: TransferArgume
     return report
 
 
-def _learning_rate_groups(named: list[tuple[str, nn.Parameter]], args: TransferArguments) -> list[dict]:
-    """The new attention parameters' AdamW groups: Linformer's projections at ``projection_learning_rate``, the
-    rest at ``learning_rate``; empty groups left out."""
-    projections = [param for name, param in named if _is_projection(name)]
-    others = [param for name, param in named if not _is_projection(name)]
+def _learning_rate_groups(
+    named: list[tuple[str, nn.Parameter]], projections: set[str], args: TransferArguments
+) -> list[dict]:
+    """The new attention parameters' AdamW groups: Linformer's projections (named in ``projections``) at
+    ``projection_learning_rate``, the rest at ``learning_rate``; empty groups left out."""
+    others = [param for name, param in named if name not in projections]
+    chosen = [param for name, param in named if name in projections]
     return [
         {"params": group, "lr": lr}
-        for group, lr in ((others, args.learning_rate), (projections, args.projection_learning_rate))
+        for group, lr in ((others, args.learning_rate), (chosen, args.projection_learning_rate))
         if group
     ]
 
 
-def _finetune_groups(params, trained: list[tuple[str, nn.Parameter]], args: TransferArguments) -> list[dict]:
+def _finetune_groups(
+    params, trained: list[tuple[str, nn.Parameter]], projections: set[str], args: TransferArguments
+) -> list[dict]:
     """Stage 2's groups: the new attention parameters at their stage-1 rates (they started from scratch; at
     ``finetune_learning_rate`` they would hardly move) or all at ``finetune_new_learning_rate`` when set, every
     other parameter of ``params`` at ``finetune_learning_rate``."""
     new = {id(param) for _, param in trained}
     rest = [param for param in params if id(param) not in new]
     if args.finetune_new_learning_rate is None:
-        groups = _learning_rate_groups(trained, args)
+        groups = _learning_rate_groups(trained, projections, args)
     else:
         groups = [{"params": [param for _, param in trained], "lr": args.finetune_new_learning_rate}]
     return groups + ([{"params": rest, "lr": args.finetune_learning_rate}] if rest else [])
@@ -821,6 +811,7 @@ def _finetune_groups(params, trained: list[tuple[str, nn.Parameter]], args: Tran
 def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArguments, generator, report) -> None:
     """Stage 2: distill the model from ``source``, all weights or LoRA + the new attention parameters."""
     report.finetune = args.finetune
+    projections = _projections(model)  # by the model's own names, before LoRA wraps it
     report.finetune_loss = "next-token KL" if model.config.is_decoder else "hidden-state MSE / mean square, every layer"
     report.finetune_loss_before = _mean_distillation_loss(model, source, eval_blocks)
     order = _batches(ids.shape[0], args.batch_size, generator)
@@ -834,7 +825,7 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
         for param in model.parameters():
             param.requires_grad_(True)
         _, report.finetune_seconds = _train(
-            _finetune_groups(model.parameters(), trained, args),
+            _finetune_groups(model.parameters(), trained, projections, args),
             args.finetune_steps,
             distillation_loss,
             description,
@@ -857,7 +848,7 @@ def _finetune(model, source, trained, ids, mask, eval_blocks, args: TransferArgu
                 param.requires_grad_(True)
             params = [param for param in wrapped.parameters() if param.requires_grad]
             _, report.finetune_seconds = _train(
-                _finetune_groups(params, trained, args),
+                _finetune_groups(params, trained, projections, args),
                 args.finetune_steps,
                 distillation_loss,
                 description,

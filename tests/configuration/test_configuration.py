@@ -291,3 +291,26 @@ def test_check_input_length_refuses_negative_lengths():
         PerformerConfig().check_input_length(-1)
     with pytest.raises(ValueError, match="past=-2"):
         PerformerConfig().check_input_length(3, past=-2)
+
+
+def test_attention_fields_are_the_familys_own_and_the_local_heads_not_the_stacks_shape():
+    performer = {f.name for f in PerformerConfig.attention_fields()}
+    linformer = {f.name for f in LinformerConfig.attention_fields()}
+    local = {"num_local_heads", "local_window", "local_relative_bias"}
+    assert local | {"num_random_features", "kernel", "hybrid_window", "hybrid_key_scale"} <= performer
+    assert local | {"projected_length", "sharing", "projection", "hybrid_window"} <= linformer
+    shape = {"hidden_size", "vocab_size", "num_hidden_layers", "max_position_embeddings", "is_decoder", "pad_token_id"}
+    assert not (performer | linformer) & shape
+    assert "num_random_features" not in linformer and "projected_length" not in performer
+
+
+def test_a_converted_linformer_starts_at_k_equal_n_unless_told_otherwise():
+    assert LinformerConfig.conversion_defaults({}, 128) == {"max_seq_length": 128, "projected_length": 128}
+    given = LinformerConfig.conversion_defaults({"max_seq_length": None, "projected_length": 32}, 128)
+    assert given == {"max_seq_length": 128, "projected_length": 32}
+    assert LinformerConfig.conversion_defaults({"max_seq_length": 64}, 128)["projected_length"] == 64
+
+
+def test_a_converted_performer_keeps_the_users_fields_none_included():
+    fields = {"feature_redraw_interval": None, "num_random_features": 64}
+    assert PerformerConfig.conversion_defaults(fields, 128) == fields

@@ -368,6 +368,33 @@ def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
     assert (config.hybrid_window, config.hybrid_sinks) == (4, 1)
 
 
+def test_cli_offers_a_flag_for_every_attention_field_of_every_family(capsys):
+    """The flags follow the configs' fields: a bool is a switch (``--no_name`` where its default is True)."""
+    from linearformers import LinformerConfig, PerformerConfig
+    from linearformers.modeling.convert import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out
+    for config_class in (PerformerConfig, LinformerConfig):
+        for f in config_class.attention_fields():
+            flag = f"--no_{f.name}" if f.default is True else f"--{f.name}"
+            assert re.search(rf"{flag}\b", usage), flag
+
+
+def test_cli_sets_a_true_default_to_false_a_list_and_a_choice(tmp_path):
+    from linearformers.modeling.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    main([str(tmp_path / "bert"), str(tmp_path / "performer"), "--no_orthogonal_features", "--local_relative_bias"])
+    config = AutoModel.from_pretrained(tmp_path / "performer").config
+    assert (config.orthogonal_features, config.local_relative_bias) == (False, True)
+    linformer = ["--family", "linformer", "--projected_length_per_layer", "8", "16", "--sharing", "key_value"]
+    main([str(tmp_path / "bert"), str(tmp_path / "linformer"), *linformer])
+    config = AutoModel.from_pretrained(tmp_path / "linformer").config
+    assert (config.projected_length_per_layer, config.sharing) == ([8, 16], "key_value")
+
+
 def test_cli_names_a_flag_of_the_other_family_in_one_line(tmp_path, capsys):
     from linearformers.modeling.convert import main
 

@@ -1,5 +1,8 @@
 """Attention transfer: the new attention parameters of a converted model fit to the original's softmax attention."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -467,7 +470,7 @@ def _log_mass_targets(attention, x, mask, window, sinks, causal):
     with torch.no_grad():
         q = attention._split(attention.q_proj(x))[:, :g].double()
         k = attention._split(attention.k_proj(x))[:, :g].double()
-        phi_q, phi_k, _ = attention.map_features(q.float(), k.float(), mask if not mask.all() else None)
+        phi_q, phi_k = attention.feature_map(q.float(), is_query=True), attention.feature_map(k.float(), is_query=False)
         if attention.key_scale_weight is not None:  # the keys' learned scale, written out
             raw = (k.float() * attention.key_scale_weight[None, :, None, :]).sum(-1) + attention.key_scale_bias[:, None]
             phi_k = phi_k * torch.exp(20.0 * torch.tanh(raw / 20.0))[..., None]
@@ -575,3 +578,14 @@ def test_the_cli_converts_with_a_query_scale_and_calibrates_it(tokenizer_dir, tm
     assert loaded.config.hybrid_query_scale is True and loaded.config.hybrid_key_scale is True
     assert loaded.layers[0].attention.query_scale_bias.abs().sum() > 0  # calibrated, then saved
     assert loaded.layers[0].attention.key_scale_bias.abs().sum() > 0  # trained, then saved
+
+
+def test_cli_offers_a_flag_for_every_transfer_argument(capsys):
+    """Named by the field's metadata ``flag`` (else the field); a bool is a switch, ``--no_name`` where True."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out
+    for f in dataclasses.fields(TransferArguments):
+        name = f.metadata.get("flag", f.name)
+        flag = f"--no_{name}" if f.default is True else f"--{name}"
+        assert re.search(rf"{flag}\b", usage), flag

@@ -42,7 +42,7 @@ DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.cuda)] * torch.cuda.
 
 
 def _favor_hybrid_features(q, k):
-    """FAVOR+ features on the softmax's scale, as PerformerAttention.map_features makes them."""
+    """FAVOR+ features on the softmax's scale, as PerformerAttention.hybrid_features makes them."""
     projection = draw_random_features(M, D, seed=3, device=q.device)
     u = favor_exponents(q, projection, is_query=True)
     top = u.amax(-1, keepdim=True).detach()
