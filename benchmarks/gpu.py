@@ -54,6 +54,7 @@ import gc
 import inspect
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -668,14 +669,17 @@ def make_header(s: argparse.Namespace) -> dict:
             fla = getattr(fla, "__version__", "installed")
         except ImportError:
             fla = "not installed"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
+    try:  # BENCH_COMMIT: a copy of the tree whose .git is not the tree's own (a lent GPU machine) says it
+        commit = (
+            os.environ.get("BENCH_COMMIT")
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+        )
     except Exception:
         commit = "unknown"
     return {
@@ -688,6 +692,7 @@ def make_header(s: argparse.Namespace) -> dict:
         "fla": fla,
         "python": platform.python_version(),
         "commit": commit,
+        "load_average_before": list(os.getloadavg()),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]),
         "timing": "CUDA events" if s.device == "cuda" else "time.perf_counter",

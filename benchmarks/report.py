@@ -454,6 +454,47 @@ def section_gpu(path: Path) -> list[str]:
     return out[:-1]
 
 
+def section_triton_sweep(path: Path) -> list[str]:
+    """triton_sweep.py's file: the five fastest launch settings for the fused softmax map at the middle length, the
+    setting the kernels launch with by default, and flash SDPA of the same run."""
+    data = _read(path)
+    lengths = sorted({int(n) for row in data["rows"] for n in row["lengths"]})
+    middle = str(lengths[len(lengths) // 2])
+    sdpa = data["baselines"]["sdpa_causal"]
+
+    def cell(found: dict, n: int) -> str:
+        c = found.get(str(n), {})
+        if c.get("status") != "ok":
+            return c.get("status", "-")
+        ref = sdpa.get(str(n), {})
+        return f"{c['ms']:.2f} ms ({ref['ms'] / c['ms']:.2f}x)" if ref.get("status") == "ok" else f"{c['ms']:.2f} ms"
+
+    def label(s: dict) -> str:
+        return f"C {s['chunk']}, {s['warps']} warps, {s['stages'] or 3} stages, {s['programs_per_sm']} per SM"
+
+    favor = [r for r in data["rows"] if r["kernel"] == "favor_causal/triton"]
+    ok = [r for r in favor if r["lengths"][middle].get("status") == "ok"]
+    ranked = sorted(ok, key=lambda r: r["lengths"][middle]["ms"])[:5]
+    linear = {json.dumps(r["setting"], sort_keys=True): r for r in data["rows"] if r["kernel"] != "favor_causal/triton"}
+    body = [["flash SDPA, causal", *(f"{sdpa[str(n)]['ms']:.2f} ms" for n in lengths), "-"]]
+    for r in ranked:
+        twin = linear.get(json.dumps(r["setting"], sort_keys=True), {"lengths": {}})
+        body.append(
+            [label(r["setting"]), *(cell(r["lengths"], n) for n in lengths), cell(twin["lengths"], int(middle))]
+        )
+    header = ["causal FAVOR+ m = 256, fused map", *map(str, lengths), f"given features, {middle}"]
+    settings = len(favor)
+    return [
+        f"The {settings} launch settings of the causal kernels (chunk C, warps, pipelining stages, programs per "
+        f"multiprocessor), forward + backward, bf16, 12 heads x 64: the five fastest at {middle} (speedup over flash "
+        "SDPA of the same run).",
+        "",
+        *_table(header, body),
+        "",
+        "Run: " + stamp_line(data.get("header")),
+    ]
+
+
 # -------------------------------------------------------------------------------------------------------- the page
 SECTIONS = [
     (
@@ -645,11 +686,12 @@ def benchmarks_readme(results: Path = RESULTS) -> str:
         if not path.exists():
             continue
         lines += [f"## {title}", "", f"`results/{name}`" + (f": {intro}" if intro else ""), "", *section(path), ""]
-    gpu = sorted((results / "h100").glob("*.json")) if (results / "h100").is_dir() else []
+    gpu = sorted(path for folder in sorted(results.iterdir()) if folder.is_dir() for path in folder.glob("*.json"))
     if gpu:
         lines += ["## GPU", "", GPU_INTRO, ""]
         for path in gpu:
-            lines += [f"### `results/h100/{path.name}`", "", *section_gpu(path), ""]
+            section = section_triton_sweep if path.name == "triton_sweep.json" else section_gpu
+            lines += [f"### `results/{path.parent.name}/{path.name}`", "", *section(path), ""]
     unknown = sorted(
         path.name
         for path in results.glob("*.json")

@@ -221,7 +221,7 @@ def main(argv=None) -> None:
     path.write_text("{}")  # writable before the long part
     load = os.getloadavg()
     header = gpu.make_header(argparse.Namespace(device=a.device, quick=a.quick))
-    header.update(command="python benchmarks/" + " ".join([Path(__file__).name, *argv]), load_before=load)
+    header.update(command="python benchmarks/" + " ".join([Path(__file__).name, *argv]), load_average_before=load)
     result = {"header": header, "compile_s": precompile(a, argv), "baselines": {}, "rows": [], "profile": {}}
     print(f"compiled in {result['compile_s']:.0f} s", flush=True)
     if a.precompile_only:
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
                 sdpa = result["baselines"]["sdpa_causal"][n].get("ms")
                 best[f"{name} {n}"] = {"ms": ms, "setting": s, "vs_sdpa": sdpa / ms if sdpa else None}
     result["best"] = best
-    result["header"]["load_after"] = os.getloadavg()
+    result["header"]["load_average_after"] = os.getloadavg()
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps({"best": best, "profile": result["profile"]}, indent=1))
 

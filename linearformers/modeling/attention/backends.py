@@ -17,8 +17,8 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
   multiples of 16, chunk a power of two >= 16, no float64); custom ops, so torch.compile keeps them whole, without
   a graph break. Named on the CPU it runs under Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is
   refused otherwise. Bidirectional (:mod:`_triton_bidirectional`: the two products K'ᵀ[V, 1], then Q' times it,
-  with the features computed inside both) it runs only when named, under the same refusals: opt-in until measured
-  on a GPU.
+  with the features computed inside both) it is the default on CUDA for the fused maps, under the same refusals
+  (given features take it when named).
 * ``"blockwise"`` (:mod:`_favor_autograd`, bidirectional FAVOR+ only): feature maps built a block of positions at a
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
@@ -126,9 +126,10 @@ def choose_backend(
 
     None, causal: "triton" on CUDA tensors where :func:`triton_refusal` finds nothing against it; else "native"
     where :func:`native_refusal` finds nothing against it; "chunked" otherwise.
-    None, bidirectional: "blockwise" on the CPU (fused FAVOR+ only, outside torch.compile: its blocks branch on the
-    data; not float64, which it would compute in float32), "chunked" otherwise; never "triton", which bidirectional
-    calls take only when named (opt-in until measured on a GPU). "reference" with a state in or out
+    None, bidirectional: with the FAVOR+ map to fuse, "triton" on CUDA tensors where :func:`triton_refusal` finds
+    nothing against it, "blockwise" on the CPU (outside torch.compile: its blocks branch on the data; not float64,
+    which it would compute in float32); "chunked" otherwise (given features take "triton" only when named).
+    "reference" with a state in or out
     is refused, as are "native" for bidirectional attention and "blockwise" for causal attention or given
     features."""
     if backend is not None and backend not in BACKENDS:
@@ -160,6 +161,8 @@ def choose_backend(
     if backend == "chunked":
         return "chunked"
     if not causal:
+        if fused and v.device.type == "cuda" and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:
+            return "triton"
         on_cpu = v.device.type == "cpu" and not torch.compiler.is_compiling()
         return "blockwise" if fused and on_cpu and v.dtype != torch.float64 else "chunked"
     if v.device.type == "cuda" and triton_refusal(v, num_features, chunk_size, inputs=inputs) is None:

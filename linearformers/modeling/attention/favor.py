@@ -177,8 +177,8 @@ def favor_attention(
         backend: None, "chunked", "triton", "native" (causal), "blockwise" (bidirectional) or "reference"; see
             :mod:`backends` (None: causal, the Triton kernels on CUDA, the compiled CPU walk where it runs and the
             chunked backend elsewhere;
-            bidirectional, the blockwise kernel on the CPU and the chunked one elsewhere and under torch.compile;
-            the bidirectional Triton kernels run only when named: opt-in until measured on a GPU).
+            bidirectional, the Triton kernels on CUDA, the blockwise kernel on the CPU and the chunked one elsewhere
+            and under torch.compile on the CPU).
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
             (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.

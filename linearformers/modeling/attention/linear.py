@@ -100,7 +100,8 @@ def linear_attention(
         initial_state: causal only, the (S, z) of an earlier call (continued prefill).
         return_state: causal only, also return the final (S, z).
         backend: None (see :mod:`backends`), "reference", "chunked", "triton" or "native" (causal); bidirectional
-            "triton" runs only when named (opt-in until measured on a GPU), with chunk_size its tile of positions.
+            "triton" runs only when named (its fused-map form is the FAVOR+ default on CUDA), with chunk_size its
+            tile of positions.
 
     Gradients reach phi_q, phi_k and v (and the initial state), so a learned map trains through any backend.
     Returns (batch, heads, length, d_v) in v's dtype, and the state when ``return_state``.
@@ -131,7 +132,7 @@ def linear_attention(
     if chosen == "reference":
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     keep = None if mask is None else mask[:, None, :, None].float()
-    if not causal and chosen == "triton":  # named only: opt-in until measured on a GPU
+    if not causal and chosen == "triton":  # named only
         return triton_bidirectional_linear(
             phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK
         )

@@ -111,9 +111,9 @@ def test_compiles_without_graph_break():
     assert_close(run_with_grads(compiled, inputs, grad), run_with_grads(fn, inputs, grad), 1e-6, "compiled", QKV)
 
 
-def test_refusals_and_never_the_default(monkeypatch):
+def test_refusals_and_never_the_default_off_cuda(monkeypatch):
     """Bidirectional backend="triton" says why it cannot run a call, as the causal kernels do, and backend=None
-    never picks it (opt-in until measured on a GPU)."""
+    does not pick it for CPU tensors (interpreted, it is for tests)."""
     v = torch.zeros(1, 1, 8, 32)
     w = torch.randn(32, 32)
 
@@ -180,3 +180,18 @@ def test_matches_float64_features_on_cuda(dtype):
 
     expected = run_with_grads(reference, [t.double() for t in inputs], grad)
     assert_close(got, expected, TOLERANCE[dtype], "n=1000", QKV)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_triton_is_the_bidirectional_default_for_the_fused_maps_on_cuda():
+    """On CUDA, bidirectional FAVOR+ with its map to fuse takes the kernels by default; given features and a
+    switched-off kernel set take the chunked backend."""
+    v = torch.zeros(1, 12, 64, 64, device="cuda", dtype=torch.bfloat16)
+    assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "triton"
+    assert choose_backend(None, v, 256, None, causal=False, fused=False, inputs=(v, v)) == "chunked"
+    previous = set_triton_kernels(False)
+    try:
+        assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "chunked"
+    finally:
+        set_triton_kernels(previous)
