@@ -47,6 +47,7 @@ ATTENTION_LAYERS = {
     "layer_peer_linformer": "lucidrains linformer layer",
 }
 README_SPEED = ("sdpa", "sdpa_causal", "linformer", "performer", "performer_causal")
+README_GPU = "h200/gpu.json"  # the README's GPU table: the latest run of the default kernels
 
 
 # ---------------------------------------------------------------------------------------------------------- stamps
@@ -414,8 +415,9 @@ def _gpu_cell(row: dict | None, ref: dict | None) -> str:
     return f"{row['seconds'] * 1e3:.2f} ms{ratio}, {row['peak_mb']:.0f} MB"
 
 
-def section_gpu(path: Path) -> list[str]:
-    """gpu.py's file: its header stamps the whole file, and each section keeps the command that measured it."""
+def section_gpu(path: Path, targets: bool = True) -> list[str]:
+    """gpu.py's file: its header stamps the whole file, and each section keeps the command that measured it; then
+    the targets it measured (``targets``)."""
     data = _read(path)
     header = {**data.get("header", {}), "load": "not recorded"}
     out = []
@@ -448,9 +450,9 @@ def section_gpu(path: Path) -> list[str]:
                 body.append([f"`{name}`", n, tokens, peak])
         out += ["Training steps.", "", *_table(["model", "n", "tokens/s", "peak MB"], body), ""]
         out += ["Run: " + stamp_line({**header, "command": data["training"].get("command", header.get("command"))}), ""]
-    targets = [t for t in data.get("targets", []) if t.get("verdict") != "not measured"]
-    if targets:
-        out += [*_table(["target", "measured", "verdict"], [[t["target"], t["measured"], t["verdict"]] for t in targets]), ""]  # fmt: skip
+    measured = [t for t in data.get("targets", []) if t.get("verdict") != "not measured"] if targets else []
+    if measured:
+        out += [*_table(["target", "measured", "verdict"], [[t["target"], t["measured"], t["verdict"]] for t in measured]), ""]  # fmt: skip
     return out[:-1]
 
 
@@ -712,7 +714,12 @@ def readme_tables(results: Path = RESULTS) -> dict[str, str]:
     ]
     header, body, lines = conversion_rows(files, detail=False)
     conversion = [*_table(header, body), "", *lines]
-    return {"speed": "\n".join(speed) + "\n", "conversion": "\n".join(conversion) + "\n"}
+    gpu = section_gpu(results / README_GPU, targets=False)
+    return {
+        "speed": "\n".join(speed) + "\n",
+        "gpu_speed": "\n".join(gpu) + "\n",
+        "conversion": "\n".join(conversion) + "\n",
+    }
 
 
 def fill(text: str, tables: dict[str, str]) -> str:
