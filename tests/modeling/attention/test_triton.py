@@ -322,3 +322,72 @@ def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel
     assert len(got_grads) == len(want_grads)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()) + 1e-9)
+
+
+def _ddp_worker(rank, world, port, folder, kernel):
+    """One rank: a Performer LM whose attention runs the Triton kernels, under DistributedDataParallel (gloo), on
+    its shard of the batch; saves its parameters' gradients after the all-reduce."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import linearformers.modeling.attention.favor as favor
+    import linearformers.modeling.attention.linear as linear
+    from tests.conftest import tiny_config
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        calls = []
+        for module in (favor, linear):
+            module.choose_backend = _triton_by_default(module.choose_backend, calls)
+        model = _ddp_model(tiny_config, AutoModelForCausalLM, kernel)
+        ids = _ddp_batch()[2 * rank : 2 * rank + 2]
+        ddp = DistributedDataParallel(model)  # kept: its reducer all-reduces during backward
+        ddp(ids, labels=ids).loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        torch.save({"grads": grads, "triton": "triton" in calls}, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_model(tiny_config, cls, kernel):
+    cfg = tiny_config(
+        "performer", kernel=kernel, is_decoder=True, hidden_size=64, num_attention_heads=4, num_random_features=32,
+        feature_redraw_interval=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return cls.from_config(cfg).train()
+
+
+def _ddp_batch():
+    return torch.randint(3, 99, (4, 21), generator=torch.Generator().manual_seed(1))
+
+
+@ON_CPU
+@pytest.mark.parametrize("kernel", ["softmax", "hedgehog"])
+def test_ddp_through_the_kernels_gives_the_gradient_of_the_whole_batch(kernel, tmp_path):
+    """Two gloo ranks, each running its half of the batch through the Triton kernels (here interpreted) under
+    DistributedDataParallel: after the all-reduce every rank holds the mean of the two halves' gradients, as one
+    process computes them on the PyTorch backends."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), kernel), nprocs=2, join=True)
+    model = _ddp_model(tiny_config, AutoModelForCausalLM, kernel)
+    ids = _ddp_batch()
+    loss = (model(ids[:2], labels=ids[:2]).loss + model(ids[2:], labels=ids[2:]).loss) / 2
+    loss.backward()
+    want = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["triton"]
+        assert got["grads"].keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()) + 1e-9)
