@@ -127,6 +127,7 @@ def main() -> None:
                 save_steps=max(args.steps // 3, 1),
                 save_total_limit=2,
                 seed=0,
+                logging_steps=1,  # the report's first and last training loss
                 report_to="tensorboard",
             ),
         )
