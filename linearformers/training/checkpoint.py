@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 POINTER = "latest"
 RUN_FILE = "run.json"
@@ -117,7 +117,7 @@ class CheckpointCallback(TrainerCallback):
     def __init__(self, run: dict) -> None:
         self.run = run
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             (folder / RUN_FILE).write_text(json.dumps(self.run, indent=1))

@@ -33,6 +33,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     Trainer,
     TrainerCallback,
+    TrainerControl,
+    TrainerState,
     TrainingArguments,
     default_data_collator,
     set_seed,
@@ -269,7 +271,7 @@ class SeededMasking(TrainerCallback):
 
         return split.map(masked, batched=True)
 
-    def on_epoch_begin(self, args, state, control, **kwargs):
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         self.epoch = int(state.epoch or 0)
 
 
@@ -280,7 +282,7 @@ class _ResumedOptimizer(TrainerCallback):
 
     began = False
 
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs) -> None:
         self.began = True
         for group in optimizer.param_groups:
             group["initial_lr"] = args.learning_rate
@@ -288,7 +290,7 @@ class _ResumedOptimizer(TrainerCallback):
                 group["weight_decay"] = args.weight_decay
             if "betas" in group:
                 group["betas"] = (args.adam_beta1, args.adam_beta2)
-            if "eps" in group:
+            if isinstance(group.get("eps"), float):  # Adam's; Adafactor's is a pair
                 group["eps"] = args.adam_epsilon
         schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
         if isinstance(schedule, LambdaLR):  # every get_scheduler schedule that steps without a metric
@@ -313,7 +315,7 @@ class _PrintEvaluations(TrainerCallback):
     def __init__(self, task: str) -> None:
         self.task = task
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
         if state.is_world_process_zero:
             results = _results(metrics, self.task)
             tqdm.write(f"step {state.global_step}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.items()))
@@ -597,6 +599,11 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, output: Pat
     callbacks = [CheckpointCallback(run), printer]
     collator = DataCollatorWithPadding(tokenizer) if args.task == "classification" else default_data_collator
     if args.task == "mlm":
+        if training_args.dataloader_persistent_workers and training_args.dataloader_num_workers:
+            logger.warning(
+                "--dataloader_persistent_workers: the workers keep the masking collator of the first epoch, so each "
+                "epoch masks a block the same way; leave it off for masks that change with the epoch"
+            )
         collator = SeededMasking(tokenizer, args.mlm_probability, training_args.seed)
         data["validation"] = collator.mask_split(data["validation"])
         callbacks.append(collator)

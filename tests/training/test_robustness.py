@@ -291,7 +291,7 @@ def test_the_cli_trains_a_performer_and_a_linformer_with_mixed_precision_on_cpu(
     worker_args = [str(tmp_path / "dump.json")]
     for family, args in runs.items():
         args += ["--family", family, "--train_file", text_file, "--output_dir", str(tmp_path / family)]
-        args += ["--block_size", "32", "--max_steps", "3", "--save_steps", "2"]
+        args += ["--block_size", "32", "--max_steps", "3", "--save_steps", "2", "--logging_steps", "1"]
         worker_args += [*args, "--use_cpu", "true", "--disable_tqdm", "true", f"--{precision}", "true", "---"]
     done = subprocess.run(
         [sys.executable, str(PRECISION_WORKER), *worker_args],
