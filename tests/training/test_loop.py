@@ -255,6 +255,37 @@ def test_resume_after_sigkill_reaches_the_same_weights_and_losses(text_file, tmp
     assert len(losses[0]) == 150 and losses[0] == losses[1]
 
 
+def test_a_kill_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(text_file, tmp_path):
+    """SIGKILL while checkpoint-8 is half written: "latest" still names checkpoint-4, the resume deletes the half
+    folder and continues from checkpoint-4 to the uninterrupted run's weights and losses, bit for bit."""
+    from safetensors.torch import load_file
+
+    args = [
+        *("--task", "mlm", "--family", "performer", "--train_file", text_file, "--block_size", "32"),
+        *("--config_overrides", TINY + ",num_random_features=16,feature_redraw_interval=3"),
+        *("--max_steps", "12", "--save_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4"),
+        *("--use_cpu", "true", "--disable_tqdm", "true"),
+    ]
+    cli = [sys.executable, "-m", "linearformers.training"]
+    run = dict(env=_env(), cwd=REPO, timeout=300, capture_output=True, text=True)
+    subprocess.run([*cli, *args, "--output_dir", str(tmp_path / "whole")], check=True, **run)
+    killed = tmp_path / "killed"
+    worker = Path(__file__).parent / "_killed_run.py"
+    done = subprocess.run([sys.executable, str(worker), "checkpoint-8", *args, "--output_dir", str(killed)], **run)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert (killed / "checkpoint-8" / "model.safetensors").is_file()  # half written: the model, no trainer state
+    assert not (killed / "checkpoint-8" / "trainer_state.json").exists()
+    assert latest_checkpoint(killed).name == "checkpoint-4"
+    subprocess.run([*cli, *args, "--output_dir", str(killed), "--resume_from_checkpoint", "true"], check=True, **run)
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(killed / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:  # bit for bit: one machine, the same code and thread count compute both runs
+        assert torch.equal(a[key], b[key]), key
+    losses = [json.loads((out / "results.json").read_text())["train_loss"] for out in (tmp_path / "whole", killed)]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
+
+
 def _args(tmp_path, **kw):
     """(ModelDataArguments, TrainingArguments) of a tiny run: ``train(*_args(...))``. Keywords go to whichever
     dataclass has the field."""
