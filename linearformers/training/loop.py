@@ -652,7 +652,9 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, output: Pat
     summary = {
         "results": results,
         "train_loss": [entry["loss"] for entry in history if "loss" in entry],
-        "mean_train_loss": next(entry["train_loss"] for entry in reversed(history) if "train_loss" in entry),
+        "mean_train_loss": next(
+            (entry["train_loss"] for entry in reversed(history) if "train_loss" in entry), math.nan
+        ),
         "evaluations": [{"step": e["step"], **_results(e, args.task)} for e in history if "eval_loss" in e],
         "steps": trainer.state.global_step,
     }
