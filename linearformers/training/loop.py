@@ -595,8 +595,39 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, output: Pat
         for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
             setattr(model.config, name, getattr(tokenizer, name))
             setattr(model.generation_config, name, getattr(tokenizer, name))
-    printer = _PrintEvaluations(args.task)
-    callbacks = [CheckpointCallback(run), printer]
+    resumed = None if resume_from is None else _ResumedOptimizer()
+    trainer = _trainer(
+        args, training_args, model, tokenizer, data, [CheckpointCallback(run), *([resumed] if resumed else [])]
+    )
+    try:
+        trainer.train(resume_from_checkpoint=None if resume_from is None else str(resume_from))
+    except Exception as error:
+        if training_args.process_index == 0:
+            kept = [step_of(folder) for folder in (latest_checkpoint(output), resume_from) if folder is not None]
+            remove_incomplete(output, after=max(kept, default=-1))
+        named = disk_full(error, output)
+        if named is not None:
+            raise named from error
+        if resumed is not None and not resumed.began:  # the checkpoint's weights or optimizer state did not load
+            raise ValueError(
+                f"cannot resume from checkpoint {resume_from}: {type(error).__name__}: {str(error)[:500]} (was it "
+                "written by a run with another model config or family, or is it damaged?)"
+            ) from error
+        raise
+    return _finish(args, training_args, trainer, tokenizer, output)
+
+
+def _trainer(
+    args: ModelDataArguments,
+    training_args: TrainingArguments,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: DatasetDict,
+    callbacks: list[TrainerCallback],
+) -> Trainer:
+    """The Trainer of the run: the task's collator (for MLM, ``SeededMasking``, which masks the validation blocks
+    once), the console's evaluations, and fp16 on a CPU where Accelerate would leave it off."""
+    callbacks = [*callbacks, _PrintEvaluations(args.task)]
     collator = DataCollatorWithPadding(tokenizer) if args.task == "classification" else default_data_collator
     if args.task == "mlm":
         if training_args.dataloader_persistent_workers and training_args.dataloader_num_workers:
@@ -607,8 +638,6 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, output: Pat
         collator = SeededMasking(tokenizer, args.mlm_probability, training_args.seed)
         data["validation"] = collator.mask_split(data["validation"])
         callbacks.append(collator)
-    resumed = None if resume_from is None else _ResumedOptimizer()
-    callbacks += [resumed] if resumed else []
     trainer_args = copy.copy(training_args)
     trainer_args.push_to_hub = False  # the upload (with this package's model card) follows the final evaluation
     trainer = Trainer(
@@ -628,23 +657,21 @@ def _run(args: ModelDataArguments, training_args: TrainingArguments, output: Pat
         # and Trainer saves the scale in checkpoints
         accelerator.native_amp = True
         accelerator.scaler = torch.amp.GradScaler("cpu")
-    try:
-        trainer.train(resume_from_checkpoint=None if resume_from is None else str(resume_from))
-    except Exception as error:
-        if training_args.process_index == 0:
-            kept = [step_of(folder) for folder in (latest_checkpoint(output), resume_from) if folder is not None]
-            remove_incomplete(output, after=max(kept, default=-1))
-        named = disk_full(error, output)
-        if named is not None:
-            raise named from error
-        if resumed is not None and not resumed.began:  # the checkpoint's weights or optimizer state did not load
-            raise ValueError(
-                f"cannot resume from checkpoint {resume_from}: {type(error).__name__}: {str(error)[:500]} (was it "
-                "written by a run with another model config or family, or is it damaged?)"
-            ) from error
-        raise
+    return trainer
+
+
+def _finish(
+    args: ModelDataArguments,
+    training_args: TrainingArguments,
+    trainer: Trainer,
+    tokenizer: PreTrainedTokenizerBase,
+    output: Path,
+) -> dict:
+    """Evaluate the trained model, save it with the tokenizer to ``output_dir/final``, write ``results.json`` (the
+    logged losses, the evaluations during training, the final results), push to the Hub if asked; returns what the
+    command reports."""
     history = list(trainer.state.log_history)  # before the final evaluation joins it
-    trainer.remove_callback(printer)
+    trainer.remove_callback(_PrintEvaluations)
     results = _results(trainer.evaluate(), args.task)
     final = output / "final"
     trainer.save_model(str(final))
