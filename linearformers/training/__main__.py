@@ -17,15 +17,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from ..cli import raised_by_linearformers
 from .data import TASKS
-from .loop import (
-    _OLD_NAMES,
-    _OPTIMIZERS,
-    _STRATEGIES,
-    TRAINING_ARGUMENTS_READ,
-    UNSUPPORTED_TRAINING_ARGUMENTS,
-    ModelDataArguments,
-    train,
-)
+from .loop import ModelDataArguments, train
 
 PROG = "linearformers-train"
 USAGE = f"{PROG} --task {{{','.join(TASKS)}}} (--train_file FILE | --dataset_dir DIR) --output_dir DIR [options]"
@@ -37,7 +29,10 @@ example (a small causal LM on a text file, evaluated every 200 steps):
 """
 # the flags this command had before it took TrainingArguments' names -> what to pass now
 REMOVED_FLAGS = {
-    **{old: f"--{new}" for old, new in _OLD_NAMES.items()},
+    "tokenizer": "--tokenizer_name",
+    "lr_scheduler": "--lr_scheduler_type",
+    "keep_checkpoints": "--save_total_limit",
+    "cpu": "--use_cpu",
     "per_device_batch_size": "--per_device_train_batch_size (and --per_device_eval_batch_size)",
     "eval_every": "--eval_strategy steps --eval_steps N",
     "save_every": "--save_steps N (--save_strategy no: never)",
@@ -47,31 +42,15 @@ REMOVED_FLAGS = {
 }
 
 
-def _honoured(name: str) -> str:
-    """A TrainingArguments option the loop reads, with the values it takes where it takes only some."""
-    if name == "optim":
-        return f"optim ({' or '.join(_OPTIMIZERS)})"
-    if name in _STRATEGIES:
-        return f"{name} ({' or '.join(_STRATEGIES[name])})"
-    return name
-
-
 def description() -> str:
-    """The top of ``--help``: what the command does, an example, and which TrainingArguments options it honours
-    (``TRAINING_ARGUMENTS_READ``) and refuses (``UNSUPPORTED_TRAINING_ARGUMENTS``)."""
-    honoured = ", ".join(_honoured(name) for name in sorted(TRAINING_ARGUMENTS_READ))
-    refused = ", ".join(sorted(UNSUPPORTED_TRAINING_ARGUMENTS))
-    lists = (
-        "The options are ours (--task to --overwrite_output_dir), then transformers' TrainingArguments. Of those, "
-        f"this loop honours: {honoured}. It refuses, when set: {refused}. The other TrainingArguments options are "
-        "accepted and have no effect."
-    )
+    """The top of ``--help``: what the command does and an example."""
     what = (
-        "Train a Performer or Linformer (masked LM, causal LM or classifier) with Accelerate on local .txt, .csv or "
-        ".json(l) files or a save_to_disk folder. Checkpoints go to OUTPUT_DIR/checkpoints, the model and tokenizer "
-        "to OUTPUT_DIR/final, the losses and evaluations to OUTPUT_DIR/results.json."
+        "Train a Performer or Linformer (masked LM, causal LM or classifier) with transformers' Trainer on local "
+        ".txt, .csv or .json(l) files or a save_to_disk folder. Checkpoints go to OUTPUT_DIR/checkpoint-N, the model "
+        "and tokenizer to OUTPUT_DIR/final, the losses and evaluations to OUTPUT_DIR/results.json. The options are "
+        "ours (--task to --overwrite_output_dir), then transformers' TrainingArguments, each with Trainer's meaning."
     )
-    return f"{textwrap.fill(what, 100)}\n\n{EXAMPLE}\n{textwrap.fill(lists, 100)}"
+    return f"{textwrap.fill(what, 100)}\n\n{EXAMPLE}"
 
 
 class _HelpFormatter(ArgumentDefaultsHelpFormatter, RawDescriptionHelpFormatter):
@@ -107,10 +86,11 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[ModelDataArguments, 
 
 def _summary(out: dict) -> str:
     results = ", ".join(f"{name} {value:.4g}" for name, value in out["results"].items())
-    losses = out["train_loss"]
+    losses = out["train_loss"]  # those logged at --logging_steps
+    trend = f"{losses[0]:.4g} → {losses[-1]:.4g}" if len(losses) > 1 else f"{out['mean_train_loss']:.4g} (mean)"
     final = out["final_dir"]
     return (
-        f"trained {out['steps']} steps: train loss {losses[0]:.4g} → {losses[-1]:.4g}; eval: {results}\n"
+        f"trained {out['steps']} steps: train loss {trend}; eval: {results}\n"
         f"model and tokenizer: {final}\n"
         f"losses and eval metrics: {out['results_file']}\n"
         f"load with: from transformers import {out['auto_class']}, AutoTokenizer; import linearformers; "
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{PROG}: error: {error.strerror}", file=sys.stderr)
         return 1
-    if out["rank"] == 0 and out["train_loss"]:
+    if out["rank"] == 0:
         print(_summary(out))
     return 0
 

@@ -1,8 +1,8 @@
 """`make demo`: the whole mission on an embedded default, offline, in about a minute on 2 idle CPU cores.
 
 1. Real text: the Python standard library's own source, split into train / validation files.
-2. Small Performer and Linformer causal LMs trained with `linearformers-train`'s Accelerate loop, each with a
-   byte-level BPE tokenizer the loop trains on the training text first.
+2. Small Performer and Linformer causal LMs trained with `linearformers-train` (on Trainer), each with a
+   byte-level BPE tokenizer trained on the training text first.
 3. Evaluation (perplexity), checkpoints under outputs/demo/<family>/, and a Hub-ready export (weights, config
    with auto_map, tokenizer, model card, self-contained code) in outputs/demo/<family>/hub.
 4. Reload through AutoModelForCausalLM.from_pretrained, generate a sample on the recurrent cache.
@@ -127,6 +127,7 @@ def main() -> None:
                 save_steps=max(args.steps // 3, 1),
                 save_total_limit=2,
                 seed=0,
+                logging_steps=1,  # the report's first and last training loss
                 report_to="tensorboard",
             ),
         )

@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from linearformers.training import ModelDataArguments, latest_checkpoint, load_metric, train
+from linearformers.training.checkpoint import CheckpointCallback, checkpoints, step_of
 from tests.training.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +48,8 @@ def _cli(text_file, out, *extra, kernel=RANDOM_FEATURES):
         "true",
         "--learning_rate",
         "3e-3",
+        "--logging_steps",
+        "1",
         *extra,
     ]
 
@@ -130,8 +134,8 @@ def test_fsdp2_two_processes_shard_train_and_save_full_weights(tmp_path):
     checkpoint that holds the full, gathered weights (not one rank's shards) and loads with from_pretrained.
 
     Accelerate enables FSDP only on accelerators (on CPU it stays MULTI_CPU), so this drives torch's FSDP2
-    directly, with the same full-state-dict gather that Accelerate's get_state_dict uses for FSDP2 before the
-    training loop's final save_pretrained."""
+    directly, with the same full-state-dict gather that Accelerate's get_state_dict uses for FSDP2 before Trainer's
+    final save_model."""
     from transformers import AutoModelForCausalLM
 
     worker = Path(__file__).parent / "_fsdp_run.py"
@@ -179,7 +183,9 @@ def test_fsdp2_two_processes_shard_train_and_save_full_weights(tmp_path):
         torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=1e-5, msg=f"saved {key}")
 
 
-def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
+def test_resume_after_sigkill_reaches_the_same_weights_and_losses(text_file, tmp_path):
+    """A run killed with SIGKILL once it has checkpointed step 8 or later (often in the middle of writing the next
+    checkpoint, which then never becomes "latest"), then resumed, ends where an uninterrupted run ends."""
     args = [
         "--task",
         "mlm",
@@ -195,6 +201,8 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
         "150",
         "--save_steps",
         "4",
+        "--logging_steps",
+        "1",
         "--use_cpu",
         "true",
         "--disable_tqdm",
@@ -221,8 +229,8 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     )
     deadline = time.time() + 240
     while time.time() < deadline:
-        folder = latest_checkpoint(killed / "checkpoints") if (killed / "checkpoints").exists() else None
-        if folder is not None and folder.name >= "step-00000008":
+        folder = latest_checkpoint(killed) if killed.exists() else None
+        if folder is not None and (killed / "latest").is_file() and step_of(folder) >= 8:
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
@@ -243,6 +251,39 @@ def test_resume_after_sigkill_reaches_the_same_weights(text_file, tmp_path):
     assert a.keys() == b.keys()
     for key in a:  # bit for bit: one machine, the same code and thread count compute both runs
         assert torch.equal(a[key], b[key]), key
+    losses = [json.loads((run / "results.json").read_text())["train_loss"] for run in (tmp_path / "whole", killed)]
+    assert len(losses[0]) == 150 and losses[0] == losses[1]
+
+
+def test_a_kill_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(text_file, tmp_path):
+    """SIGKILL while checkpoint-8 is half written: "latest" still names checkpoint-4, the resume deletes the half
+    folder and continues from checkpoint-4 to the uninterrupted run's weights and losses, bit for bit."""
+    from safetensors.torch import load_file
+
+    args = [
+        *("--task", "mlm", "--family", "performer", "--train_file", text_file, "--block_size", "32"),
+        *("--config_overrides", TINY + ",num_random_features=16,feature_redraw_interval=3"),
+        *("--max_steps", "12", "--save_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4"),
+        *("--use_cpu", "true", "--disable_tqdm", "true"),
+    ]
+    cli = [sys.executable, "-m", "linearformers.training"]
+    run = dict(env=_env(), cwd=REPO, timeout=300, capture_output=True, text=True)
+    subprocess.run([*cli, *args, "--output_dir", str(tmp_path / "whole")], check=True, **run)
+    killed = tmp_path / "killed"
+    worker = Path(__file__).parent / "_killed_run.py"
+    done = subprocess.run([sys.executable, str(worker), "checkpoint-8", *args, "--output_dir", str(killed)], **run)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert (killed / "checkpoint-8" / "model.safetensors").is_file()  # half written: the model, no trainer state
+    assert not (killed / "checkpoint-8" / "trainer_state.json").exists()
+    assert latest_checkpoint(killed).name == "checkpoint-4"
+    subprocess.run([*cli, *args, "--output_dir", str(killed), "--resume_from_checkpoint", "true"], check=True, **run)
+    a = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    b = load_file(killed / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:  # bit for bit: one machine, the same code and thread count compute both runs
+        assert torch.equal(a[key], b[key]), key
+    losses = [json.loads((out / "results.json").read_text())["train_loss"] for out in (tmp_path / "whole", killed)]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
 
 
 def _args(tmp_path, **kw):
@@ -260,6 +301,7 @@ def _args(tmp_path, **kw):
         learning_rate=5e-4,
         weight_decay=0.01,
         seed=0,
+        logging_steps=1,
         report_to="none",
     )
     base.update(kw)
@@ -346,22 +388,19 @@ def test_local_metric_modules_compute_offline():
 
 def test_tensorboard_logging_writes_event_files(tmp_path, text_file):
     train(*_args(tmp_path, train_file=text_file, max_steps=2, report_to="tensorboard"))
-    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
 
 
 def _interrupt_after_checkpoint(monkeypatch, step):
-    """Make the loop raise KeyboardInterrupt right after it has written the checkpoint of ``step``."""
-    import linearformers.training.loop as loop
+    """Make the run raise KeyboardInterrupt right after it has completed the checkpoint of ``step``."""
+    original = CheckpointCallback.on_save
 
-    original = loop.save_checkpoint
-
-    def save_then_stop(accelerator, root, progress, keep=2, run=None, tokenizer=None):
-        folder = original(accelerator, root, progress, keep=keep, run=run, tokenizer=tokenizer)
-        if progress["step"] == step:
+    def save_then_stop(self, args, state, control, **kwargs):
+        original(self, args, state, control, **kwargs)
+        if state.global_step == step:
             raise KeyboardInterrupt
-        return folder
 
-    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(CheckpointCallback, "on_save", save_then_stop)
 
 
 def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_file, monkeypatch):
@@ -400,55 +439,15 @@ def test_resume_from_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, text_f
         assert torch.equal(a[key], b[key]), key
 
 
-def test_resume_with_another_batch_size_keeps_the_data_position(tmp_path, text_file, monkeypatch):
-    """Rows consumed are recorded, not batches: after 2 steps of 4 rows, a resume with batch 8 skips 8 rows,
-    not 16, and says that the run is no longer identical to an uninterrupted one."""
-    import json
-
-    from transformers.testing_utils import CaptureLogger
-
-    from linearformers.training import loop
-
-    common = dict(train_file=text_file, block_size=32, max_steps=4, save_steps=2)
-    with monkeypatch.context() as patch:
-        _interrupt_after_checkpoint(patch, 2)
-        with pytest.raises(KeyboardInterrupt):
-            train(*_args(tmp_path, per_device_train_batch_size=4, **common))
-    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
-    assert (saved["rows"], saved["batches"], len(saved["train_loss"])) == (8, 2, 2)
-    with CaptureLogger(loop.logger) as captured:
-        train(*_args(tmp_path, per_device_train_batch_size=8, resume_from_checkpoint="true", **common))
-    assert "no longer identical to an uninterrupted run" in captured.out
-    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
-    assert (saved["step"], saved["rows"], saved["layout"]["per_device_batch_size"]) == (4, 8 + 2 * 8, 8)
-
-
-def test_resume_from_a_checkpoint_that_predates_the_row_count(tmp_path, text_file, monkeypatch):
-    """Older checkpoints recorded batches only: their position is batches x batch size x processes."""
-    import json
-
-    common = dict(train_file=text_file, block_size=32, max_steps=4, save_steps=2, per_device_train_batch_size=4)
-    with monkeypatch.context() as patch:
-        _interrupt_after_checkpoint(patch, 2)
-        with pytest.raises(KeyboardInterrupt):
-            train(*_args(tmp_path, **common))
-    progress_file = latest_checkpoint(tmp_path / "checkpoints") / "progress.json"
-    old = json.loads(progress_file.read_text())
-    progress_file.write_text(json.dumps({key: old[key] for key in ("step", "epoch", "batches")}))
-    train(*_args(tmp_path, resume_from_checkpoint="true", **common))
-    saved = json.loads((latest_checkpoint(tmp_path / "checkpoints") / "progress.json").read_text())
-    assert (saved["step"], saved["rows"]) == (4, 16)
-
-
 def test_checkpoints_of_an_earlier_run_are_never_silently_mixed_or_pruned(tmp_path, text_file):
     common = dict(train_file=text_file, block_size=16, save_steps=2, save_total_limit=2)
     train(*_args(tmp_path, max_steps=6, **common))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000006"]
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-6"]
     with pytest.raises(ValueError, match="holds the checkpoints of an earlier run"):
         train(*_args(tmp_path, max_steps=2, **common))
     train(*_args(tmp_path, max_steps=2, overwrite_output_dir=True, **common))
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000002"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-2"]
 
 
 @pytest.mark.parametrize(
@@ -522,24 +521,120 @@ def test_a_new_classifier_config_carries_the_labels_of_the_data(tokenizer_dir):
     assert label_fields(None) == {}
 
 
-def test_mlm_mask_seeds_are_mixed_from_the_position_in_training():
-    """Training masks: mix_seed(seed, epoch, batch, process); evaluation masks: a stream of their own."""
-    from linearformers.modeling.attention.seeds import mix_seed
-    from linearformers.training.loop import EVAL_MASKS
+@pytest.fixture
+def masking(tokenizer_dir):
+    from transformers import AutoTokenizer
 
-    seeds = {mix_seed(42, epoch, batch, process) for epoch in range(3) for batch in range(50) for process in range(4)}
-    assert len(seeds) == 3 * 50 * 4
-    evaluation = {mix_seed(EVAL_MASKS, process, batch) for process in range(4) for batch in range(50)}
-    assert len(evaluation) == 4 * 50 and not evaluation & seeds
+    from linearformers.training.loop import SeededMasking
+
+    return SeededMasking(AutoTokenizer.from_pretrained(tokenizer_dir), mlm_probability=0.3, seed=42)
+
+
+def _blocks(count, length=64):
+    return [{"input_ids": list(range(1000 + i, 1000 + i + length))} for i in range(count)]
+
+
+def test_a_block_is_masked_alike_in_any_batch_and_without_touching_the_global_rng(masking):
+    """The mask of a block is a function of the seed, the epoch and its tokens: the same alone or among others (any
+    batch size, process or worker), and drawn off the global RNG that dropout uses."""
+    state = torch.random.get_rng_state()
+    alone = masking(_blocks(1))
+    among = masking(_blocks(5))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert (alone["labels"] != -100).any()
+    assert torch.equal(alone["input_ids"][0], among["input_ids"][0])
+    assert torch.equal(alone["labels"][0], among["labels"][0])
+    assert not torch.equal(among["labels"][1], among["labels"][2])  # other blocks, other masks
+
+
+def test_masks_change_with_the_epoch_and_validation_masks_stay(masking):
+    from datasets import Dataset
+    from transformers import TrainerControl, TrainerState
+
+    first = masking(_blocks(4))["labels"]
+    masking.on_epoch_begin(None, TrainerState(epoch=1.0), TrainerControl())
+    assert masking.epoch == 1
+    assert not torch.equal(masking(_blocks(4))["labels"], first)
+    validation = masking.mask_split(Dataset.from_list(_blocks(4)))
+    batch = masking(list(validation))
+    assert torch.equal(batch["labels"], torch.tensor(validation["labels"]))  # masked once, passed through
+    assert torch.equal(batch["input_ids"], torch.tensor(validation["input_ids"]))
 
 
 def test_resuming_from_a_checkpoint_of_another_config_names_the_checkpoint(tmp_path, text_file):
     """A checkpoint that records no run arguments (an older one) cannot be compared before loading: loading it into
     another model fails, naming the checkpoint."""
     train(*_args(tmp_path, train_file=text_file, max_steps=2, save_steps=2))
-    (latest_checkpoint(tmp_path / "checkpoints") / "run.json").unlink()
+    (latest_checkpoint(tmp_path) / "run.json").unlink()
     other = TINY.replace("hidden_size=32", "hidden_size=64")
-    with pytest.raises(ValueError, match="cannot resume from checkpoint .*step-00000002: RuntimeError"):
+    with pytest.raises(ValueError, match="cannot resume from checkpoint .*checkpoint-2: RuntimeError"):
         train(
             *_args(tmp_path, train_file=text_file, max_steps=4, resume_from_checkpoint="true", config_overrides=other)
         )
+
+
+@pytest.fixture(scope="module")
+def sentiment_csv(tmp_path_factory) -> str:
+    """80 short labelled rows: 76 train (10 steps of 8 an epoch) and 4 held out."""
+    path = tmp_path_factory.mktemp("csv") / "sentiment.csv"
+    rows = [f"good movie number {i},pos" for i in range(40)] + [f"awful film take {i},neg" for i in range(40)]
+    path.write_text("\n".join(["text,label", *rows]))
+    return str(path)
+
+
+def test_activation_checkpointing_trains_to_the_same_losses(tmp_path, text_file):
+    """Once refused: Trainer turns it on, and recomputing the activations changes no loss (no dropout here)."""
+    common = dict(train_file=text_file, max_steps=3, config_overrides=TINY + ",hidden_dropout_prob=0.0")
+    plain = train(*_args(tmp_path / "plain", **common))
+    checkpointed = train(*_args(tmp_path / "checkpointed", activation_checkpointing=True, **common))
+    assert checkpointed["model"].is_activation_checkpointing and not plain["model"].is_activation_checkpointing
+    assert len(plain["train_loss"]) == 3
+    torch.testing.assert_close(torch.tensor(checkpointed["train_loss"]), torch.tensor(plain["train_loss"]))
+
+
+def test_epochs_with_an_evaluation_at_each_epoch_end(tmp_path, sentiment_csv):
+    """Once refused: --num_train_epochs without --max_steps, and --eval_strategy epoch."""
+    out = train(
+        *_args(
+            tmp_path,
+            task="classification",
+            train_file=sentiment_csv,
+            max_steps=-1,
+            num_train_epochs=2,
+            eval_strategy="epoch",
+            per_device_train_batch_size=8,
+        )
+    )
+    assert out["steps"] == 2 * 10
+    assert [evaluation["step"] for evaluation in out["evaluations"]] == [10, 20]
+
+
+def test_load_best_model_at_end_keeps_the_checkpoint_of_the_lowest_eval_loss(tmp_path, sentiment_csv):
+    """Once refused: the final model is the evaluated checkpoint with the lowest loss, not the last step's (a
+    learning rate far too high makes the loss swing)."""
+    from safetensors.torch import load_file
+
+    out = train(
+        *_args(
+            tmp_path,
+            task="classification",
+            train_file=sentiment_csv,
+            max_steps=3,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_steps=1,
+            learning_rate=0.5,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+        )
+    )
+    losses = {evaluation["step"]: evaluation["eval_loss"] for evaluation in out["evaluations"]}
+    best = min(losses, key=losses.get)
+    assert best != 3, losses  # else the last step's model is the best one too, and the test shows nothing
+    assert out["results"]["eval_loss"] == pytest.approx(losses[best])
+    final, kept = (
+        load_file(tmp_path / "final" / "model.safetensors"),
+        load_file(tmp_path / f"checkpoint-{best}" / "model.safetensors"),
+    )
+    for key in final:
+        assert torch.equal(final[key], kept[key]), key
