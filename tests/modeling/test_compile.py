@@ -195,3 +195,26 @@ def test_compiled_favor_attention_equals_eager_with_gradients(causal, key_scale)
     for got, want in zip(*results):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_inductor_compiles_causal_favor_on_head_split_views_with_gradients():
+    """What a model's attention hands the op: q, k, v as (b, h, n, d) views of (b, n, h, d) projections, and an
+    upstream gradient laid out the same way. Inductor compiles the large-key fallback's torch.cond and its backward
+    (whose two branches must give gradients laid out alike) and matches eager."""
+    from linearformers.modeling.attention import draw_random_features, favor_attention
+
+    w = draw_random_features(32, 16, seed=0)
+
+    def attend(q, k, v):
+        return favor_attention(q, k, v, w, causal=True).transpose(1, 2).sum(-1)  # back to (b, n, h)
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 21, 4, 16, generator=g) for _ in range(3))  # (b, n, h, d)
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(attend, fullgraph=True), attend):
+        inputs = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(*(t.transpose(1, 2) for t in inputs))
+        results.append((out, *torch.autograd.grad(out.square().sum(), inputs)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -293,11 +293,14 @@ def _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size):
         # dense and alias-free, as torch.cond wants its branches' outputs
         return redone.contiguous(), *(t.detach().contiguous().clone() for t in (s, z, m))
 
-    def keep_fast(q, k, v, w, fast, s, z, m):
-        return tuple(t.contiguous().clone() for t in (fast, s, z, m))
+    def keep_fast(q, k, v, w, fast, s, z, m):  # hands on dense gradients, as the other branch's zeros are
+        return tuple(_DenseGrad.apply(t).contiguous().clone() for t in (fast, s, z, m))
 
     if torch.compiler.is_compiling():
-        out, *state = torch.cond(lost > 0, redo, keep_fast, (q, k, v, w, out, *state))
+        # dense operands and gradients: a branch gives the operands it does not use zero gradients laid out as those
+        # operands are, and the ones it uses what _DenseGrad hands on; inductor wants both branches' alike
+        operands = tuple(t.contiguous() for t in (q, k, v, w, out, *state))
+        out, *state = torch.cond(lost > 0, redo, keep_fast, operands)
         return out, tuple(state)
     if bool(lost):
         out, *state = redo(q, k, v, w)
