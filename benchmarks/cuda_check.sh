@@ -4,6 +4,12 @@
 #                                          # benchmarks/triton_sweep.py: launch settings and a per-kernel profile
 #   bash benchmarks/cuda_check.sh tests    # pytest -m cuda, and the torch.compile tests on the machine's own torch
 #   bash benchmarks/cuda_check.sh bench    # benchmarks/gpu.py: attention at 4K / 16K / 64K, training at 16K / 64K
+# One lease, one call (about 6 minutes on an H100 or H200 with a cold Triton cache), as run last:
+#   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=140 CUDA_TEST_ARGS="-n 8" ATTENTION_S=150 TRAINING_S=60 \
+#   KERNELS="sdpa_causal favor_causal/triton linear_causal/triton hedgehog_causal/triton hybrid_causal sdpa favor/triton" \
+#   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
+#   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh tests bench
+# (a call that names no machine kind may land on an H200: the device is in every result's header)
 # Environment: COMPILE_TESTS=0 skips the torch.compile tests; KERNELS="sdpa_causal favor_causal/triton ..." picks the
 # attention rows; CUDA_TEST_ARGS, ATTENTION_ARGS, TRAINING_ARGS, SWEEP_ARGS and the *_S time limits as below.
 # Everything lands in $OUT (default /tmp/cuda_check). Wheels in .whl/ (transformers and the like, for a machine
@@ -16,7 +22,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cuda_check}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD BENCH_COMMIT=${BENCH_COMMIT:-}
 PY=${PY:-python3}
 if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
