@@ -1,10 +1,9 @@
 """benchmarks/long_documents.py: its smoke mode (a tiny random BERT converted to 256 tokens, no transfer) runs every
 code path and writes the JSON and plot it promises. No quality or timing thresholds checked."""
 
+import importlib.util
 import json
 from pathlib import Path
-
-import pytest
 
 from tests.conftest import run_script
 
@@ -28,5 +27,5 @@ def test_long_documents_smoke_scores_every_method_at_every_length_and_times_both
     assert all(row["length"] == 256 and row["peak_mb"] > 0 for row in result["timing"])
     assert -1 <= result["fidelity_cosine_256"] <= 1 and "command" in result["header"]
     assert "| 256 | converted |" in done.stdout
-    pytest.importorskip("matplotlib")
-    assert out.with_suffix(".png").stat().st_size > 0
+    # the plot needs the [bench] extra's matplotlib; without it the script writes the JSON alone
+    assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)

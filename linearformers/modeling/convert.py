@@ -450,8 +450,7 @@ def convert_bert(
     source as a chunk-wise teacher.
     """
     _check_transfer_request(transfer, transfer_texts, tokenizer)
-    if max_length is not None:
-        check_max_length(max_length, long_positions)
+    check_max_length(max_length, long_positions)
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     bert = _load(source, "convert_bert", hub)
@@ -617,7 +616,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--long_positions",
         choices=POSITION_INITS,
-        default="tile",
         help="with --max_length: how the position rows past the source's start (default: tile)",
     )
     parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
@@ -655,7 +653,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.max_length is not None:
             if convert is convert_gpt2:
                 raise ValueError("--max_length converts BERT encoders; a GPT-2 source keeps its positions")
-            overrides.update(max_length=args.max_length, long_positions=args.long_positions)
+            overrides.update(max_length=args.max_length, long_positions=args.long_positions or "tile")
+        elif args.long_positions is not None:
+            raise ValueError("--long_positions sets the position rows of a long conversion: give --max_length too")
         # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
         # builds an empty tokenizer of the model type, which would be saved as if it were real
         tokenizer = _source_tokenizer(args.source, **hub)

@@ -52,8 +52,12 @@ POSITION_KEY = "embeddings.position_embeddings.weight"
 
 
 def check_max_length(max_length: object, positions: Literal[POSITION_INITS]) -> None:
-    """A TypeError / ValueError naming the value unless ``max_length`` is an int >= 3 and ``positions`` a known
-    initialization of the extended position rows."""
+    """A TypeError / ValueError naming the value unless ``max_length`` is None (no long conversion, and ``positions``
+    left at "tile") or an int >= 3 and ``positions`` a known initialization of the extended position rows."""
+    if max_length is None:
+        if positions != "tile":
+            raise ValueError(f"long_positions={positions!r} sets the rows of a long conversion: pass max_length too")
+        return
     if isinstance(max_length, bool) or not isinstance(max_length, int):
         raise TypeError(f"max_length must be an int (the longest input of the converted model), got {max_length!r}")
     if max_length < 3:

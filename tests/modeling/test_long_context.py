@@ -135,6 +135,8 @@ def test_a_long_conversion_refuses_a_bad_length_or_position_init_by_name():
         convert_bert(tiny_bert(), "performer", max_length=256.0)
     with pytest.raises(ValueError, match=r"long_positions must be one of 'tile', 'interpolate'"):
         convert_bert(tiny_bert(), "performer", max_length=N, long_positions="stretch")
+    with pytest.raises(ValueError, match=r"long_positions='interpolate' sets the rows of a long conversion"):
+        convert_bert(tiny_bert(), "performer", long_positions="interpolate")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -203,6 +205,14 @@ def test_the_cli_refuses_a_target_length_for_gpt2_in_one_line(tmp_path, capsys):
         main([str(tmp_path / "gpt2"), str(tmp_path / "out"), "--max_length", "1024"])
     assert exit_.value.code == 2
     assert "--max_length converts BERT encoders" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_cli_refuses_a_position_init_without_a_target_length_in_one_line(tmp_path, capsys):
+    tiny_bert().save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "bert"), str(tmp_path / "out"), "--long_positions", "interpolate"])
+    assert exit_.value.code == 2
+    assert "give --max_length too" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_the_real_minilm_converts_to_1024_tokens_and_transfers_on_long_blocks(tokenizer_dir):
