@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 from huggingface_hub import CommitInfo, HfApi
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 from ..modeling.hub_code import write_hub_files
+from ..modeling.long_context import write_sentence_transformers_files
 from .card import render_model_card
 
 if TYPE_CHECKING:
@@ -40,7 +42,9 @@ def save_for_hub(
 
     Contents: what ``model.save_pretrained`` writes (``model.safetensors``, ``config.json`` with ``auto_map``, the
     flat model code), the tokenizer files and ``README.md``, the model card (:func:`render_model_card`; its
-    hyperparameters come from ``training_args``).
+    hyperparameters come from ``training_args``). An encoder base model (``PerformerModel`` / ``LinformerModel``) with
+    a tokenizer also gets the sentence-transformers files (mean pooling, ``max_seq_length`` the tokenizer's
+    ``model_max_length`` within the model's limit), so that ``SentenceTransformer(folder)`` loads it.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -48,6 +52,11 @@ def save_for_hub(
     write_hub_files(model.config, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+        if not model.config.is_decoder and model.base_model is model:
+            limit = model.config.sequence_limit()
+            length = tokenizer.model_max_length if limit is None else min(limit[0], tokenizer.model_max_length)
+            if length < VERY_LARGE_INTEGER:  # a tokenizer without a limit, for a model without one: no length to give
+                write_sentence_transformers_files(folder, model.config.hidden_size, length)
     card = render_model_card(
         model,
         results=results,

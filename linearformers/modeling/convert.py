@@ -37,6 +37,14 @@ from transformers.utils import cached_file
 from .. import modeling
 from ..cli import check_writable, raised_by_linearformers
 from .layers import new_tensors
+from .long_context import (
+    POSITION_INITS,
+    check_max_length,
+    long_attention_transfer,
+    long_overrides,
+    with_long_positions,
+    write_sentence_transformers_files,
+)
 from .registry import FAMILIES, HEADS, Family, Head, get_family
 from .transfer import (
     TransferArguments,
@@ -387,8 +395,10 @@ def _transfer(
     tokenizer: PreTrainedTokenizerBase | None,
     hub: dict,
     wrap: bool,
+    max_length: int | None = None,
 ) -> None:
-    """Run attention transfer on the converted ``model`` when asked; its report goes to ``report.transfer``."""
+    """Run attention transfer on the converted ``model`` when asked; its report goes to ``report.transfer``. A model
+    converted to ``max_length`` tokens trains on blocks of that length, the source reading them chunk by chunk."""
     if transfer is None:
         return
     if tokenizer is None:
@@ -399,9 +409,10 @@ def _transfer(
             f"attention transfer tokenizes transfer_texts, and {str(where)!r} comes with no tokenizer (none of "
             f"{', '.join(TOKENIZER_FILES)}); pass tokenizer=AutoTokenizer.from_pretrained(...) of the checkpoint"
         )
-    length = transfer.max_length or default_block_length(model)
+    length = transfer.max_length or max_length or default_block_length(model)
     ids = text_blocks(tokenizer, transfer_texts, length, wrap=wrap)
-    report.transfer = attention_transfer(model, source, ids, args=transfer)
+    run = attention_transfer if max_length is None else long_attention_transfer
+    report.transfer = run(model, source, ids, args=transfer)
 
 
 def convert_bert(
@@ -415,6 +426,8 @@ def convert_bert(
     transfer: TransferArguments | None = None,
     transfer_texts: str | Path | Sequence[str] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    max_length: int | None = None,
+    long_positions: typing.Literal[POSITION_INITS] = "tile",
     **config_overrides,
 ) -> tuple[PreTrainedModel, ConversionReport]:
     """Convert a ``BertModel`` / ``BertFor*`` into the matching ``Linformer*`` / ``Performer*``.
@@ -430,8 +443,14 @@ def convert_bert(
     tokenized by ``tokenizer`` (default: the one saved with ``source``) into [CLS] ... [SEP] blocks of
     ``transfer.max_length`` tokens. Returns ``(model, ConversionReport)``; the report's ``transfer`` holds the
     TransferReport.
+
+    ``max_length``: build a model that reads ``max_length`` tokens, beyond the source's positions
+    (``linearformers.modeling.long_context``): the position table extended by ``long_positions`` ("tile" or
+    "interpolate"), a Linformer's E / F built for that length, and the transfer on blocks of that length with the
+    source as a chunk-wise teacher.
     """
     _check_transfer_request(transfer, transfer_texts, tokenizer)
+    check_max_length(max_length, long_positions)
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     bert = _load(source, "convert_bert", hub)
@@ -456,7 +475,10 @@ def convert_bert(
         label2id=bc.label2id,
         problem_type=bc.problem_type,
     )
-    model = _new_model(target, head, fields, bc.max_position_embeddings, config_overrides)
+    if max_length is not None:
+        config_overrides = long_overrides(target.config_class, config_overrides, max_length, bc.max_position_embeddings)
+        fields["max_position_embeddings"] = max_length
+    model = _new_model(target, head, fields, fields["max_position_embeddings"], config_overrides)
     theirs, ours = _bert_prefixes(head)
     state, model_keys = bert.state_dict(), list(model.state_dict())
     fresh = []
@@ -464,8 +486,11 @@ def convert_bert(
         # a BERT saved without its pooler (BertModel(add_pooling_layer=False)) into a stack that has one: the
         # pooler stays at its fresh initialization (token classification, QA and masked LM have none)
         fresh = [key for key in model_keys if key.startswith(ours + "pooler.")]
-    model, report = _copy_weights(model, bert, _bert_copies(state, head, set(model_keys)), fresh=fresh)
-    _transfer(model, bert, source, report, transfer, transfer_texts, tokenizer, hub, wrap=True)
+    copies = _bert_copies(state, head, set(model_keys))
+    if max_length is not None:
+        copies = with_long_positions(copies, max_length, long_positions)
+    model, report = _copy_weights(model, bert, copies, fresh=fresh)
+    _transfer(model, bert, source, report, transfer, transfer_texts, tokenizer, hub, wrap=True, max_length=max_length)
     return model, report
 
 
@@ -579,6 +604,20 @@ def main(argv: list[str] | None = None) -> None:
     config_flags = _config_flags()
     for option, kwargs in config_flags.values():
         parser.add_argument(option, **kwargs)
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        metavar="N",
+        help="BERT only: convert to a model that reads N tokens, past the source's positions (positions extended, "
+        "Linformer E / F built for N, the transfer on N-token blocks with the source as a chunk-wise teacher); the "
+        "tokenizer is saved with model_max_length N and, for a BertModel, the folder loads as a SentenceTransformer "
+        "(mean pooling, max_seq_length N)",
+    )
+    parser.add_argument(
+        "--long_positions",
+        choices=POSITION_INITS,
+        help="with --max_length: how the position rows past the source's start (default: tile)",
+    )
     parser.add_argument("--revision", help="branch, tag or commit of a Hub id")
     parser.add_argument("--cache_dir", help="Hugging Face cache folder (default: the usual HF cache)")
     group = parser.add_argument_group(
@@ -611,6 +650,12 @@ def main(argv: list[str] | None = None) -> None:
         # before the conversion and its attention transfer (minutes), not after them
         check_writable(args.output, "output folder", "the converted model")
         convert = convert_gpt2 if _config_dict(args.source, hub).get("model_type") == "gpt2" else convert_bert
+        if args.max_length is not None:
+            if convert is convert_gpt2:
+                raise ValueError("--max_length converts BERT encoders; a GPT-2 source keeps its positions")
+            overrides.update(max_length=args.max_length, long_positions=args.long_positions or "tile")
+        elif args.long_positions is not None:
+            raise ValueError("--long_positions sets the position rows of a long conversion: give --max_length too")
         # copy the tokenizer only where the checkpoint has one: for a folder without vocabulary files transformers
         # builds an empty tokenizer of the model type, which would be saved as if it were real
         tokenizer = _source_tokenizer(args.source, **hub)
@@ -624,7 +669,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(" ".join(str(error).split()))
     model.save_pretrained(args.output)
     if tokenizer is not None:
+        if args.max_length is not None:
+            tokenizer.model_max_length = args.max_length
         tokenizer.save_pretrained(args.output)
+        if args.max_length is not None and model.base_model is model:
+            write_sentence_transformers_files(args.output, model.config.hidden_size, args.max_length)
     print(report)
 
 

@@ -287,7 +287,7 @@ def default_block_length(model: LinearAttentionPreTrainedModel) -> int:
 def _check_pair(model: PreTrainedModel, source: PreTrainedModel) -> None:
     if not isinstance(model, LinearAttentionPreTrainedModel):
         raise TypeError(f"model must be a linearformers model (from convert_bert / convert_gpt2), got {type(model)}")
-    if not isinstance(source, PreTrainedModel):
+    if not isinstance(source, PreTrainedModel) and not hasattr(source, "layer_inputs"):  # or a ChunkedTeacher
         raise TypeError(f"source must be the transformers model the model was converted from, got {type(source)}")
     if model.config.position_embedding_type == "rotary":
         raise ValueError(
@@ -545,6 +545,10 @@ class _Batch:
         param = next(model.parameters())
         self.mask = mask.to(param.device)
         self.key_mask = _key_mask(self.mask)
+        if hasattr(source, "layer_inputs"):  # long_context.ChunkedTeacher: the original read chunk by chunk
+            with torch.no_grad():
+                self.inputs, self.targets = source.layer_inputs(layers, ids, self.mask, targets, param.dtype)
+            return
         with torch.no_grad():
             out = source.base_model(
                 input_ids=ids.to(source.device), attention_mask=mask.to(source.device).long(), output_hidden_states=True

