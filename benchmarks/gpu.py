@@ -87,7 +87,7 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.modeling.attention import (
+    from linearformers.ops import (
         BIDIRECTIONAL_BACKENDS,
         CAUSAL_BACKENDS,
         LINFORMER_BACKENDS,
@@ -138,7 +138,7 @@ def _fla_call():
 def _favor_feature_inputs(q, k, m: int, device: str, dtype: torch.dtype):
     """FAVOR+ features of q and k, (B, H, T, m) in ``dtype``, computed without gradients (not part of the timing):
     the shared input of the ``linear_causal`` and ``fla_causal`` rows."""
-    from linearformers.modeling.attention import draw_random_features, favor_features
+    from linearformers.ops import draw_random_features, favor_features
 
     w = draw_random_features(m, DIM, seed=0, device=device)
     with torch.no_grad():
@@ -147,7 +147,7 @@ def _favor_feature_inputs(q, k, m: int, device: str, dtype: torch.dtype):
 
 def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, k_proj: int):
     """(fn, inputs, upstream gradient) for one kernel at length n; fn(*inputs) is one forward."""
-    from linearformers.modeling.attention import (
+    from linearformers.ops import (
         HedgehogFeatureMap,
         causal_linformer_attention,
         draw_random_features,

@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     _triton_linear,
     draw_random_features,
     favor_attention,

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .modeling.attention import (
+from .ops import (
     causal_linformer_attention,
     draw_random_features,
     favor_attention,

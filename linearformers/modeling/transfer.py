@@ -39,7 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from .attention import softmax_attention
+from ..ops import softmax_attention
 from .base import LinearAttentionPreTrainedModel
 from .layers import LinearAttention, new_tensors
 

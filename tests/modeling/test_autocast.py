@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     _favor_autograd,
     causal_linformer_attention,
     causal_linformer_step,

@@ -1,82 +1,34 @@
-"""Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch (and Triton,
-lazily, when a call runs its kernels)."""
+"""Deprecated alias of ``linearformers.ops`` (the attention math moved to its own floor, below the configs and
+models) and of ``linearformers.seeds``; goes away in linearformers 0.3.0.
 
-from ._native import available as native_available
-from .backends import (
-    BACKENDS,
-    BIDIRECTIONAL_BACKENDS,
-    CAUSAL_BACKENDS,
-    native_walk_enabled,
-    set_native_walk,
-    set_triton_kernels,
-)
-from .favor import draw_random_features, favor_attention, favor_features, favor_step
-from .feature_maps import (
-    KERNELS,
-    PERFORMER_KERNELS,
-    FavorPositive,
-    FeatureMap,
-    HedgehogFeatureMap,
-    ReluFeatures,
-    favor_positive,
-    relu_features,
-)
-from .hybrid import HybridState, hybrid_attention, hybrid_step
-from .linear import linear_attention, linear_step
-from .linformer import BACKENDS as LINFORMER_BACKENDS
-from .linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
-from .linformer import (
-    METHODS,
-    causal_linformer_attention,
-    causal_linformer_step,
-    compact,
-    linformer_attention,
-    uncompact,
-)
-from .linformer_hybrid import linformer_hybrid_attention
-from .local import causal_local_attention, local_attention, local_attention_step, num_relative_positions
-from .softmax import softmax_attention
+Every submodule of ``linearformers.ops`` is also importable here under its old name
+(``linearformers.modeling.attention.favor`` is ``linearformers.ops.favor``, the same module object), and so is
+``linearformers.modeling.attention.seeds`` (``linearformers.seeds``).
+"""
 
-FAVOR_BACKENDS = BACKENDS  # the name earlier releases exported
+import importlib
+import pkgutil
+import sys
+import warnings
 
-__all__ = [
-    "BACKENDS",
-    "BIDIRECTIONAL_BACKENDS",
-    "CAUSAL_BACKENDS",
-    "FAVOR_BACKENDS",
-    "KERNELS",
-    "LINFORMER_BACKENDS",
-    "LINFORMER_CAUSAL_BACKENDS",
-    "METHODS",
-    "PERFORMER_KERNELS",
-    "FavorPositive",
-    "FeatureMap",
-    "HedgehogFeatureMap",
-    "HybridState",
-    "ReluFeatures",
-    "causal_linformer_attention",
-    "causal_linformer_step",
-    "causal_local_attention",
-    "compact",
-    "draw_random_features",
-    "favor_attention",
-    "favor_features",
-    "favor_positive",
-    "favor_step",
-    "hybrid_attention",
-    "hybrid_step",
-    "linear_attention",
-    "linear_step",
-    "linformer_attention",
-    "linformer_hybrid_attention",
-    "local_attention",
-    "local_attention_step",
-    "native_available",
-    "native_walk_enabled",
-    "num_relative_positions",
-    "relu_features",
-    "set_native_walk",
-    "set_triton_kernels",
-    "softmax_attention",
-    "uncompact",
-]
+from ... import ops, seeds
+from ...ops import *  # noqa: F403
+
+__all__ = list(ops.__all__)
+
+warnings.warn(
+    "linearformers.modeling.attention is deprecated and goes away in linearformers 0.3.0: import from "
+    "linearformers.ops (and mix_seed from linearformers.seeds)",
+    FutureWarning,
+    stacklevel=2,
+)
+
+
+# the old submodule paths name the same module objects; a submodule is imported before its alias
+_OLD_NAMES = {f"{__name__}.seeds": seeds}
+for _info in pkgutil.walk_packages(ops.__path__, prefix=f"{ops.__name__}."):
+    _OLD_NAMES[_info.name.replace(ops.__name__, __name__, 1)] = importlib.import_module(_info.name)
+for _old, _module in _OLD_NAMES.items():
+    sys.modules[_old] = _module
+    _parent, _, _child = _old.rpartition(".")
+    setattr(sys.modules[_parent], _child, _module)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from linearformers.modeling.attention import hybrid as hybrid_module
+from linearformers.ops import hybrid as hybrid_module
 
 
 def test_the_cpu_core_runs_in_passes_whose_scores_stay_under_the_byte_cap():

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     causal_linformer_attention,
     causal_linformer_step,
     linformer_attention,
     softmax_attention,
 )
-from linearformers.modeling.attention.reference import causal_linformer_reference, linformer_reference
+from linearformers.ops.reference import causal_linformer_reference, linformer_reference
 
 
 def _qkv(b=2, h=3, n=32, d=16, seed=0):
@@ -177,7 +177,7 @@ def test_hand_written_backward_matches_autograd_over_several_query_blocks(per_he
 
 
 def test_hand_written_backward_with_dropout_regenerates_the_forward_mask():
-    from linearformers.modeling.attention import _linformer_autograd as module  # for its per-block dropout draw
+    from linearformers.ops import _linformer_autograd as module  # for its per-block dropout draw
 
     q, k, v = (x.requires_grad_() for x in _qkv(n=40))
     e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
@@ -276,7 +276,7 @@ def test_block_size_changes_nothing_gradients_included(masked):
 
 
 def test_bad_backend_and_block_size_raise_value_errors():
-    from linearformers.modeling.attention.linformer import BACKENDS
+    from linearformers.ops.linformer import BACKENDS
 
     q, k, v = _qkv()
     e = torch.randn(4, 32)

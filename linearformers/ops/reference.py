@@ -4,7 +4,7 @@ Each function builds the full (n x n) or (n x k) score matrix with ordinary auto
 (call them in float64 for an oracle), and applies masks explicitly. They share one rule with the fast kernels: a
 query that sees no real key (or no written slot) outputs 0. Tensors are (batch, heads, length, head_dim).
 
-The fast paths in favor.py, linformer.py and local.py must agree with these; tests/modeling/attention/test_reference.py
+The fast paths in favor.py, linformer.py and local.py must agree with these; tests/ops/test_reference.py
 checks that, and checks the references themselves against exact softmax attention where the maths says they
 reduce to it. Memory is O(n² m) for FAVOR+ and O(n k d) for causal Linformer, per head: tiny inputs only.
 """

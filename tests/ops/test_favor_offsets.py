@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from linearformers.modeling.attention import draw_random_features
-from linearformers.modeling.attention._favor_chunked import FavorCausalChunked, favor_causal_offsets, offsets_chunk
-from linearformers.modeling.attention.reference import favor_reference
-from tests.modeling.attention.helpers import CountOps
+from linearformers.ops import draw_random_features
+from linearformers.ops._favor_chunked import FavorCausalChunked, favor_causal_offsets, offsets_chunk
+from linearformers.ops.reference import favor_reference
+from tests.ops.helpers import CountOps
 
 B, H, N, D, M = 2, 2, 37, 16, 32  # n = 37: not a multiple of the chunk 8
 SCALE = D**-0.5

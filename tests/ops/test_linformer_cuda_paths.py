@@ -4,15 +4,15 @@ at real sizes on CUDA (``-m cuda``)."""
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     causal_linformer_attention,
     linformer_attention,
     linformer_hybrid_attention,
 )
-from linearformers.modeling.attention import linformer as linformer_module
-from linearformers.modeling.attention import linformer_hybrid as hybrid_module
-from linearformers.modeling.attention.linformer import _choose_backend
-from linearformers.modeling.attention.reference import (
+from linearformers.ops import linformer as linformer_module
+from linearformers.ops import linformer_hybrid as hybrid_module
+from linearformers.ops.linformer import _choose_backend
+from linearformers.ops.reference import (
     causal_linformer_reference,
     linformer_hybrid_reference,
     linformer_reference,
@@ -211,7 +211,7 @@ def test_causal_bf16_operands_follow_the_float32_reference(monkeypatch):
 
 
 def test_causal_products_stay_float32_off_cuda():
-    from linearformers.modeling.attention._favor_chunked import half_operands
+    from linearformers.ops._favor_chunked import half_operands
 
     assert half_operands(torch.empty(1, dtype=torch.bfloat16)) is None
     assert half_operands(torch.empty(1, dtype=torch.bfloat16, device="meta")) is None  # CUDA only

@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from linearformers.modeling.attention import draw_random_features, favor_positive
-from linearformers.modeling.attention import hybrid as hybrid_module
-from linearformers.modeling.attention.feature_maps import favor_exponents
-from linearformers.modeling.attention.hybrid import HybridState, hybrid_attention, hybrid_step
-from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
+from linearformers.ops import draw_random_features, favor_positive
+from linearformers.ops import hybrid as hybrid_module
+from linearformers.ops.feature_maps import favor_exponents
+from linearformers.ops.hybrid import HybridState, hybrid_attention, hybrid_step
+from linearformers.ops.reference import hybrid_reference, softmax_reference
 
 B, H, D, M = 2, 3, 4, 5
 

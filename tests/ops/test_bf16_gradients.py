@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     HedgehogFeatureMap,
     causal_linformer_attention,
     draw_random_features,
@@ -29,7 +29,7 @@ from linearformers.modeling.attention import (
     linformer_hybrid_attention,
     local_attention,
 )
-from linearformers.modeling.attention.feature_maps import favor_exponents
+from linearformers.ops.feature_maps import favor_exponents
 
 B, H, N, D, M, WINDOW = 1, 2, 259, 16, 32, 32  # N not a multiple of the window: the last block is padded
 # (max, mean) error bounds, relative to max|g64| and to mean|g64|: measured at most 0.0059 and 0.0021. The

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from linearformers.modeling.attention import local_attention, local_attention_step, softmax_attention
-from linearformers.modeling.attention.local import causal_local_attention
-from linearformers.modeling.attention.reference import local_reference
+from linearformers.ops import local_attention, local_attention_step, softmax_attention
+from linearformers.ops.local import causal_local_attention
+from linearformers.ops.reference import local_reference
 
 
 def _qkv(b=2, h=3, n=37, d=16, seed=0):

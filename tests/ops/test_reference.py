@@ -1,4 +1,4 @@
-"""The plain quadratic references of modeling/attention/reference.py: first against facts that do not depend on
+"""The plain quadratic references of ops/reference.py: first against facts that do not depend on
 them (exact softmax attention where the maths reduces to it, PyTorch's pooling and convolution, causality), then
 every fast kernel against its reference in float64, padded on either side or not."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     causal_linformer_attention,
     causal_linformer_step,
     draw_random_features,
@@ -18,7 +18,7 @@ from linearformers.modeling.attention import (
     num_relative_positions,
     softmax_attention,
 )
-from linearformers.modeling.attention.reference import (
+from linearformers.ops.reference import (
     causal_linformer_reference,
     favor_reference,
     linformer_reference,

@@ -8,7 +8,7 @@ native-walk switch."""
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     BACKENDS,
     FavorPositive,
     FeatureMap,
@@ -22,7 +22,7 @@ from linearformers.modeling.attention import (
     native_walk_enabled,
     set_native_walk,
 )
-from tests.modeling.attention.helpers import CountOps
+from tests.ops.helpers import CountOps
 
 B, H, N, D, M = 2, 2, 37, 16, 32  # n = 37: not a multiple of any chunk used here
 NATIVE = native_available()

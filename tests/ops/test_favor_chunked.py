@@ -4,18 +4,18 @@ with n. Checked against the plain quadratic formula (reference.favor_reference),
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     draw_random_features,
     favor_attention,
     favor_step,
     native_walk_enabled,
     set_native_walk,
 )
-from linearformers.modeling.attention import favor as favor_module
-from linearformers.modeling.attention._favor_chunked import DEFAULT_CHUNK
-from linearformers.modeling.attention.backends import choose_backend, native_refusal
-from linearformers.modeling.attention.reference import favor_reference
-from tests.modeling.attention.helpers import CountOps
+from linearformers.ops import favor as favor_module
+from linearformers.ops._favor_chunked import DEFAULT_CHUNK
+from linearformers.ops.backends import choose_backend, native_refusal
+from linearformers.ops.reference import favor_reference
+from tests.ops.helpers import CountOps
 
 
 def _qkv(b=2, h=2, n=37, d=16, seed=0, dtype=torch.float32):
@@ -286,7 +286,7 @@ def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
     exponents, sums and denominators in float32 (_precision). Forced here on the CPU: outputs and gradients stay
     within bf16's rounding of the float32 path, and finite, with left padding."""
     operands = torch.bfloat16
-    from linearformers.modeling.attention._favor_chunked import (
+    from linearformers.ops._favor_chunked import (
         FavorBidirectionalChunked,
         FavorCausalChunked,
         half_operands,

@@ -14,16 +14,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     draw_random_features,
     favor_attention,
     linear_attention,
     set_triton_kernels,
 )
-from linearformers.modeling.attention.backends import choose_backend
-from linearformers.modeling.attention.feature_maps import random_features
-from linearformers.modeling.attention.reference import favor_reference, linear_reference
-from tests.modeling.attention._triton_cases import (
+from linearformers.ops.backends import choose_backend
+from linearformers.ops.feature_maps import random_features
+from linearformers.ops.reference import favor_reference, linear_reference
+from tests.ops._triton_cases import (
     CUDA,
     DTYPES,
     ON_CPU,

@@ -13,18 +13,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     draw_random_features,
     favor_attention,
     favor_step,
     linear_attention,
     set_triton_kernels,
 )
-from linearformers.modeling.attention._triton_linear import triton_causal_linear
-from linearformers.modeling.attention.backends import choose_backend
-from linearformers.modeling.attention.feature_maps import random_features
-from linearformers.modeling.attention.reference import favor_reference, linear_reference
-from tests.modeling.attention._triton_cases import (
+from linearformers.ops._triton_linear import triton_causal_linear
+from linearformers.ops.backends import choose_backend
+from linearformers.ops.feature_maps import random_features
+from linearformers.ops.reference import favor_reference, linear_reference
+from tests.ops._triton_cases import (
     CUDA,
     DTYPES,
     ON_CPU,
@@ -292,8 +292,8 @@ def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel
     requires)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-    import linearformers.modeling.attention.favor as favor
-    import linearformers.modeling.attention.linear as linear
+    import linearformers.ops.favor as favor
+    import linearformers.ops.linear as linear
     from tests.conftest import tiny_config
 
     cfg = tiny_config(

@@ -9,13 +9,13 @@ dispatched aten ops (GPU kernel launches) does not depend on n. Only the no-grad
 import pytest
 import torch
 
-from linearformers.modeling.attention.linformer import (
+from linearformers.ops.linformer import (
     CAUSAL_BACKENDS,
     causal_linformer_attention,
     causal_linformer_step,
 )
-from linearformers.modeling.attention.reference import causal_linformer_reference
-from tests.modeling.attention.helpers import CountOps
+from linearformers.ops.reference import causal_linformer_reference
+from tests.ops.helpers import CountOps
 
 
 def _inputs(b=2, h=3, n=21, d=8, slots=6, n_max=32, dtype=torch.float32, per_head=True, late=0, seed=0):

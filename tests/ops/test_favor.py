@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     draw_random_features,
     favor_attention,
     favor_features,
@@ -11,7 +11,7 @@ from linearformers.modeling.attention import (
     native_available,
     softmax_attention,
 )
-from linearformers.modeling.attention.reference import favor_reference
+from linearformers.ops.reference import favor_reference
 
 NO_NATIVE = pytest.mark.skipif(not native_available(), reason="the native kernel is unavailable here")
 
@@ -319,7 +319,7 @@ def test_keys_of_large_norm_stay_exact_and_differentiable(causal, blocks):
 
 
 def test_causal_fallback_for_large_keys_never_reads_the_future_and_is_not_taken_otherwise(monkeypatch):
-    from linearformers.modeling.attention import favor as favor_module
+    from linearformers.ops import favor as favor_module
 
     q, k, v = _qkv(n=37, seed=3)
     w = draw_random_features(24, 16, seed=2)
@@ -339,7 +339,7 @@ def test_causal_fallback_for_large_keys_never_reads_the_future_and_is_not_taken_
 
 
 def test_more_bad_arguments_raise_clear_errors():
-    from linearformers.modeling.attention import causal_linformer_attention, linformer_attention
+    from linearformers.ops import causal_linformer_attention, linformer_attention
 
     q, k, v = _qkv(n=12)
     w = draw_random_features(24, 16, seed=2)
@@ -361,7 +361,7 @@ def test_more_bad_arguments_raise_clear_errors():
 
 
 def test_hand_written_backwards_refuse_a_second_derivative():
-    from linearformers.modeling.attention import linformer_attention
+    from linearformers.ops import linformer_attention
 
     q, k, v = (x.requires_grad_() for x in _qkv(n=12))
     w = draw_random_features(24, 16, seed=2)

@@ -6,9 +6,9 @@ the fused FAVOR+ kernels of the same library, still equal to their reference."""
 import pytest
 import torch
 
-from linearformers.modeling.attention import _native, draw_random_features, favor_attention, native_available
-from linearformers.modeling.attention._linear_native import LinearCausalNative
-from linearformers.modeling.attention.reference import linear_reference
+from linearformers.ops import _native, draw_random_features, favor_attention, native_available
+from linearformers.ops._linear_native import LinearCausalNative
+from linearformers.ops.reference import linear_reference
 
 pytestmark = pytest.mark.skipif(
     not native_available(), reason="the native kernel needs x86-64 Linux with AVX2 / FMA and a C++ compiler"

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ..seeds import mix_seed
 from ._checks import check_mask, check_qkv
 from ._favor_autograd import BIDIRECTIONAL_BLOCK, FavorBidirectional, FavorCausalNative
 from ._favor_chunked import (
@@ -42,7 +43,6 @@ from ._triton_linear import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_features
 from .reference import favor_reference
-from .seeds import mix_seed
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 

@@ -6,9 +6,9 @@ training run towards exact softmax attention; state_dict round trip; argument er
 import pytest
 import torch
 
-from linearformers.modeling.attention import FeatureMap, hybrid_attention, linear_attention, native_available
-from linearformers.modeling.attention.feature_maps import HedgehogFeatureMap, softmax_pair
-from linearformers.modeling.attention.reference import hybrid_reference, softmax_reference
+from linearformers.ops import FeatureMap, hybrid_attention, linear_attention, native_available
+from linearformers.ops.feature_maps import HedgehogFeatureMap, softmax_pair
+from linearformers.ops.reference import hybrid_reference, softmax_reference
 
 B, H, N, D = 2, 2, 32, 16  # multiples of 16, for the native walk
 needs_native = pytest.mark.skipif(
