@@ -87,16 +87,10 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.ops import (
-        BIDIRECTIONAL_BACKENDS,
-        CAUSAL_BACKENDS,
-        LINFORMER_BACKENDS,
-        LINFORMER_CAUSAL_BACKENDS,
-        causal_linformer_attention,
-        favor_attention,
-        linear_attention,
-        linformer_attention,
-    )
+    from linearformers.ops import causal_linformer_attention, favor_attention, linear_attention, linformer_attention
+    from linearformers.ops.backends import BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
+    from linearformers.ops.linformer import BACKENDS as LINFORMER_BACKENDS
+    from linearformers.ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
 
     # "auto" is backend=None
     return [

@@ -15,9 +15,9 @@ from linearformers.ops import (
     linformer_attention,
     local_attention,
     local_attention_step,
-    num_relative_positions,
     softmax_attention,
 )
+from linearformers.ops.local import num_relative_positions
 from linearformers.ops.reference import (
     causal_linformer_reference,
     favor_reference,

@@ -13,8 +13,31 @@ import warnings
 
 from ... import ops, seeds
 from ...ops import *  # noqa: F403
+from ...ops.backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
+from ...ops.feature_maps import KERNELS, PERFORMER_KERNELS
+from ...ops.linformer import BACKENDS as LINFORMER_BACKENDS
+from ...ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
+from ...ops.linformer import METHODS, compact, uncompact
+from ...ops.local import causal_local_attention, num_relative_positions
 
-__all__ = list(ops.__all__)
+FAVOR_BACKENDS = BACKENDS
+
+# what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules)
+__all__ = [
+    *ops.__all__,
+    "BIDIRECTIONAL_BACKENDS",
+    "CAUSAL_BACKENDS",
+    "FAVOR_BACKENDS",
+    "KERNELS",
+    "LINFORMER_BACKENDS",
+    "LINFORMER_CAUSAL_BACKENDS",
+    "METHODS",
+    "PERFORMER_KERNELS",
+    "causal_local_attention",
+    "compact",
+    "num_relative_positions",
+    "uncompact",
+]
 
 warnings.warn(
     "linearformers.modeling.attention is deprecated and goes away in linearformers 0.3.0: import from "
