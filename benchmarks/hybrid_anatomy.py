@@ -39,8 +39,8 @@ from conversion import RESULTS, load_minilm, settings
 from transformers import get_cosine_schedule_with_warmup
 
 from linearformers import PerformerModel
-from linearformers.modeling.convert import convert_bert
-from linearformers.modeling.transfer import (
+from linearformers.conversion.convert import convert_bert
+from linearformers.conversion.transfer import (
     TransferArguments,
     attention_transfer,
     softmax_attention_output,

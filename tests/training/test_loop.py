@@ -525,7 +525,6 @@ def test_a_new_classifier_config_carries_the_labels_of_the_data(tokenizer_dir):
 def test_mlm_mask_seeds_are_mixed_from_the_position_in_training():
     """Training masks: mix_seed(seed, epoch, batch, process); evaluation masks: a stream of their own."""
     from linearformers.modeling.attention.seeds import mix_seed
-
     from linearformers.training.loop import EVAL_MASKS
 
     seeds = {mix_seed(42, epoch, batch, process) for epoch in range(3) for batch in range(50) for process in range(4)}

@@ -1,17 +1,16 @@
 """Deprecated alias of ``linearformers.ops`` (the attention math moved to its own floor, below the configs and
 models) and of ``linearformers.seeds``; goes away in linearformers 0.3.0.
 
-Every submodule of ``linearformers.ops`` is also importable here under its old name
-(``linearformers.modeling.attention.favor`` is ``linearformers.ops.favor``, the same module object), and so is
-``linearformers.modeling.attention.seeds`` (``linearformers.seeds``).
+The old submodules are importable here under their old names (``linearformers.modeling.attention.favor`` is
+``linearformers.ops.favor``, ``._favor_chunked`` is ``linearformers.ops.favor_chunked``, the same module objects),
+and ``mix_seed`` from ``linearformers.modeling.attention.seeds``.
 """
 
 import importlib
-import pkgutil
 import sys
 import warnings
 
-from ... import ops, seeds
+from ... import ops
 from ...ops import *  # noqa: F403
 from ...ops.backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
 from ...ops.feature_maps import KERNELS, PERFORMER_KERNELS
@@ -47,11 +46,17 @@ warnings.warn(
 )
 
 
-# the old submodule paths name the same module objects; a submodule is imported before its alias
-_OLD_NAMES = {f"{__name__}.seeds": seeds}
-for _info in pkgutil.walk_packages(ops.__path__, prefix=f"{ops.__name__}."):
-    _OLD_NAMES[_info.name.replace(ops.__name__, __name__, 1)] = importlib.import_module(_info.name)
-for _old, _module in _OLD_NAMES.items():
-    sys.modules[_old] = _module
-    _parent, _, _child = _old.rpartition(".")
-    setattr(sys.modules[_parent], _child, _module)
+# the old module paths -> the ops modules that hold their code now (the same objects). Not the Triton kernel
+# modules: they import Triton, and this package imports without it
+_MOVED = {
+    **{name: name for name in ("backends", "favor", "feature_maps", "hybrid", "linear", "linformer")},
+    **{name: name for name in ("linformer_hybrid", "local", "reference", "softmax")},
+    **{name: name for name in ("_checks", "_linformer_autograd", "_native", "_precision")},
+    "_favor_chunked": "favor_chunked",
+    "_linear_native": "linear_native",
+    "_triton_bidirectional": "triton_bidirectional",
+    "_triton_linear": "triton_causal",
+}
+for _old, _new in _MOVED.items():
+    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{ops.__name__}.{_new}")
+    setattr(sys.modules[__name__], _old, sys.modules[f"{__name__}.{_old}"])

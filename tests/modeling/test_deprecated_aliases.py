@@ -1,6 +1,6 @@
-"""linearformers.modeling.attention, the deprecated alias of linearformers.ops (and of linearformers.seeds): the old
-import paths still work, with a FutureWarning naming the version the alias goes away in. A fresh process, so that
-the warning is raised by this import and not by an earlier one."""
+"""The deprecated old paths: linearformers.modeling.attention (now linearformers.ops and linearformers.seeds) and
+linearformers.modeling.convert / .transfer (now linearformers.conversion) still import, with a FutureWarning naming
+the version they go away in. Each check runs in a fresh process, so that the warning comes from its own import."""
 
 import subprocess
 import sys
@@ -18,7 +18,7 @@ OLD_NAMES = (
 
 OLD_IMPORTS = f"""
 OLD_NAMES = {OLD_NAMES!r}
-import warnings
+import sys, warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     import linearformers.modeling.attention as old
@@ -34,6 +34,9 @@ assert favor_step is linearformers.ops.favor.favor_step
 assert softmax_reference is linearformers.ops.reference.softmax_reference
 assert mix_seed is linearformers.seeds.mix_seed
 assert old_native is linearformers.ops._native and old.favor is linearformers.ops.favor
+import linearformers.modeling.attention._favor_chunked as old_chunked, linearformers.ops.favor_chunked
+assert old_chunked is linearformers.ops.favor_chunked
+assert "linearformers.ops.triton_causal_kernels" not in sys.modules  # the alias imports without Triton
 assert sorted(old.__all__) == sorted(OLD_NAMES) and all(hasattr(old, name) for name in OLD_NAMES)
 assert old.LINFORMER_BACKENDS is linearformers.ops.linformer.BACKENDS
 print("|".join(str(w.message) for w in caught if issubclass(w.category, FutureWarning)))
@@ -47,3 +50,36 @@ def test_old_attention_paths_import_the_ops_modules_with_a_future_warning():
     assert len(warnings) == 1
     assert "linearformers.modeling.attention" in warnings[0]
     assert "0.3.0" in warnings[0] and "linearformers.ops" in warnings[0]
+
+
+OLD_CONVERSION_IMPORTS = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import linearformers.modeling.convert as old_convert
+    from linearformers.modeling.transfer import TransferArguments, _distillation_loss
+import linearformers.conversion.convert, linearformers.conversion.transfer
+assert old_convert is linearformers.conversion.convert
+assert TransferArguments is linearformers.conversion.transfer.TransferArguments
+assert _distillation_loss is linearformers.conversion.transfer._distillation_loss
+print("|".join(str(w.message) for w in caught if issubclass(w.category, FutureWarning)))
+"""
+
+
+def test_old_conversion_paths_are_the_conversion_modules_with_a_future_warning_each():
+    done = subprocess.run([sys.executable, "-c", OLD_CONVERSION_IMPORTS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    warnings = done.stdout.strip().split("|")
+    assert [w.split(" is deprecated")[0] for w in warnings] == [
+        "linearformers.modeling.convert",
+        "linearformers.modeling.transfer",
+    ]
+    assert all("0.3.0" in w and "linearformers.conversion." in w for w in warnings)
+
+
+def test_the_old_conversion_command_still_runs():
+    done = subprocess.run(
+        [sys.executable, "-m", "linearformers.modeling.convert", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--family" in done.stdout and "is deprecated" in done.stderr

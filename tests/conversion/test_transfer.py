@@ -9,9 +9,8 @@ from torch import nn
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from linearformers import PerformerConfig
-from linearformers.modeling.convert import convert_bert, convert_gpt2, main
-from linearformers.modeling.performer import PerformerModel
-from linearformers.modeling.transfer import (
+from linearformers.conversion.convert import convert_bert, convert_gpt2, main
+from linearformers.conversion.transfer import (
     TransferArguments,
     _reorder_heads,
     attention_transfer,
@@ -22,7 +21,8 @@ from linearformers.modeling.transfer import (
     text_blocks,
     transfer_parameters,
 )
-from tests.modeling.test_convert import SMALL_BERT
+from linearformers.modeling.performer import PerformerModel
+from tests.conversion.test_convert import SMALL_BERT
 
 # the BERT of the conversion tests, without its head's label count
 TINY_BERT = {k: v for k, v in SMALL_BERT.items() if k != "num_labels"}
@@ -226,7 +226,7 @@ def test_finetune_lora_lowers_the_hidden_state_mse_and_leaves_a_plain_model(over
 def test_encoder_distillation_weighs_every_layer_by_the_originals_scale():
     """Stage 2's encoder loss: the mean over layers of each layer's MSE over real tokens divided by the original's
     mean square there, computed here by hand from both models' hidden states."""
-    from linearformers.modeling.transfer import _distillation_loss
+    from linearformers.conversion.transfer import _distillation_loss
 
     bert = tiny_bert()
     model, _ = convert_bert(bert, "performer", **HEDGEHOG)

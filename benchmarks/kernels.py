@@ -5,7 +5,7 @@ SDPA at the same length and masking. Timings follow the machine's load, so the l
 and after; on a busy machine re-run it, or use `benchmarks/attention.py` (forward + backward, paired runs).
 No accuracy column: on random inputs with untrained projections it says nothing about a trained model.
 
-    python -m linearformers.demo     # ~25 s on 2 cores
+    python benchmarks/kernels.py     # ~25 s on 2 cores
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .ops import (
+from linearformers.ops import (
     causal_linformer_attention,
     draw_random_features,
     favor_attention,

@@ -22,7 +22,7 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from linearformers.modeling.convert import convert_bert, convert_gpt2
+from linearformers.conversion.convert import convert_bert, convert_gpt2
 
 SMALL_BERT = dict(
     vocab_size=60,
@@ -122,7 +122,7 @@ def test_conversion_from_a_folder_and_the_cli(tmp_path):
         [
             sys.executable,
             "-m",
-            "linearformers.modeling.convert",
+            "linearformers.conversion.convert",
             str(tmp_path / "bert"),
             str(tmp_path / "out"),
             "--family",
@@ -277,7 +277,7 @@ def test_converters_take_hub_ids_resolved_through_the_cache(tmp_path):
     with pytest.raises(ValueError, match=r"model_type 'gpt2'.*convert_bert expects a BERT checkpoint"):
         convert_bert("owner/gpt2-tiny", cache_dir=cache, local_files_only=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "linearformers.modeling.convert", "owner/gpt2-tiny", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "linearformers.conversion.convert", "owner/gpt2-tiny", str(tmp_path / "out")]
     done = subprocess.run(
         [*command, "--family", "linformer", "--cache_dir", str(cache)], env=env, capture_output=True, text=True
     )
@@ -304,7 +304,7 @@ def test_hedgehog_conversion_maps_every_weight_and_starts_the_maps_at_their_init
 
 
 def test_transfer_requests_of_the_converters_are_checked_before_converting(tokenizer_dir):
-    from linearformers.modeling.transfer import TransferArguments
+    from linearformers.conversion.transfer import TransferArguments
 
     bert = BertModel(BertConfig(**SMALL_BERT))
     with pytest.raises(ValueError, match=r"transfer_texts and tokenizer are for attention transfer"):
@@ -330,7 +330,7 @@ def test_transfer_requests_of_the_converters_are_checked_before_converting(token
 
 @pytest.mark.parametrize("convert", ["bert", "gpt2"])
 def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, convert):
-    from linearformers.modeling.transfer import TransferArguments, TransferReport
+    from linearformers.conversion.transfer import TransferArguments, TransferReport
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -358,7 +358,7 @@ def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, conv
 
 
 def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
-    from linearformers.modeling.convert import main
+    from linearformers.conversion.convert import main
 
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
     main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "hedgehog", "--num_random_features", "16"])
@@ -371,7 +371,7 @@ def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
 def test_cli_offers_a_flag_for_every_attention_field_of_every_family(capsys):
     """The flags follow the configs' fields: a bool is a switch (``--no_name`` where its default is True)."""
     from linearformers import LinformerConfig, PerformerConfig
-    from linearformers.modeling.convert import main
+    from linearformers.conversion.convert import main
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -383,7 +383,7 @@ def test_cli_offers_a_flag_for_every_attention_field_of_every_family(capsys):
 
 
 def test_cli_sets_a_true_default_to_false_a_list_and_a_choice(tmp_path):
-    from linearformers.modeling.convert import main
+    from linearformers.conversion.convert import main
 
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
     main([str(tmp_path / "bert"), str(tmp_path / "performer"), "--no_orthogonal_features", "--local_relative_bias"])
@@ -396,7 +396,7 @@ def test_cli_sets_a_true_default_to_false_a_list_and_a_choice(tmp_path):
 
 
 def test_cli_names_a_flag_of_the_other_family_in_one_line(tmp_path, capsys):
-    from linearformers.modeling.convert import main
+    from linearformers.conversion.convert import main
 
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
     with pytest.raises(SystemExit) as exit_:
@@ -405,7 +405,7 @@ def test_cli_names_a_flag_of_the_other_family_in_one_line(tmp_path, capsys):
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
     assert re.fullmatch(
-        r"python -m linearformers\.modeling\.convert: error: PerformerConfig has no field 'projected_length'; it is "
+        r"python -m linearformers\.conversion\.convert: error: PerformerConfig has no field 'projected_length'; it is "
         r"a LinformerConfig field: pass family='linformer'",
         stderr.strip().splitlines()[-1],
     )
@@ -423,12 +423,14 @@ def test_cli_refuses_an_unwritable_output_folder_before_converting(tmp_path, cap
         convert.main([str(tmp_path / "bert"), str(blocker / "out"), "--transfer_file", str(blocker)])
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith(f"python -m linearformers.modeling.convert: error: output folder {blocker / 'out'} is not")
+    assert error.startswith(
+        f"python -m linearformers.conversion.convert: error: output folder {blocker / 'out'} is not"
+    )
 
 
 @pytest.mark.parametrize("convert", ["bert", "gpt2"])
 def test_converters_refuse_empty_transfer_texts_by_name(convert):
-    from linearformers.modeling.transfer import TransferArguments
+    from linearformers.conversion.transfer import TransferArguments
 
     source = "not loaded: the request is checked first"
     with pytest.raises(ValueError, match=r"transfer_texts is empty; pass a list of strings"):
