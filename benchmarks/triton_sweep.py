@@ -60,10 +60,10 @@ def compiled_variants(every: list[dict]) -> list[dict]:
 
 
 def apply(setting: dict) -> None:
-    from linearformers.ops import triton_causal
+    from linearformers.ops import _triton_causal
 
     for key in ("warps", "stages", "programs_per_sm"):
-        triton_causal.TUNING[key] = setting[key]
+        _triton_causal.TUNING[key] = setting[key]
 
 
 def bind(name: str, base, chunk: int | None, device: str):

@@ -11,7 +11,7 @@ What may run in bf16: the operands of the large products. The chunked backends (
 bf16 when their inputs are bf16 on CUDA (tensor cores: an order of magnitude above float32 by the hardware's specification; not measured here): features
 (values in [0, 1], already exponentiated in float32), v, the intra-chunk scores and backward's g_aug and feature
 gradients, cast just before each product, with results brought back to float32 before any sum or division
-(``favor_chunked.half_operands``; fla's chunked kernels make the same split). fp16 inputs keep float32 products
+(``_favor_chunked.half_operands``; fla's chunked kernels make the same split). fp16 inputs keep float32 products
 (the g / D range above), and so does the CPU, which has no bf16 GEMM units to gain from. The causal Linformer and
 the Linformer hybrid make the same split on CUDA. The compiled CPU walk, the blockwise bidirectional kernel, the rare
 large-key fallback and the Linformer's blockwise backend compute in float32 throughout; the Linformer's sequence

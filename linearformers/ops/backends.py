@@ -3,24 +3,24 @@
 Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention` (precomputed features):
 
 * ``"reference"``: the quadratic formula of :mod:`reference`, for tests and for reading; no state in or out.
-* ``"chunked"`` (:mod:`favor_chunked`): batched products over every chunk at once (bidirectional: the whole
+* ``"chunked"`` (:mod:`_favor_chunked`): batched products over every chunk at once (bidirectional: the whole
   sequence as one), so the number of dispatched ops (kernel launches on a GPU) does not grow with the length, and
   nothing in it depends on the data, so torch.compile traces it whole. Runs on every device; the default off the
   CPU and under torch.compile.
-* ``"native"`` (:mod:`favor_native` and :mod:`linear_native` over :mod:`_native`, causal only): the compiled CPU
+* ``"native"`` (:mod:`_favor_native` and :mod:`_linear_native` over :mod:`_native`, causal only): the compiled CPU
   walk, carrying one state chunk by chunk with every product in its own AVX2 GEMM, which keeps its operands in
   cache; the causal default on x86-64 CPUs where it is built and the shapes allow (head_dim, m and the chunk
   multiples of 16).
-* ``"triton"`` (:mod:`triton_causal`): fused Triton kernels, forward and backward, that carry the
+* ``"triton"`` (:mod:`_triton_causal`): fused Triton kernels, forward and backward, that carry the
   state in registers chunk by chunk and, for FAVOR+ (softmax and ReLU maps), compute the features inside the kernel
   from q, k and the projection, so neither the feature maps nor per-chunk states reach memory; bf16 operands with
   float32 sums for bf16 inputs. The causal default on CUDA where Triton imports and the shapes allow (m, head_dim
   multiples of 16, chunk a power of two >= 16, no float64); custom ops, so torch.compile keeps them whole, without
   a graph break. Named on the CPU it runs under Triton's interpreter only (``TRITON_INTERPRET=1``, for tests), and is
-  refused otherwise. Bidirectional (:mod:`triton_bidirectional`: the two products K'ᵀ[V, 1], then Q' times it,
+  refused otherwise. Bidirectional (:mod:`_triton_bidirectional`: the two products K'ᵀ[V, 1], then Q' times it,
   with the features computed inside both) it is the default on CUDA for the fused maps, under the same refusals
   (given features take it when named).
-* ``"blockwise"`` (:mod:`favor_blockwise`, bidirectional FAVOR+ only): feature maps built a block of positions at a
+* ``"blockwise"`` (:mod:`_favor_blockwise`, bidirectional FAVOR+ only): feature maps built a block of positions at a
   time with the FAVOR+ exponents fused into the GEMMs, so they never exist for the whole sequence; the bidirectional
   default on the CPU.
 
@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 
 from ._native import available as native_available
-from .triton_causal import DEFAULT_CHUNK as _TRITON_DEFAULT_CHUNK
-from .triton_causal import refusal as _triton_kernel_refusal
+from ._triton_causal import DEFAULT_CHUNK as _TRITON_DEFAULT_CHUNK
+from ._triton_causal import refusal as _triton_kernel_refusal
 
 BACKENDS = ("reference", "chunked", "native", "blockwise", "triton")
 CAUSAL_BACKENDS = ("reference", "chunked", "native", "triton")  # what causal calls may name
 BIDIRECTIONAL_BACKENDS = ("reference", "chunked", "blockwise", "triton")  # what bidirectional FAVOR+ may name
-TRITON_CHUNK = _TRITON_DEFAULT_CHUNK  # the Triton kernels' chunk (see triton_causal)
+TRITON_CHUNK = _TRITON_DEFAULT_CHUNK  # the Triton kernels' chunk (see _triton_causal)
 NATIVE_CHUNK = 32  # the compiled walk's default chunk: it carries one state, so small chunks cost it nothing
 _SETTINGS = {"native": True, "triton": True}
 # the compiled walk and the blockwise kernel compute in float32; float64 inputs get float64 math from "chunked"

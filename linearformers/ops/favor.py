@@ -29,21 +29,21 @@ import torch
 
 from ..seeds import mix_seed
 from ._checks import check_mask, check_qkv
-from ._precision import outside_autocast
-from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
-from .favor_blockwise import BIDIRECTIONAL_BLOCK, FavorBidirectional
-from .favor_chunked import (
+from ._favor_blockwise import BIDIRECTIONAL_BLOCK, FavorBidirectional
+from ._favor_chunked import (
     DEFAULT_CHUNK,
     FavorBidirectionalChunked,
     FavorCausalChunked,
     favor_causal_offsets,
     half_operands,
 )
-from .favor_native import FavorCausalNative
+from ._favor_native import FavorCausalNative
+from ._precision import outside_autocast
+from ._triton_bidirectional import triton_bidirectional_linear
+from ._triton_causal import triton_causal_linear
+from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
 from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_features
 from .reference import favor_reference
-from .triton_bidirectional import triton_bidirectional_linear
-from .triton_causal import triton_causal_linear
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 
@@ -167,7 +167,7 @@ def favor_attention(
         projection: (num_features, head_dim) random features from :func:`draw_random_features`.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
-        chunk_size: causal chunk C; None: 64 for the chunked backend (see favor_chunked) and the Triton kernels, 32
+        chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked) and the Triton kernels, 32
             for the native walk. Bidirectional with backend="triton": the kernels' tile of positions (default 64).
         block_size: positions per block: the bidirectional kernel builds its feature maps this many positions at a
             time (default 256), and the native walk keeps its state for backward every block (rounded to whole
@@ -182,7 +182,7 @@ def favor_attention(
             and under torch.compile on the CPU).
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
-            (:func:`favor_chunked.favor_causal_offsets`) whatever the backend.
+            (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
 
     Memory, per head. The native walk keeps the state at each block start and O(n d) of inputs and outputs; the
     chunked backend keeps q, k, v and the output for backward and holds O(n (m + m d / C + C)) while it runs

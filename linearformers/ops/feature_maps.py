@@ -17,7 +17,7 @@ features. This module writes the known maps once:
   module that owns it, e.g. the attention layer): ``phi(x, is_query=...) -> (b, h, n, m)``, nonnegative. The two
   fixed maps are also available in that form, :class:`FavorPositive` and :class:`ReluFeatures`.
 
-A backend may fuse a known map into its own products (the blockwise bidirectional kernel of ``favor_blockwise`` and
+A backend may fuse a known map into its own products (the blockwise bidirectional kernel of ``_favor_blockwise`` and
 the compiled CPU walk build the FAVOR+ exponents inside their GEMMs, which is much of their speed); it computes the
 same formula as here, and the tests hold each against :mod:`reference`, which uses these functions.
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_mask
+from ._favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
+from ._linear_native import LinearCausalNative
 from ._precision import outside_autocast
+from ._triton_bidirectional import triton_bidirectional_linear
+from ._triton_causal import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
-from .favor_chunked import DEFAULT_CHUNK, FavorBidirectionalChunked, FavorCausalChunked, half_operands
-from .linear_native import LinearCausalNative
 from .reference import linear_reference
-from .triton_bidirectional import triton_bidirectional_linear
-from .triton_causal import triton_causal_linear
 
 _TINY = 1e-30
 

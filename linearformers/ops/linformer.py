@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._checks import check_mask, check_qkv
+from ._favor_chunked import half_operands
 from ._linformer_autograd import _ROWS, SequenceProjection, SlotAttention
 from ._precision import outside_autocast
-from .favor_chunked import half_operands
 from .reference import causal_linformer_reference, linformer_reference
 
 METHODS = ("learned", "pool", "conv")

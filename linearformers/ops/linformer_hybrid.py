@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
+from ._favor_chunked import half_operands
 from ._precision import outside_autocast
-from .favor_chunked import half_operands
 from .hybrid import _PASS_BYTES, sink_slots
 from .linformer import METHODS, _check_learned, project_slots
 

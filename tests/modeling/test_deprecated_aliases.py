@@ -34,9 +34,9 @@ assert favor_step is linearformers.ops.favor.favor_step
 assert softmax_reference is linearformers.ops.reference.softmax_reference
 assert mix_seed is linearformers.seeds.mix_seed
 assert old_native is linearformers.ops._native and old.favor is linearformers.ops.favor
-import linearformers.modeling.attention._favor_chunked as old_chunked, linearformers.ops.favor_chunked
-assert old_chunked is linearformers.ops.favor_chunked
-assert "linearformers.ops.triton_causal_kernels" not in sys.modules  # the alias imports without Triton
+import linearformers.modeling.attention._triton_linear as old_triton, linearformers.ops._triton_causal
+assert old_triton is linearformers.ops._triton_causal
+assert "linearformers.ops._triton_causal_kernels" not in sys.modules  # the alias imports without Triton
 assert sorted(old.__all__) == sorted(OLD_NAMES) and all(hasattr(old, name) for name in OLD_NAMES)
 assert old.LINFORMER_BACKENDS is linearformers.ops.linformer.BACKENDS
 print("|".join(str(w.message) for w in caught if issubclass(w.category, FutureWarning)))

@@ -1,4 +1,4 @@
-"""The chunked causal FAVOR+ backend (favor_chunked): every chunk at once, so its dispatched-op count does not grow
+"""The chunked causal FAVOR+ backend (_favor_chunked): every chunk at once, so its dispatched-op count does not grow
 with n. Checked against the plain quadratic formula (reference.favor_reference), and the backend choice."""
 
 import pytest
@@ -12,8 +12,8 @@ from linearformers.ops import (
     set_native_walk,
 )
 from linearformers.ops import favor as favor_module
+from linearformers.ops._favor_chunked import DEFAULT_CHUNK
 from linearformers.ops.backends import choose_backend, native_refusal
-from linearformers.ops.favor_chunked import DEFAULT_CHUNK
 from linearformers.ops.reference import favor_reference
 from tests.ops.helpers import CountOps
 
@@ -286,7 +286,7 @@ def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
     exponents, sums and denominators in float32 (_precision). Forced here on the CPU: outputs and gradients stay
     within bf16's rounding of the float32 path, and finite, with left padding."""
     operands = torch.bfloat16
-    from linearformers.ops.favor_chunked import (
+    from linearformers.ops._favor_chunked import (
         FavorBidirectionalChunked,
         FavorCausalChunked,
         half_operands,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from linearformers.ops import (
+    _favor_native,
     _native,
     draw_random_features,
     favor_attention,
-    favor_native,
     native_available,
 )
 from linearformers.ops import favor as favor_module
@@ -36,8 +36,8 @@ def _run(monkeypatch, native, q, k, v, w, **kwargs):
     """favor_attention(causal) on the native walk or the chunked backend: outputs, final state and dq, dk, dv, plus
     how often it went native."""
     calls = []
-    forward = favor_native.native_forward
-    monkeypatch.setattr(favor_native, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    forward = _favor_native.native_forward
+    monkeypatch.setattr(_favor_native, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     backend = "native" if native else "chunked"
     out, state = favor_attention(q, k, v, w, causal=True, return_state=True, backend=backend, **kwargs)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())

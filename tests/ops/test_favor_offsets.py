@@ -1,4 +1,4 @@
-"""The chunked per-position offsets of causal FAVOR+ (favor_chunked.favor_causal_offsets: keys of large norm and
+"""The chunked per-position offsets of causal FAVOR+ (_favor_chunked.favor_causal_offsets: keys of large norm and
 continued prefills) and the precomputed-features mode of FavorCausalChunked. Checked against the quadratic formula in
 float64 (reference.favor_reference, or the formula written out for given features, and the sums that make a state),
 gradcheck, and for a dispatched-op count that does not depend on n."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from linearformers.ops import draw_random_features
-from linearformers.ops.favor_chunked import FavorCausalChunked, favor_causal_offsets, offsets_chunk
+from linearformers.ops._favor_chunked import FavorCausalChunked, favor_causal_offsets, offsets_chunk
 from linearformers.ops.reference import favor_reference
 from tests.ops.helpers import CountOps
 

@@ -13,10 +13,10 @@ from linearformers.ops import (
     FavorPositive,
     FeatureMap,
     ReluFeatures,
+    _linear_native,
     draw_random_features,
     favor_attention,
     linear_attention,
-    linear_native,
     linear_step,
     native_available,
     native_walk_enabled,
@@ -487,8 +487,8 @@ def test_inputs_are_not_modified():
 @needs_native
 def test_set_native_walk_false_takes_the_chunked_backend(monkeypatch):
     calls = []
-    original = linear_native.native_forward
-    monkeypatch.setattr(linear_native, "native_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = _linear_native.native_forward
+    monkeypatch.setattr(_linear_native, "native_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     phi_q, phi_k, v = _features()
     assert native_walk_enabled()
     on = linear_attention(phi_q, phi_k, v, causal=True)

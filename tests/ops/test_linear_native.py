@@ -1,4 +1,4 @@
-"""Causal linear attention of precomputed features on the compiled walk (linear_native.LinearCausalNative, kernel
+"""Causal linear attention of precomputed features on the compiled walk (_linear_native.LinearCausalNative, kernel
 "features" of _native) against the plain quadratic formula in float64: outputs, final state and the gradients of
 phi_q, phi_k and v, with and without padding, n off the chunk grid, m != d, bf16 inputs and any state spacing; and
 the fused FAVOR+ kernels of the same library, still equal to their reference."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linearformers.ops import _native, draw_random_features, favor_attention, native_available
-from linearformers.ops.linear_native import LinearCausalNative
+from linearformers.ops._linear_native import LinearCausalNative
 from linearformers.ops.reference import linear_reference
 
 pytestmark = pytest.mark.skipif(

@@ -211,7 +211,7 @@ def test_causal_bf16_operands_follow_the_float32_reference(monkeypatch):
 
 
 def test_causal_products_stay_float32_off_cuda():
-    from linearformers.ops.favor_chunked import half_operands
+    from linearformers.ops._favor_chunked import half_operands
 
     assert half_operands(torch.empty(1, dtype=torch.bfloat16)) is None
     assert half_operands(torch.empty(1, dtype=torch.bfloat16, device="meta")) is None  # CUDA only

@@ -20,10 +20,10 @@ from linearformers.ops import (
     linear_attention,
     set_triton_kernels,
 )
+from linearformers.ops._triton_causal import triton_causal_linear
 from linearformers.ops.backends import choose_backend
 from linearformers.ops.feature_maps import random_features
 from linearformers.ops.reference import favor_reference, linear_reference
-from linearformers.ops.triton_causal import triton_causal_linear
 from tests.ops._triton_cases import (
     CUDA,
     DTYPES,

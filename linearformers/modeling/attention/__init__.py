@@ -2,7 +2,7 @@
 models) and of ``linearformers.seeds``; goes away in linearformers 0.3.0.
 
 The old submodules are importable here under their old names (``linearformers.modeling.attention.favor`` is
-``linearformers.ops.favor``, ``._favor_chunked`` is ``linearformers.ops.favor_chunked``, the same module objects),
+``linearformers.ops.favor``, ``._triton_linear`` is ``linearformers.ops._triton_causal``, the same module objects),
 and ``mix_seed`` from ``linearformers.modeling.attention.seeds``.
 """
 
@@ -51,11 +51,10 @@ warnings.warn(
 _MOVED = {
     **{name: name for name in ("backends", "favor", "feature_maps", "hybrid", "linear", "linformer")},
     **{name: name for name in ("linformer_hybrid", "local", "reference", "softmax")},
-    **{name: name for name in ("_checks", "_linformer_autograd", "_native", "_precision")},
-    "_favor_chunked": "favor_chunked",
-    "_linear_native": "linear_native",
-    "_triton_bidirectional": "triton_bidirectional",
-    "_triton_linear": "triton_causal",
+    **{name: name for name in ("_checks", "_favor_chunked", "_linear_native", "_linformer_autograd")},
+    **{name: name for name in ("_native", "_precision", "_triton_bidirectional")},
+    "_favor_autograd": "_favor_blockwise",  # its causal wrapper, FavorCausalNative, is in _favor_native
+    "_triton_linear": "_triton_causal",
 }
 for _old, _new in _MOVED.items():
     sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{ops.__name__}.{_new}")

@@ -2,9 +2,9 @@
 and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
 num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
-portable chunked backend (``favor_chunked``; the choice is made in ``backends``). Kernel "features" takes
+portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Kernel "features" takes
 precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see
-``linear_native``).
+``_linear_native``).
 
 ``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).

@@ -3,7 +3,7 @@
 // with every product in this file's own AVX2/FMA GEMM, whose operands stay in L1/L2 from one product to the next.
 // Built at first use by _native/__init__.py (g++ -O3 -mavx2 -mfma) and called through ctypes with raw float32
 // pointers, each call on a range of (batch, head) rows, so that Python threads (ctypes releases the GIL) split the
-// heads without a second threading runtime next to torch's. The portable chunked backend (favor_chunked.py) computes
+// heads without a second threading runtime next to torch's. The portable chunked backend (_favor_chunked.py) computes
 // the same outputs on every other device and is what the tests hold this walk to, with the quadratic reference.
 // Kernels 0 and 1 fuse the FAVOR+ softmax / ReLU feature map into the GEMM tiles; kernel 2 ("features") takes
 // precomputed nonnegative features phi(q), phi(k) (bh, n, m) in place of q and k (no projection, no exp, no eps; w

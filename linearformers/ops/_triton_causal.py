@@ -1,4 +1,4 @@
-"""Causal linear attention as fused Triton kernels: the chunked form of :mod:`favor_chunked`, with the state carried
+"""Causal linear attention as fused Triton kernels: the chunked form of :mod:`_favor_chunked`, with the state carried
 in registers from chunk to chunk, and the FAVOR+ feature maps computed inside the kernels.
 
     out_t = Σ_{s <= t} (phi_q,t · phi_k,s) v_s / Σ_{s <= t} phi_q,t · phi_k,s         (padded keys left out)
@@ -32,7 +32,7 @@ float32, gn in bf16 for bf16 inputs since it only enters bf16 products):
 with dS = Σ_{t in later chunks} phi_q,t gn_tᵀ and dz = Σ phi_q,t gd_t carried in registers; after the walk they are
 the gradient of the initial state. Each program's share (partial over d-blocks for the feature gradients, over
 m-blocks for dv) is again atomically added. Through the FAVOR+ maps (inside the kernels, as in
-``favor_chunked._through_features``): du = dphi · phi (softmax) or dphi where W x' > 0 (relu), dx = s^½ du W, less
+``_favor_chunked._through_features``): du = dphi · phi (softmax) or dphi where W x' > 0 (relu), dx = s^½ du W, less
 s x Σ_m du for the softmax map's keys (their -|x'|²/2); the queries' per-row terms cancel in N / D.
 
 The softmax map's queries are taken relative to their largest exponent over all m features (a factor per query,
@@ -53,7 +53,7 @@ throughout (``input_precision="ieee"``: no TF32). float64 is refused (:func:`ref
 
 Keys of large norm: keys' features are taken at offset 0 (exp(-|w - k'|²/2) <= 1), as in the chunked backend; a
 position whose every visible key underflowed has D = 0 and is counted in ``lost``, so favor_attention redoes such
-calls with the per-position offsets of :func:`favor_chunked.favor_causal_offsets`.
+calls with the per-position offsets of :func:`_favor_chunked.favor_causal_offsets`.
 
 The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
 torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
@@ -127,7 +127,7 @@ def _block(size: int) -> int:
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from .triton_causal_kernels import (
+    from ._triton_causal_kernels import (
         _backward_kv,
         _backward_prep,
         _backward_q,
@@ -220,7 +220,7 @@ def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
 
 def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
     """Each segment's sums, ((b·h·P, m, d), (b·h·P, m)) float32, which the walks add up to their starting states
-    (:func:`triton_causal_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
+    (:func:`_triton_causal_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
     g = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
     (count, length), b, h, m, d = segments, launch.b, launch.h, launch.m, launch.d
     sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)

@@ -1,5 +1,5 @@
 """Causal FAVOR+ on the compiled CPU walk (_native/favor_causal.cpp) as an autograd function. The gradients are
-those of favor_blockwise's module docstring, with prefix sums running forward for dphi(Q) and suffix sums running
+those of _favor_blockwise's module docstring, with prefix sums running forward for dphi(Q) and suffix sums running
 backward for dphi(K) and dV, each split into whole chunks and a triangular intra-chunk part; the walk computes both
 directions, and this wrapper pads, casts and keeps what backward needs.
 """

@@ -27,7 +27,7 @@ Backward, with g_aug = [g / D, -(g · out) / D] = dL/d[N, D]:
     R_c = Σ_{c' > c} dP_c'           (a reverse cumsum over chunks: the gradient of chunk c's sum K_c)
     dPhi_K,c = dA_cᵀ Phi_Q,c + V_c R_cᵀ,    dV_c = A_cᵀ g_aug,c + Phi_K,c R_c
 
-then back through the feature maps as in favor_blockwise (du = dphi * phi; keys dx = s^½ du W - s x Σ_m du,
+then back through the feature maps as in _favor_blockwise (du = dphi * phi; keys dx = s^½ du W - s x Σ_m du,
 queries dx = s^½ du W: their per-row terms cancel in N / D).
 
 Memory. Forward keeps q, k, v, the output and its denominator (n (3d + d + 1) per head) and nothing of size
@@ -290,7 +290,7 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     branch (torch.compile traces it whole). Forward keeps q, k, v, the output, its denominator and the key offset;
     backward recomputes the features: dKV = phi(Q)ᵀ g_aug, dphi(Q) = g_aug KVᵀ, dphi(K) = [V, 1] dKVᵀ,
     dV = phi(K) dKV. Holds the feature maps (n m per head) while it runs, where the blockwise kernel of
-    favor_blockwise holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
+    _favor_blockwise holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, keep, kernel, scale, eps, operands=None):

@@ -1,18 +1,18 @@
-"""The Triton kernels of :mod:`triton_bidirectional` (read its docstring for the algorithm, the grid and the
+"""The Triton kernels of :mod:`_triton_bidirectional` (read its docstring for the algorithm, the grid and the
 precision).
 
 Imported only when a call runs them, so that the library imports without Triton. Only long-stable ``tl`` APIs, as
-in :mod:`triton_causal_kernels`, whose exponent, operand, key-weight, feature-gradient and input-gradient helpers these
+in :mod:`_triton_causal_kernels`, whose exponent, operand, key-weight, feature-gradient and input-gradient helpers these
 kernels share (and whose ``_offsets`` kernel the launcher runs).
 """
 
 try:  # transformers' check of Hub remote code skips try blocks: a model exported with this file loads without Triton
     import triton
     import triton.language as tl
-except ImportError as err:  # imported only after triton_causal.triton_importable() said yes
+except ImportError as err:  # imported only after _triton_causal.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
-from .triton_causal_kernels import _add_input_grad, _exponents, _feature_grad, _key_weights, _operand
+from ._triton_causal_kernels import _add_input_grad, _exponents, _feature_grad, _key_weights, _operand
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`triton_causal` (read its docstring for the algorithm, the grid and the precision).
+"""The Triton kernels of :mod:`_triton_causal` (read its docstring for the algorithm, the grid and the precision).
 
 Imported only when a call runs them, so that the library imports without Triton. Only long-stable ``tl`` APIs
 (loads and stores with masks, ``tl.dot``, ``tl.atomic_add``, ``tl.exp``, reductions): the kernels must compile with
@@ -8,7 +8,7 @@ Triton 3.6 as with the current release, and run under its interpreter (``TRITON_
 try:  # transformers' check of Hub remote code skips try blocks: a model exported with this file loads without Triton
     import triton
     import triton.language as tl
-except ImportError as err:  # imported only after triton_causal.triton_importable() said yes
+except ImportError as err:  # imported only after _triton_causal.triton_importable() said yes
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
 # Lengths and segment counts stay runtime values: specialized (== 1, a multiple of 16), each new length would compile

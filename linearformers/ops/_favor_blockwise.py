@@ -1,5 +1,5 @@
 """FAVOR+ forward and backward by hand, for the two kernels that fuse the FAVOR+ feature map into their products:
-the blockwise bidirectional kernel (here) and the compiled causal CPU walk (_native, wrapped in favor_native).
+the blockwise bidirectional kernel (here) and the compiled causal CPU walk (_native, wrapped in _favor_native).
 
 Autograd through the plain formulation keeps several (n x m) tensors per head alive (projections, exp
 outputs, masks), four to eight times the size of q. Here forward saves only q, k, v, the output, its

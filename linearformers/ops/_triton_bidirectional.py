@@ -1,12 +1,12 @@
 """Bidirectional linear attention as fused Triton kernels: the two products of
-:class:`favor_chunked.FavorBidirectionalChunked`, with the FAVOR+ feature maps computed inside the kernels.
+:class:`_favor_chunked.FavorBidirectionalChunked`, with the FAVOR+ feature maps computed inside the kernels.
 
     KV = Σ_s phi_k,s [v_s, 1]ᵀ  (real keys s),      out_t = phi_q,t KV[:, :d] / phi_q,t KV[:, d]
 
 Opt-in until measured on a GPU: ``backend="triton"`` runs it when named, ``backend=None`` never picks it. The
 kernels have run only under Triton's interpreter so far.
 
-Kernels (:mod:`triton_bidirectional_kernels`; ``_offsets`` is the causal kernels' own, in :mod:`triton_causal_kernels`):
+Kernels (:mod:`_triton_bidirectional_kernels`; ``_offsets`` is the causal kernels' own, in :mod:`_triton_causal_kernels`):
 
 * ``_offsets`` (softmax map): the largest of each position's m exponents, one float per query and per key. The keys'
   maximum over the real keys of a (batch, head), in torch, is their offset: taken off every key exponent, it cancels
@@ -33,7 +33,7 @@ Kept for backward: the inputs, the output and D (float32), KV (m (d + 1) per hea
 per query) and the keys' (one per head); nothing of size (n, m). Backward recomputes the features, in three passes
 over the sequence (dKV, queries, keys).
 
-Precision as in :mod:`triton_causal`: exponents, features, KV, D and every sum are float32; for bf16 inputs the
+Precision as in :mod:`_triton_causal`: exponents, features, KV, D and every sum are float32; for bf16 inputs the
 products' operands are bf16 (the exponents' product split as x W_hi + x W_lo), emulated under the interpreter as
 float32 values rounded to bf16; float32 and fp16 inputs compute in float32 (no TF32); float64 is refused.
 
@@ -49,15 +49,15 @@ from types import SimpleNamespace
 import torch
 
 from ._precision import outside_autocast
-from .triton_causal import MAPS
+from ._triton_causal import MAPS
 
 _TINY = 1e-30
 
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from .triton_bidirectional_kernels import _grad_kv, _grad_q, _output, _sums
-    from .triton_causal_kernels import _offsets
+    from ._triton_bidirectional_kernels import _grad_kv, _grad_q, _output, _sums
+    from ._triton_causal_kernels import _offsets
 
     return SimpleNamespace(_grad_kv=_grad_kv, _grad_q=_grad_q, _offsets=_offsets, _output=_output, _sums=_sums)
 
@@ -80,7 +80,7 @@ class _Launch:
         self.chunk, self.scale, self.root, self.eps = chunk, scale, math.sqrt(scale), eps
         self.m = q.shape[-1] if kernel == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
-        ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0  # see triton_causal
+        ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0  # see _triton_causal
         self.warps = 8 if chunk * _block(self.m) >= 64 * 64 else 4
         self.shape = dict(M=self.m, D=d, DP=_pow2(d), XD=xd, XDP=_pow2(xd), C=chunk, BM=_block(self.m))
         self.settings = dict(MAP=MAPS[kernel], OPS=ops, PREC="tf32" if ops == 1 else "ieee")
