@@ -5,7 +5,10 @@ SDPA at the same length and masking. Timings follow the machine's load, so the l
 and after; on a busy machine re-run it, or use `benchmarks/attention.py` (forward + backward, paired runs).
 No accuracy column: on random inputs with untrained projections it says nothing about a trained model.
 
-    python benchmarks/kernels.py     # ~25 s on 2 cores
+    python benchmarks/kernel_speed.py     # ~25 s on 2 cores
+
+Not named kernels.py: a script's folder comes first on sys.path, and transformers imports a package named
+``kernels`` when it finds one, so that name would shadow it for every script in benchmarks/.
 """
 
 from __future__ import annotations
