@@ -38,7 +38,7 @@ data: setup
 	$(PY) -m linearformers.training.demo --data-only --data-dir .
 
 kernels: setup
-	$(PY) -m linearformers.demo
+	$(PY) benchmarks/kernel_speed.py
 
 lint: setup
 	$(VENV)/bin/ruff check linearformers tests benchmarks examples

@@ -66,7 +66,7 @@ LIMITS = {"peer_performer_causal": 4096}
 def _learned_kernel(name: str) -> torch.nn.Module:
     """``name`` in LEARNED: q, k, v (1, HEADS, n, DIM) -> (1, HEADS, n, DIM), Hedgehog features of q and k, then
     linear attention (``hedgehog``) or the sliding-window hybrid (``hybrid``); ``_causal``: causal masking."""
-    from linearformers.modeling.attention import HedgehogFeatureMap, hybrid_attention, linear_attention
+    from linearformers.ops import HedgehogFeatureMap, hybrid_attention, linear_attention
 
     causal, hybrid = name.endswith("_causal"), name.startswith("hybrid")
 
@@ -87,7 +87,7 @@ def _learned_kernel(name: str) -> torch.nn.Module:
 
 
 def _kernel(name: str, n: int):
-    from linearformers.modeling.attention import draw_random_features, favor_attention, linformer_attention
+    from linearformers.ops import draw_random_features, favor_attention, linformer_attention
 
     if name in LEARNED:
         return _learned_kernel(name)
@@ -99,7 +99,7 @@ def _kernel(name: str, n: int):
         f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         return lambda q, k, v: linformer_attention(q, k, v, e, f)
     if name == "linformer_hybrid":
-        from linearformers.modeling.attention import linformer_hybrid_attention
+        from linearformers.ops import linformer_hybrid_attention
 
         e = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)
         f = torch.randn(K_PROJ, n) / math.sqrt(K_PROJ)

@@ -25,7 +25,7 @@ from _stamp import finish_stamp, start_stamp
 from conversion import stdlib_text
 from transformers import AutoTokenizer, BertModel
 
-from linearformers.modeling.transfer import text_blocks
+from linearformers.conversion.transfer import text_blocks
 
 
 def _split(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ standard-library source it was not transferred on) against the original:
   * error: the relative Frobenius error of the last hidden states over real tokens, ||h' - h|| / ||h||;
   * cosine: the cosine between the original's and the converted model's sentence embeddings, mean-pooled over real
     tokens as sentence-transformers pools this model, averaged over the blocks.
-Transfer: attention transfer (linearformers.modeling.transfer, LoLCATs' stage 1: only the new attention parameters
+Transfer: attention transfer (linearformers.conversion.transfer, LoLCATs' stage 1: only the new attention parameters
 train, each layer's attention output against the original's, on the original's own hidden states), then, where the
 setting says so, stage 2 (distillation of every layer's hidden states, LoRA or all weights). The transfer text is
 other standard-library files than the evaluation's.
@@ -33,8 +33,8 @@ import torch
 from _stamp import finish_stamp, start_stamp
 from transformers import AutoTokenizer, BertModel
 
-from linearformers.modeling.convert import convert_bert
-from linearformers.modeling.transfer import TransferArguments, attention_transfer, text_blocks
+from linearformers.conversion.convert import convert_bert
+from linearformers.conversion.transfer import TransferArguments, attention_transfer, text_blocks
 
 RESULTS = Path(__file__).parent / "results"
 

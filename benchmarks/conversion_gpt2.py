@@ -50,9 +50,9 @@ import transformers
 from _stamp import commit, device
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
+from linearformers.conversion.convert import convert_gpt2
+from linearformers.conversion.transfer import TransferArguments, attention_transfer, text_blocks
 from linearformers.modeling.base import CACHE_FIELD  # transformers' name for the cache: cache from 5.24
-from linearformers.modeling.convert import convert_gpt2
-from linearformers.modeling.transfer import TransferArguments, attention_transfer, text_blocks
 from linearformers.training import train_bpe_tokenizer
 
 RESULTS = Path(__file__).parent / "results"

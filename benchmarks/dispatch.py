@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's tiny config
 
-from linearformers.modeling.attention import (
+from linearformers.ops import (
     causal_linformer_attention,
     draw_random_features,
     favor_attention,

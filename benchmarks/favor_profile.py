@@ -3,7 +3,7 @@
 One forward + backward of `favor_attention(causal=True)` at the attention benchmark's shape (12 heads x 64, m = 256,
 chunk 32, float32, 2 threads), through the chunked backend (`backend="chunked"`: every chunk at once in batched
 products, the portable form GPUs run and the fallback off x86-64), then through the native walk
-(`backend="native"`, modeling/attention/_native, one opaque call per direction) for comparison:
+(`backend="native"`, ops/_native, one opaque call per direction) for comparison:
   1. torch.profiler on the chunked backend, ops grouped by input shape, with the GFLOP/s of each matmul group;
   2. the Python and dispatch overhead: the same call on tiny tensors (1 head x 4, m = 8), whose ops cost ~nothing;
   3. exp against exp2 on one block of features (8 chunks x 12 heads x 32 x 256), the choice in `_FeatureMap`.
@@ -21,7 +21,7 @@ import time
 import torch
 from torch.profiler import profile
 
-from linearformers.modeling.attention import draw_random_features, favor_attention
+from linearformers.ops import draw_random_features, favor_attention
 
 _MATMULS = ("aten::baddbmm_", "aten::bmm", "aten::mm")
 

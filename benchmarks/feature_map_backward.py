@@ -26,7 +26,7 @@ from _stamp import finish_stamp, start_stamp
 from attention import DIM, HEADS, LEARNED, RESULTS, _kernel, forward_backward
 from isolated import emit, run_isolated
 
-from linearformers.modeling.attention import feature_maps
+from linearformers.ops import feature_maps
 
 VARIANTS = ("composed", "softmax_pair")
 

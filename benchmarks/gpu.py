@@ -87,16 +87,10 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.modeling.attention import (
-        BIDIRECTIONAL_BACKENDS,
-        CAUSAL_BACKENDS,
-        LINFORMER_BACKENDS,
-        LINFORMER_CAUSAL_BACKENDS,
-        causal_linformer_attention,
-        favor_attention,
-        linear_attention,
-        linformer_attention,
-    )
+    from linearformers.ops import causal_linformer_attention, favor_attention, linear_attention, linformer_attention
+    from linearformers.ops.backends import BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
+    from linearformers.ops.linformer import BACKENDS as LINFORMER_BACKENDS
+    from linearformers.ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
 
     # "auto" is backend=None
     return [
@@ -138,7 +132,7 @@ def _fla_call():
 def _favor_feature_inputs(q, k, m: int, device: str, dtype: torch.dtype):
     """FAVOR+ features of q and k, (B, H, T, m) in ``dtype``, computed without gradients (not part of the timing):
     the shared input of the ``linear_causal`` and ``fla_causal`` rows."""
-    from linearformers.modeling.attention import draw_random_features, favor_features
+    from linearformers.ops import draw_random_features, favor_features
 
     w = draw_random_features(m, DIM, seed=0, device=device)
     with torch.no_grad():
@@ -147,7 +141,7 @@ def _favor_feature_inputs(q, k, m: int, device: str, dtype: torch.dtype):
 
 def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, k_proj: int):
     """(fn, inputs, upstream gradient) for one kernel at length n; fn(*inputs) is one forward."""
-    from linearformers.modeling.attention import (
+    from linearformers.ops import (
         HedgehogFeatureMap,
         causal_linformer_attention,
         draw_random_features,

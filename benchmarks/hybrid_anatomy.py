@@ -39,13 +39,13 @@ from conversion import RESULTS, load_minilm, settings
 from transformers import get_cosine_schedule_with_warmup
 
 from linearformers import PerformerModel
-from linearformers.modeling.attention.reference import hybrid_reference
-from linearformers.modeling.convert import convert_bert
-from linearformers.modeling.transfer import (
+from linearformers.conversion.convert import convert_bert
+from linearformers.conversion.transfer import (
     TransferArguments,
     attention_transfer,
     softmax_attention_output,
 )
+from linearformers.ops.reference import hybrid_reference
 
 SETTING = "hedgehog+window64+sink+scale+keyscale"
 

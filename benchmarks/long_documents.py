@@ -39,7 +39,7 @@ from isolated import emit, peak_rss_mb, run_isolated
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
 import linearformers  # noqa: F401  (registers the Auto classes)
-from linearformers.modeling.convert import convert_bert
+from linearformers.conversion.convert import convert_bert
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("original-chunked", "original-truncated", "converted")

@@ -17,8 +17,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
-from linearformers.modeling.attention import (
-    _triton_linear,
+from linearformers.ops import (
+    _triton_causal,
     draw_random_features,
     favor_attention,
     linear_attention,
@@ -42,9 +42,9 @@ class _NoLaunch:
 
 
 def _mock_kernels():
-    real = _triton_linear.kernels()
+    real = _triton_causal.kernels()
     mocked = {name: _NoLaunch(name) for name in vars(real)}
-    _triton_linear.kernels = lambda: type(real)(**mocked)
+    _triton_causal.kernels = lambda: type(real)(**mocked)
 
 
 def _step(fn, inputs):
@@ -63,7 +63,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)  # the host path of a GPU call is one thread; a busy pool would time its wake-ups
     _mock_kernels()
-    _triton_linear._program_target = lambda device: 2 * args.multiprocessors
+    _triton_causal._program_target = lambda device: _triton_causal.DEFAULT_PROGRAMS_PER_SM * args.multiprocessors
     torch.manual_seed(0)
     b, h, n, d, m = 1, 12, args.length, 64, 256
     q, k, v = (torch.randn(b, h, n, d) * 0.3 for _ in range(3))

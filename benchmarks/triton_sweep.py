@@ -60,10 +60,10 @@ def compiled_variants(every: list[dict]) -> list[dict]:
 
 
 def apply(setting: dict) -> None:
-    from linearformers.modeling.attention import _triton_linear
+    from linearformers.ops import _triton_causal
 
     for key in ("warps", "stages", "programs_per_sm"):
-        _triton_linear.TUNING[key] = setting[key]
+        _triton_causal.TUNING[key] = setting[key]
 
 
 def bind(name: str, base, chunk: int | None, device: str):
@@ -71,7 +71,7 @@ def bind(name: str, base, chunk: int | None, device: str):
     fn, inputs, grad = base
     if chunk is None:
         return fn, inputs, grad
-    from linearformers.modeling.attention import draw_random_features, favor_attention, linear_attention
+    from linearformers.ops import draw_random_features, favor_attention, linear_attention
 
     if name == "favor_causal/triton":
         w = draw_random_features(256, gpu.DIM, seed=0, device=device)

@@ -23,8 +23,8 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertModel, Trainer, TrainingArguments
 
 import linearformers
+from linearformers.conversion.convert import convert_bert
 from linearformers.hub_cards import save_for_hub
-from linearformers.modeling.convert import convert_bert
 from linearformers.modeling.registry import FAMILIES
 from linearformers.training import default_tokenizer, label_fields, load_metric
 

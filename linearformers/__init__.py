@@ -7,8 +7,6 @@ Importing the package registers both configs and every model class with transfor
 import transformers
 from transformers import AutoConfig
 
-# modeling first: the configs read the attention floor's choices (KERNELS, METHODS), and importing
-# modeling.attention runs modeling/__init__, which imports the configs; in this order every module is whole in time
 from . import modeling
 from .configuration import LinformerConfig, PerformerConfig
 from .modeling import *  # noqa: F403

@@ -1,4 +1,4 @@
-"""What the package's command lines (``linearformers-train``, ``python -m linearformers.modeling.convert``) share:
+"""What the package's command lines (``linearformers-train``, ``python -m linearformers.conversion.convert``) share:
 an output folder proven writable before any work, and one line, not a traceback, for the package's own checks."""
 
 from __future__ import annotations

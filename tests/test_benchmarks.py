@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from linearformers.modeling.attention import HedgehogFeatureMap
+from linearformers.ops import HedgehogFeatureMap
 from tests.conftest import load_script, run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -163,6 +163,6 @@ def test_feature_map_backward_compares_the_two_maps_and_writes_to_out(tmp_path):
 def test_the_composed_map_equals_softmax_pair():
     script = _load("feature_map_backward")
     u = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
-    from linearformers.modeling.attention.feature_maps import softmax_pair
+    from linearformers.ops.feature_maps import softmax_pair
 
     assert torch.equal(script.composed(u), softmax_pair(u))

@@ -164,7 +164,7 @@ class LinearAttentionConfig(PreTrainedConfig):
                 f"this config has model_type '{saved_type}', but {type(self).__name__} builds model_type "
                 f"'{type(self).model_type}' models. Load the checkpoint with its own family's classes (or the Auto "
                 "classes, after `import linearformers`); a BERT / GPT-2 checkpoint goes through "
-                "linearformers.modeling.convert."
+                "linearformers.conversion.convert."
             )
         super().__post_init__(**kwargs)
         # The rules across fields, here too: @strict runs validate_architecture after __init__ as well, but wraps its

@@ -5,7 +5,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers.utils.type_validators import interval
 
-from ..modeling.attention.linformer import METHODS
+from ..ops.linformer import METHODS
 from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
 
 

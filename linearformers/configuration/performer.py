@@ -6,7 +6,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import strict
 from transformers.utils.type_validators import interval
 
-from ..modeling.attention.feature_maps import PERFORMER_KERNELS
+from ..ops.feature_maps import PERFORMER_KERNELS
 from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
 
 

@@ -17,8 +17,8 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
+from ..conversion.long_context import write_sentence_transformers_files
 from ..modeling.hub_code import write_hub_files
-from ..modeling.long_context import write_sentence_transformers_files
 from .card import render_model_card
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ logger = logging.get_logger(__name__)
 NO_ATTENTION_MAPS = (
     "output_attentions=True is not supported: linear attention never forms the n x n attention matrix, which is "
     "what makes it linear. Inspect a layer with exact softmax attention instead "
-    "(linearformers.modeling.attention.softmax_attention)."
+    "(linearformers.ops.softmax_attention)."
 )
 
 

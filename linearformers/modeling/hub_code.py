@@ -2,9 +2,9 @@
 
 transformers copies remote code flat: one folder, following only same-folder imports (``from .name import``).
 The package's modules are therefore written flat, renamed to unique basenames (``configuration/linformer.py`` ->
-``configuration_linformer.py``, ``modeling/attention/favor.py`` -> ``attention_favor.py``, ...), with every
-relative import rewritten to ``from .<flat name> import ...``. The rewrite reads the package's real source with
-``ast``, so the written code follows the package as it changes.
+``configuration_linformer.py``, ``ops/favor.py`` -> ``ops_favor.py``, ...), with every relative import rewritten
+to ``from .<flat name> import ...``. The rewrite reads the package's real source with ``ast``, so the written code
+follows the package as it changes.
 
 ``write_hub_files`` writes this code and ``auto_map_for``'s ``auto_map`` where the model is published:
 ``push_to_hub``, ``hub_cards.save_for_hub``, and every ``save_pretrained`` after ``register_for_auto_class``
@@ -33,11 +33,9 @@ ROOT_MODULES = tuple(sorted(m for f in FAMILIES.values() for m in (f.config_modu
 
 
 def flat_name(dotted: str) -> str:
-    """``modeling.attention.favor`` -> ``attention_favor``; ``configuration.linformer`` -> ``configuration_linformer``."""
-    parts = dotted.split(".")
-    if parts[0] == "modeling" and len(parts) > 1 and parts[1] == "attention":
-        parts = parts[1:]
-    return "_".join(part.strip("_") for part in parts)
+    """``ops.favor`` -> ``ops_favor``; ``ops._native`` -> ``ops_native``; ``configuration.linformer`` ->
+    ``configuration_linformer``."""
+    return "_".join(part.strip("_") for part in dotted.split("."))
 
 
 def _source_path(dotted: str) -> Path:

@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.common import LinearAttentionConfig
-from .attention.local import causal_local_attention, local_attention, num_relative_positions
+from ..ops.local import causal_local_attention, local_attention, num_relative_positions
 from .cache import LinearAttentionCache
 
 

@@ -16,9 +16,9 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.linformer import LinformerConfig
-from .attention import causal_linformer_attention, causal_linformer_step, linformer_attention
-from .attention.linformer import slot_first_writes
-from .attention.linformer_hybrid import linformer_hybrid_attention
+from ..ops import causal_linformer_attention, causal_linformer_step, linformer_attention
+from ..ops.linformer import slot_first_writes
+from ..ops.linformer_hybrid import linformer_hybrid_attention
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,

@@ -17,7 +17,7 @@ from transformers import GenerationMixin
 from transformers import initialization as init
 
 from ..configuration.performer import PerformerConfig
-from .attention import (
+from ..ops import (
     HedgehogFeatureMap,
     draw_random_features,
     favor_attention,
@@ -29,8 +29,8 @@ from .attention import (
     linear_step,
     relu_features,
 )
-from .attention.feature_maps import favor_exponents
-from .attention.seeds import mix_seed
+from ..ops.feature_maps import favor_exponents
+from ..seeds import mix_seed
 from .base import (
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,

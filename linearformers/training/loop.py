@@ -43,8 +43,8 @@ from transformers.utils import logging
 
 from ..cli import check_writable
 from ..hub_cards import check_repo_id, push_to_hub
-from ..modeling.attention.seeds import mix_seed
 from ..modeling.registry import FAMILIES, get_family
+from ..seeds import mix_seed
 from .checkpoint import (
     POINTER,
     CheckpointCallback,

@@ -7,8 +7,8 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel
 
 from linearformers import LinformerConfig, PerformerConfig
-from linearformers.modeling.attention.feature_maps import PERFORMER_KERNELS
-from linearformers.modeling.attention.linformer import METHODS
+from linearformers.ops.feature_maps import PERFORMER_KERNELS
+from linearformers.ops.linformer import METHODS
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,7 @@ def test_export_folder_holds_weights_config_auto_map_tokenizer_card_and_code(tok
         "tokenizer.json",
         "modeling_performer.py",
         "configuration_performer.py",
-        "attention_favor.py",
+        "ops_favor.py",
     } <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map["AutoConfig"] == "configuration_performer.PerformerConfig"
@@ -201,14 +201,14 @@ def test_export_folder_holds_weights_config_auto_map_tokenizer_card_and_code(tok
 def test_flattening_rewrites_every_relative_import():
     code = flatten_module("modeling.linformer")
     assert "from .configuration_linformer import LinformerConfig" in code
-    assert "from .attention_linformer import slot_first_writes" in code
+    assert "from .ops_linformer import slot_first_writes" in code
     assert "from .." not in code
 
 
 def test_remote_modules_follow_the_package_imports_transitively(tmp_path):
     modules = remote_modules()
-    # reached only through favor.py, which the models import through modeling.attention's __init__
-    assert "modeling.attention._favor_autograd" in modules and "modeling.attention" in modules
+    # reached only through favor.py, which the models import through ops' __init__
+    assert "ops._favor_blockwise" in modules and "ops._favor_native" in modules and "ops" in modules
     written = set(write_remote_code(tmp_path))
     assert written == {flat_name(m) + ".py" for m in modules}
     for name in written:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from linearformers.modeling.attention import (
-    _favor_autograd,
+from linearformers.ops import (
+    _favor_native,
     causal_linformer_attention,
     causal_linformer_step,
     draw_random_features,
@@ -40,10 +40,10 @@ def walk(request, monkeypatch):
     calls = []
     if request.param is None:  # not a FAVOR+ test: leave the choice alone
         return calls
-    forward = _favor_autograd.native_forward
+    forward = _favor_native.native_forward
     previous = set_native_walk(request.param)
     request.addfinalizer(lambda: set_native_walk(previous))
-    monkeypatch.setattr(_favor_autograd, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    monkeypatch.setattr(_favor_native, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     return calls
 
 

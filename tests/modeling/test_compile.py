@@ -143,7 +143,7 @@ def test_the_kernels_query_nothing_about_autocast_under_compile(monkeypatch):
     """Dynamo of some torch versions (2.11) cannot trace torch.amp.is_autocast_available: under compile the
     kernels' autocast guard must not call it (nor is_autocast_enabled), or fullgraph=True fails. Here both are
     replaced by functions that break the graph, and the compiled kernel still equals eager inside autocast."""
-    from linearformers.modeling.attention import draw_random_features, favor_attention
+    from linearformers.ops import draw_random_features, favor_attention
 
     def untraceable(original):
         def query(*args, **kwargs):
@@ -170,7 +170,7 @@ def test_the_kernels_query_nothing_about_autocast_under_compile(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiled_favor_attention_equals_eager_with_gradients(causal, key_scale):
     """fullgraph=True: one graph; keys of large norm take the offsets fallback inside it (torch.cond)."""
-    from linearformers.modeling.attention import draw_random_features, favor_attention
+    from linearformers.ops import draw_random_features, favor_attention
 
     w = draw_random_features(32, 16, seed=0)
 
@@ -201,7 +201,7 @@ def test_inductor_compiles_causal_favor_on_head_split_views_with_gradients():
     """What a model's attention hands the op: q, k, v as (b, h, n, d) views of (b, n, h, d) projections, and an
     upstream gradient laid out the same way. Inductor compiles the large-key fallback's torch.cond and its backward
     (whose two branches must give gradients laid out alike) and matches eager."""
-    from linearformers.modeling.attention import draw_random_features, favor_attention
+    from linearformers.ops import draw_random_features, favor_attention
 
     w = draw_random_features(32, 16, seed=0)
 

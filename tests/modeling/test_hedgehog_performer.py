@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 from linearformers import LinearAttentionCache, PerformerConfig
-from linearformers.modeling.attention.feature_maps import HedgehogFeatureMap
+from linearformers.ops.feature_maps import HedgehogFeatureMap
 from tests.conftest import tiny_config
 
 

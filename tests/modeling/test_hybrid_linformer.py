@@ -7,13 +7,13 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 from linearformers import LinformerConfig
-from linearformers.modeling.attention import linformer_attention, linformer_hybrid_attention
-from linearformers.modeling.attention import linformer_hybrid as linformer_hybrid_module
-from linearformers.modeling.attention.reference import linformer_hybrid_reference, softmax_reference
-from linearformers.modeling.convert import convert_bert
-from linearformers.modeling.transfer import attention_transfer
+from linearformers.conversion.convert import convert_bert
+from linearformers.conversion.transfer import attention_transfer
+from linearformers.ops import linformer_attention, linformer_hybrid_attention
+from linearformers.ops import linformer_hybrid as linformer_hybrid_module
+from linearformers.ops.reference import linformer_hybrid_reference, softmax_reference
 from tests.conftest import tiny_config
-from tests.modeling.test_transfer import _convert_with_a_short_transfer, blocks, quick, tiny_bert
+from tests.conversion.test_transfer import _convert_with_a_short_transfer, blocks, quick, tiny_bert
 
 WINDOW = 3
 

@@ -10,9 +10,9 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel, AutoModelForCausalLM
 
 from linearformers import LinearAttentionCache, PerformerConfig
-from linearformers.modeling.attention import favor_positive, relu_features
-from linearformers.modeling.attention.feature_maps import favor_exponents
-from linearformers.modeling.attention.reference import hybrid_reference, local_reference, softmax_reference
+from linearformers.ops import favor_positive, relu_features
+from linearformers.ops.feature_maps import favor_exponents
+from linearformers.ops.reference import hybrid_reference, local_reference, softmax_reference
 from tests.conftest import tiny_config
 
 KERNELS = ("softmax", "hedgehog")  # the random map, which takes the softmax's scale, and a learned one

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
-from linearformers.modeling.convert import convert_gpt2
+from linearformers.conversion.convert import convert_gpt2
 from tests.conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_small_gpt2.py"

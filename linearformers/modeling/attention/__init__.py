@@ -1,46 +1,29 @@
-"""Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch (and Triton,
-lazily, when a call runs its kernels)."""
+"""Deprecated alias of ``linearformers.ops`` (the attention math moved to its own floor, below the configs and
+models) and of ``linearformers.seeds``; goes away in linearformers 0.3.0.
 
-from ._native import available as native_available
-from .backends import (
-    BACKENDS,
-    BIDIRECTIONAL_BACKENDS,
-    CAUSAL_BACKENDS,
-    native_walk_enabled,
-    set_native_walk,
-    set_triton_kernels,
-)
-from .favor import draw_random_features, favor_attention, favor_features, favor_step
-from .feature_maps import (
-    KERNELS,
-    PERFORMER_KERNELS,
-    FavorPositive,
-    FeatureMap,
-    HedgehogFeatureMap,
-    ReluFeatures,
-    favor_positive,
-    relu_features,
-)
-from .hybrid import HybridState, hybrid_attention, hybrid_step
-from .linear import linear_attention, linear_step
-from .linformer import BACKENDS as LINFORMER_BACKENDS
-from .linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
-from .linformer import (
-    METHODS,
-    causal_linformer_attention,
-    causal_linformer_step,
-    compact,
-    linformer_attention,
-    uncompact,
-)
-from .linformer_hybrid import linformer_hybrid_attention
-from .local import causal_local_attention, local_attention, local_attention_step, num_relative_positions
-from .softmax import softmax_attention
+The old submodules are importable here under their old names (``linearformers.modeling.attention.favor`` is
+``linearformers.ops.favor``, ``._triton_linear`` is ``linearformers.ops._triton_causal``, the same module objects),
+and ``mix_seed`` from ``linearformers.modeling.attention.seeds``.
+"""
 
-FAVOR_BACKENDS = BACKENDS  # the name earlier releases exported
+import importlib
+import sys
+import warnings
 
+from ... import ops
+from ...ops import *  # noqa: F403
+from ...ops.backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
+from ...ops.feature_maps import KERNELS, PERFORMER_KERNELS
+from ...ops.linformer import BACKENDS as LINFORMER_BACKENDS
+from ...ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
+from ...ops.linformer import METHODS, compact, uncompact
+from ...ops.local import causal_local_attention, num_relative_positions
+
+FAVOR_BACKENDS = BACKENDS
+
+# what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules)
 __all__ = [
-    "BACKENDS",
+    *ops.__all__,
     "BIDIRECTIONAL_BACKENDS",
     "CAUSAL_BACKENDS",
     "FAVOR_BACKENDS",
@@ -49,34 +32,30 @@ __all__ = [
     "LINFORMER_CAUSAL_BACKENDS",
     "METHODS",
     "PERFORMER_KERNELS",
-    "FavorPositive",
-    "FeatureMap",
-    "HedgehogFeatureMap",
-    "HybridState",
-    "ReluFeatures",
-    "causal_linformer_attention",
-    "causal_linformer_step",
     "causal_local_attention",
     "compact",
-    "draw_random_features",
-    "favor_attention",
-    "favor_features",
-    "favor_positive",
-    "favor_step",
-    "hybrid_attention",
-    "hybrid_step",
-    "linear_attention",
-    "linear_step",
-    "linformer_attention",
-    "linformer_hybrid_attention",
-    "local_attention",
-    "local_attention_step",
-    "native_available",
-    "native_walk_enabled",
     "num_relative_positions",
-    "relu_features",
-    "set_native_walk",
-    "set_triton_kernels",
-    "softmax_attention",
     "uncompact",
 ]
+
+warnings.warn(
+    "linearformers.modeling.attention is deprecated and goes away in linearformers 0.3.0: import from "
+    "linearformers.ops (and mix_seed from linearformers.seeds)",
+    FutureWarning,
+    stacklevel=2,
+)
+
+
+# the old module paths -> the ops modules that hold their code now (the same objects). Not the Triton kernel
+# modules: they import Triton, and this package imports without it
+_MOVED = {
+    **{name: name for name in ("backends", "favor", "feature_maps", "hybrid", "linear", "linformer")},
+    **{name: name for name in ("linformer_hybrid", "local", "reference", "softmax")},
+    **{name: name for name in ("_checks", "_favor_chunked", "_linear_native", "_linformer_autograd")},
+    **{name: name for name in ("_native", "_precision", "_triton_bidirectional")},
+    "_favor_autograd": "_favor_blockwise",  # its causal wrapper, FavorCausalNative, is in _favor_native
+    "_triton_linear": "_triton_causal",
+}
+for _old, _new in _MOVED.items():
+    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{ops.__name__}.{_new}")
+    setattr(sys.modules[__name__], _old, sys.modules[f"{__name__}.{_old}"])

@@ -1,0 +1,384 @@
+"""Causal linear attention as fused Triton kernels: the chunked form of :mod:`_favor_chunked`, with the state carried
+in registers from chunk to chunk, and the FAVOR+ feature maps computed inside the kernels.
+
+    out_t = Σ_{s <= t} (phi_q,t · phi_k,s) v_s / Σ_{s <= t} phi_q,t · phi_k,s         (padded keys left out)
+
+Kernels (``_forward``, ``_backward_q``, ``_backward_kv``). The grid is (batch·heads, m / BM, d / BD): a program owns
+one (BM, BD) block of the state S = Σ phi_k vᵀ (and BM entries of z = Σ phi_k), float32 in registers, and walks the
+chunks of C positions in order. Per chunk it builds its BM features of the chunk's queries and keys (loaded, or
+computed from q, k and BM rows of the projection: they never reach HBM), the intra-chunk scores tril(phi_q phi_kᵀ)
+(C x C, partial over its BM features) in SRAM, and adds
+
+    N += tril(phi_q phi_kᵀ) V + phi_q S,     D += rowsum(tril(phi_q phi_kᵀ)) + phi_q z
+
+to float32 buffers with ``tl.atomic_add``: every m-block's share of N and D adds up to the whole (phi_q·phi_k is a
+sum over features), so out = N / D afterwards, in a last small kernel (``_normalize``, which writes it in v's dtype
+and counts the lost positions). Then S += phi_kᵀ V, z += Σ phi_k.
+
+Segments. batch·heads·(m / BM)·(d / BD) programs would leave most of a GPU idle (48 for 12 heads and m = 256 on an
+H100's 132 multiprocessors), so the sequence is also cut into P segments of whole chunks, walked in parallel
+(:func:`_segments`: about four programs per multiprocessor). A first pass (``_segment_sums``) sums each segment's
+phi_kᵀ V and phi_k (P (m, d) states per head); each segment's walk starts from the sum of those before it (and the
+initial state), which its programs add up themselves (a few tiles each). Backward does the same with the queries'
+Σ phi_q gnᵀ and Σ phi_q gd, summed over the segments after each one.
+
+Backward, with gn = g / D and gd = -(g · out) / D (dL/dN and dL/dD, from the saved output and D, by ``_backward_prep``;
+float32, gn in bf16 for bf16 inputs since it only enters bf16 products):
+
+    dphi_q,t = Σ_{s <= t, same chunk} (gn_t·v_s + gd_t) phi_k,s + S gn_t + z gd_t       (forward walk, ``_backward_q``)
+    dphi_k,s = Σ_{t >= s, same chunk} (gn_t·v_s + gd_t) phi_q,t + dS v_s + dz            (reverse walk, ``_backward_kv``)
+    dv_s     = Σ_{t >= s, same chunk} (phi_q,t·phi_k,s) gn_t + dSᵀ phi_k,s
+
+with dS = Σ_{t in later chunks} phi_q,t gn_tᵀ and dz = Σ phi_q,t gd_t carried in registers; after the walk they are
+the gradient of the initial state. Each program's share (partial over d-blocks for the feature gradients, over
+m-blocks for dv) is again atomically added. Through the FAVOR+ maps (inside the kernels, as in
+``_favor_chunked._through_features``): du = dphi · phi (softmax) or dphi where W x' > 0 (relu), dx = s^½ du W, less
+s x Σ_m du for the softmax map's keys (their -|x'|²/2); the queries' per-row terms cancel in N / D.
+
+The softmax map's queries are taken relative to their largest exponent over all m features (a factor per query,
+which cancels in N / D, but must be the same in every m-block): a first small kernel (``_offsets``) computes
+it, one float per position.
+
+Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
+feeds), D in float32, the queries' offsets, the initial state and the keys' segment sums (P (m, d) float32 per
+head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
+state. Backward recomputes the features only.
+
+Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
+products' operands are bf16 (tensor cores), as in the chunked backend: features, v, scores, the state read by the
+queries, gn; the exponents' product x W runs as two bf16 products, x W_hi + x W_lo with W = W_hi + W_lo, exact to
+~2⁻¹⁶ since x is bf16 already, so the features keep float32 accuracy. Under the interpreter, whose bf16 products
+are wrong, the same operands are float32 values rounded to bf16. float32 and fp16 inputs compute in float32
+throughout (``input_precision="ieee"``: no TF32). float64 is refused (:func:`refusal`).
+
+Keys of large norm: keys' features are taken at offset 0 (exp(-|w - k'|²/2) <= 1), as in the chunked backend; a
+position whose every visible key underflowed has D = 0 and is counted in ``lost``, so favor_attention redoes such
+calls with the per-position offsets of :func:`_favor_chunked.favor_causal_offsets`.
+
+The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
+torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
+the library imports without it. Off CUDA the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is first imported), which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import SimpleNamespace
+
+import torch
+
+from ._precision import outside_autocast
+
+DEFAULT_CHUNK = 64
+_ROWS = 64  # positions per program of the elementwise kernels (_normalize, _backward_prep)
+MAPS = {"features": 0, "softmax": 1, "relu": 2}
+# Launch settings, chosen by benchmarks/triton_sweep.py on an H100 (C = 64, 4 warps, no software pipelining, four
+# programs per multiprocessor: the fastest of 48 settings for the fused softmax map at 4K, 16K and 64K; pipelining
+# stages hold more tiles in shared memory and registers, which a program carrying its state cannot spare). The sweep
+# overrides them here; None keeps these defaults.
+DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_PROGRAMS_PER_SM = 4, 1, 4
+TUNING: dict[str, int | None] = {"warps": None, "stages": None, "programs_per_sm": None}
+
+
+_FOUND: dict[str, bool] = {}  # whether triton imports, checked once (a plain dict: torch.compile traces it)
+
+
+def triton_importable() -> bool:
+    """Whether ``import triton`` succeeds here."""
+    if "triton" not in _FOUND:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _FOUND["triton"] = False
+        else:
+            _FOUND["triton"] = True
+    return _FOUND["triton"]
+
+
+def refusal(
+    v: torch.Tensor, num_features: int, chunk_size: int | None, *, inputs: tuple[torch.Tensor, ...] = ()
+) -> str | None:
+    """Why the Triton kernels cannot run this call, or None when they can. ``inputs``: the other tensors the kernels
+    read (q and k, or the features), whose dtypes and widths count too."""
+    for t in (v, *inputs):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"it computes float32, bfloat16 and float16 inputs, got {t.dtype} (backend='chunked' takes it)"
+    widths = [("num_features", num_features), ("v's head_dim", v.shape[-1])]
+    widths += [("the head_dim of q and k", t.shape[-1]) for t in inputs[:1]]
+    for name, value in widths:
+        if value % 16:
+            return f"{name} must be a multiple of 16 (its tile width), got {value}"
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        return f"chunk_size must be a power of two >= 16 (its tile height), got {chunk_size}"
+    if not triton_importable():
+        return "triton is not installed (pip install triton)"
+    if v.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it runs on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
+    return None
+
+
+def _block(size: int) -> int:
+    """The widest tile of 64, 32 or 16 that divides ``size`` (a multiple of 16)."""
+    return next(b for b in (64, 32, 16) if size % b == 0)
+
+
+def kernels():
+    """The kernel module, imported on first use (Triton with it)."""
+    from ._triton_causal_kernels import (
+        _backward_kv,
+        _backward_prep,
+        _backward_q,
+        _forward,
+        _normalize,
+        _offsets,
+        _segment_sums,
+    )
+
+    return SimpleNamespace(
+        _backward_kv=_backward_kv,
+        _backward_prep=_backward_prep,
+        _backward_q=_backward_q,
+        _forward=_forward,
+        _normalize=_normalize,
+        _offsets=_offsets,
+        _segment_sums=_segment_sums,
+    )
+
+
+class _Launch:
+    """One call's shapes, grid and the kernels' compile-time settings."""
+
+    def __init__(self, q, v, w, kernel, chunk, scale, eps):
+        b, h, n, d = v.shape
+        self.chunk, self.scale, self.eps = chunk, scale, eps
+        self.b, self.h, self.n, self.d = b, h, n, d
+        self.m = q.shape[-1] if kernel == "features" else w.shape[0]
+        xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
+        self.grid = (b * h, self.m // _block(self.m), d // _block(d))
+        self.warps = TUNING["warps"] or DEFAULT_WARPS
+        self.options = {"num_warps": self.warps, "num_stages": TUNING["stages"] or DEFAULT_STAGES}
+        # bf16 operands for bf16 inputs; under the interpreter, float32 operands rounded to bf16 (see _operand)
+        ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
+        self.constants = dict(
+            M=self.m,
+            D=d,
+            XD=xd,
+            XDP=1 << (xd - 1).bit_length(),
+            C=chunk,
+            BM=_block(self.m),
+            BD=_block(d),
+            MAP=MAPS[kernel],
+            OPS=ops,
+            PREC="tf32" if ops == 1 else "ieee",  # bf16 operands ignore it; float32 ones stay float32 (no TF32)
+        )
+
+
+def _or(t, fallback):
+    """A tensor for a pointer argument that the kernel does not read (its flag is off)."""
+    return fallback if t is None else t
+
+
+_FORWARD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
+    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
+    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, str kernel, float scale, float eps, int chunk) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _program_target(device: torch.device) -> int:
+    """How many programs a grid wants: four per multiprocessor on CUDA, 8 interpreted."""
+    if device.type != "cuda":
+        return 8
+    return (TUNING["programs_per_sm"] or DEFAULT_PROGRAMS_PER_SM) * _multiprocessors(device)
+
+
+def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
+    """(P, L): the sequence cut into P segments of L positions (whole chunks), walked in parallel, so that the grid
+    has about four programs per multiprocessor (at batch·heads·(m / BM)·(d / BD) programs, one segment each, an H100
+    would run 48 for 12 heads, m = 256); the segments' sums come from one more pass (:func:`_segment_sums`). The
+    interpreter takes 8 programs, so that the CPU tests cross segments."""
+    chunks = -(-launch.n // launch.chunk)
+    programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    target = _program_target(device)
+    per_segment = -(-chunks // max(1, min(chunks, -(-target // programs))))
+    length = per_segment * launch.chunk
+    return -(-launch.n // length), length
+
+
+def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
+    """Each segment's sums, ((b·h·P, m, d), (b·h·P, m)) float32, which the walks add up to their starting states
+    (:func:`_triton_causal_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
+    g = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
+    (count, length), b, h, m, d = segments, launch.b, launch.h, launch.m, launch.d
+    sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
+    z_sums = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
+    kern._segment_sums[(b * h * count, *launch.grid[1:])](
+        x, y, _or(g, qoff), _or(w, qoff), _or(keep, qoff), qoff, sums, z_sums, launch.n, h, count, length,
+        launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
+        **launch.options, **launch.constants,
+    )  # fmt: skip
+    return sums, z_sums
+
+
+def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    w = None if w is None else w.float().contiguous()
+    keep = None if keep is None else keep.float().contiguous()
+    launch = _Launch(q, v, w, kernel, chunk, scale, eps)
+    return q, k, v, w, keep, launch, _segments(launch, v.device)
+
+
+def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
+    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
+    (b·h·P, m) for backward, empty (0,) for one segment)."""
+    kern = kernels()
+    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    cst = launch.constants
+    dev = v.device
+    qoff = torch.empty(b * h, n, dtype=torch.float32, device=dev)  # read by the softmax map only
+    if kernel == "softmax":
+        kern._offsets[(b * h, -(-n // chunk))](
+            q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], True, cst["OPS"],
+            cst["PREC"],
+        )  # fmt: skip
+    count, length = segments
+    sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
+    den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
+    s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
+    z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
+    kern._forward[(b * h * count, *launch.grid[1:])](
+        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), num,
+        den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
+        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
+    )  # fmt: skip
+    out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
+    # where the first real key is, per batch: positions before it see none, and are not lost
+    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    kern._normalize[(b * h, -(-n // _ROWS))](
+        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+    )
+    if count > 1:
+        s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
+    s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
+    if sums is None:  # one segment: no sums to keep
+        return out, den, qoff, s_out, z_out, den.new_empty(0), den.new_empty(0)
+    return out, den, qoff, s_out, z_out, *sums
+
+
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+    """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
+    kern = kernels()
+    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    count, length = segments
+    # bf16 operands: gn enters only products, as bf16, so it is kept so (half the memory)
+    gn = torch.empty(b * h, n, d, dtype=torch.bfloat16 if launch.constants["OPS"] else torch.float32, device=v.device)
+    gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
+    kern._backward_prep[(b * h, -(-n // _ROWS))](
+        g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
+    )  # rows with no real key (D = 0): no gradient
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
+    dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
+    sums = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
+    grid = (b * h * count, *launch.grid[1:])
+    w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
+    common = dict(HAS_KEEP=keep is not None, **launch.options, **launch.constants)
+    root = math.sqrt(scale)
+    kern._backward_q[grid](
+        q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), *(sums or (ds0, dz0)), gn, gd, dq, n, h, count,
+        length, scale, root, eps, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **common,
+    )  # fmt: skip
+    kern._backward_kv[grid](
+        q, k, v, w_arg, keep_arg, qoff, gn, gd, dk, dv, *(later or (ds0, dz0)), ds0, dz0, n, h, count, length, scale,
+        root, eps, HAS_LATER=later is not None, **common,
+    )  # fmt: skip
+    if s0 is None:  # no initial state to differentiate
+        ds_first, dz_first = ds0.new_empty(0), dz0.new_empty(0)
+    else:  # the first segment's walk ends at the start
+        ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()
+        dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
+    del gn, gd, later  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
+    dq = dq.to(q.dtype)
+    dk = dk.to(k.dtype)
+    dv = dv.to(v.dtype)
+    return dq, dk, dv, ds_first, dz_first
+
+
+def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    b, h, n, d = v.shape
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    count = _segments(_Launch(q, v, w, kernel, chunk, scale, eps), v.device)[0]
+    sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
+    shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *sums)
+    return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
+
+
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+    b, h, _, d = v.shape
+    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if s0 is None:
+        return *grads, v.new_empty(0, dtype=torch.float32), v.new_empty(0, dtype=torch.float32)
+    return *grads, v.new_empty((b, h, m, d), dtype=torch.float32), v.new_empty((b, h, m), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
+    out, den, qoff, _, _, sums, z_sums = output
+    ctx.settings = (kernel, scale, eps, chunk)
+    ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums)
+
+
+@outside_autocast  # loss.backward() may be called inside autocast
+def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums
+    if g is None:  # out was not used
+        return (None,) * 11
+    saved = ctx.saved_tensors  # read once: non-reentrant activation checkpointing unpacks each saved tensor once
+    dq, dk, dv, ds0, dz0 = _backward_op(g, *saved, *ctx.settings)
+    state = saved[6] is not None  # s0: an initial state was given
+    return dq, dk, dv, None, None, ds0 if state else None, dz0 if state else None, None, None, None, None
+
+
+# Custom ops: torch.compile keeps each whole, one node in its graph (no graph break, nothing traced inside)
+_forward_op = torch.library.custom_op(
+    "linearformers::triton_causal_linear", _forward, mutates_args=(), schema=_FORWARD_SCHEMA
+)
+_backward_op = torch.library.custom_op(
+    "linearformers::triton_causal_linear_backward", _backward, mutates_args=(), schema=_BACKWARD_SCHEMA
+)
+_forward_op.register_fake(_forward_fake)
+_backward_op.register_fake(_backward_fake)
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z0=None):
+    """Causal linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q, k
+    (b, h, n, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None
+    and kernel "features"; v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
+    chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
+    Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
+    lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
+    every visible key underflowed."""
+    out, den, _, s, z, _, _ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    return out, s.detach(), z.detach(), den[-1]

@@ -1,0 +1,238 @@
+"""Conversion to a target length: a BERT of P positions into a model that reads N > P tokens, taught by the original
+read chunk by chunk (linearformers.conversion.long_context)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer, BertModel, pipeline
+
+import linearformers  # noqa: F401  (registers the Auto classes)
+from linearformers.conversion.convert import convert_bert, main
+from linearformers.conversion.long_context import (
+    ChunkedTeacher,
+    chunk_layout,
+    extend_positions,
+    long_attention_transfer,
+)
+from linearformers.conversion.transfer import _Batch, softmax_attention_output
+from linearformers.hub_cards.export import save_for_hub
+from tests.conversion.test_transfer import HEDGEHOG, SCALED, _saved_bert_with_a_tokenizer, quick, tiny_bert
+
+N = 200  # the tiny BERT has 64 positions: N spans four chunks of 62 tokens between [CLS] and [SEP]
+FAMILIES = {
+    "performer": SCALED,
+    "linformer": dict(hybrid_window=4, hybrid_sinks=1, projected_length=8),
+}
+
+
+def _ids(count: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 60, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_tiled_positions_keep_the_original_rows_and_give_each_later_position_its_place_in_its_chunk():
+    table = torch.randn(64, 8)
+    tiled = extend_positions(table, 200, "tile")
+    assert tiled.shape == (200, 8)
+    torch.testing.assert_close(tiled[:64], table)
+    torch.testing.assert_close(tiled[64], table[2])  # 1 + 63 % 62: the 2nd token of the second chunk
+    torch.testing.assert_close(tiled[124], table[62])  # the last token of the second chunk
+    torch.testing.assert_close(tiled[125], table[1])  # the first of the third
+
+
+def test_interpolated_positions_stretch_the_table_over_n_rows():
+    table = torch.arange(64.0)[:, None].expand(64, 4)
+    stretched = extend_positions(table, 127, "interpolate")
+    torch.testing.assert_close(stretched[0], table[0])
+    torch.testing.assert_close(stretched[-1], table[-1])
+    torch.testing.assert_close(stretched[2], torch.full((4,), 1.0))  # halfway steps
+
+
+def test_chunk_layout_wraps_each_chunk_in_the_rows_first_and_last_token():
+    ids = torch.arange(1, 13)[None].repeat(2, 1)  # 12 tokens; row 1 has 9 real ones
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 9:] = False
+    layout = chunk_layout(ids, mask, chunk_length=6)  # 4 tokens per chunk between first and last
+    assert layout.ids[:3][layout.mask[:3]].tolist() == [1, 2, 3, 4, 5, 12, 1, 6, 7, 8, 9, 12, 1, 10, 11, 12]
+    assert layout.ids[3:][layout.mask[3:]].tolist() == [1, 2, 3, 4, 5, 9, 1, 6, 7, 8, 9]
+    gathered = layout.gather(layout.ids[..., None])[..., 0]
+    assert torch.equal(gathered[mask], ids[mask])  # every real token maps to itself in its chunk
+
+
+def test_the_chunked_teacher_gives_each_token_its_chunks_hidden_states():
+    bert = tiny_bert()
+    ids = _ids(1, N)
+    states = ChunkedTeacher(bert)(ids).hidden_states
+    with torch.no_grad():  # the second chunk: [CLS], tokens 63 .. 124, [SEP]
+        chunk = torch.cat([ids[:, :1], ids[:, 63:125], ids[:, -1:]], 1)
+        theirs = bert(chunk, output_hidden_states=True).hidden_states
+    for ours, reference in zip(states, theirs):
+        torch.testing.assert_close(ours[:, 63:125], reference[:, 1:-1])
+
+
+def test_the_chunked_teacher_is_the_original_on_blocks_it_can_read():
+    bert, model = tiny_bert(), convert_bert(tiny_bert(), "performer", max_length=N, **SCALED)[0]
+    ids, mask = _ids(2, 64), torch.ones(2, 64, dtype=torch.bool)
+    mask[1, 40:] = False
+    chunked, plain = _Batch(model, ChunkedTeacher(bert), ids, mask), _Batch(model, bert, ids, mask)
+    for ours, theirs in zip(chunked.inputs + chunked.targets, plain.inputs + plain.targets):
+        torch.testing.assert_close(ours[mask], theirs[mask])
+
+
+def test_stage_one_targets_of_a_long_block_are_the_originals_attention_inside_each_chunk():
+    bert, model = tiny_bert(), convert_bert(tiny_bert(), "performer", max_length=N, **SCALED)[0]
+    ids = _ids(1, N)
+    batch = _Batch(model, ChunkedTeacher(bert), ids, torch.ones(1, N, dtype=torch.bool))
+    chunk = torch.cat([ids[:, :1], ids[:, 63:125], ids[:, -1:]], 1)
+    with torch.no_grad():
+        x = bert(chunk, output_hidden_states=True).hidden_states[1]
+        target = softmax_attention_output(model.base_model.layers[1].attention, x)
+    torch.testing.assert_close(batch.targets[1][:, 63:125], target[:, 1:-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_long_conversion_accepts_n_tokens_and_refuses_n_plus_one(family):
+    model, _ = convert_bert(tiny_bert(), family, max_length=N, **FAMILIES[family])
+    with torch.no_grad():
+        assert model(_ids(1, N)).last_hidden_state.shape == (1, N, 32)
+    limit = "max_seq_length" if family == "linformer" else "max_position_embeddings"
+    with pytest.raises(ValueError, match=rf"{N + 1} tokens exceeds {limit}={N}"):
+        model(_ids(1, N + 1))
+
+
+def test_tiled_positions_leave_the_embeddings_of_short_inputs_as_the_originals():
+    bert = tiny_bert()
+    model, report = convert_bert(bert, "performer", max_length=N, **SCALED)
+    ids = _ids(2, 64)
+    positions = torch.arange(64)[None].expand(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.embeddings(ids, positions), bert.embeddings(ids))
+    assert ("embeddings.position_embeddings.weight[extended]", "embeddings.position_embeddings.weight") in report.mapped
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_long_model_is_padding_invariant_at_n(family):
+    model, _ = convert_bert(tiny_bert(), family, max_length=N, **FAMILIES[family])
+    ids, mask = _ids(2, N), torch.ones(2, N, dtype=torch.long)
+    mask[1, 150:] = 0
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).last_hidden_state
+        alone = model(ids[1:, :150]).last_hidden_state
+    torch.testing.assert_close(batched[1, :150], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_linformer_converted_long_projects_n_tokens_onto_the_sources_positions_by_default():
+    model, _ = convert_bert(tiny_bert(), "linformer", max_length=N)
+    assert (model.config.max_seq_length, model.config.projected_length) == (N, 64)
+    with pytest.raises(ValueError, match=r"max_seq_length=100 and max_length=200 disagree"):
+        convert_bert(tiny_bert(), "linformer", max_length=N, max_seq_length=100)
+
+
+def test_a_long_conversion_refuses_a_bad_length_or_position_init_by_name():
+    with pytest.raises(ValueError, match=r"max_length must be >= 3"):
+        convert_bert(tiny_bert(), "performer", max_length=2)
+    with pytest.raises(TypeError, match=r"max_length must be an int"):
+        convert_bert(tiny_bert(), "performer", max_length=256.0)
+    with pytest.raises(ValueError, match=r"long_positions must be one of 'tile', 'interpolate'"):
+        convert_bert(tiny_bert(), "performer", max_length=N, long_positions="stretch")
+    with pytest.raises(ValueError, match=r"long_positions='interpolate' sets the rows of a long conversion"):
+        convert_bert(tiny_bert(), "performer", long_positions="interpolate")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_transfer_fits_the_attention_on_blocks_longer_than_the_source_reads(family):
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, family, max_length=N, **FAMILIES[family])
+    report = long_attention_transfer(model, bert, _ids(12, N), args=quick(steps=20, finetune_steps=2))
+    assert sum(report.error_after) < sum(report.error_before)
+    assert report.finetune_loss_after is not None
+    if family == "performer":  # the query scale is fitted on the teacher's chunks, one residual per layer
+        assert len(report.query_scale_residual) == 2
+
+
+def test_a_long_model_round_trips_through_save_load_and_hub_export(tokenizer_dir, tmp_path):
+    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
+    bert = BertModel.from_pretrained(tmp_path / "bert")
+    model, _ = convert_bert(bert, "performer", max_length=N, **HEDGEHOG, hybrid_window=4)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, model_max_length=N)
+    ids = torch.randint(1000, 2000, (1, N))
+    model.save_pretrained(tmp_path / "saved")
+    save_for_hub(model, tokenizer, tmp_path / "hub")
+    with torch.no_grad():
+        reference = model(ids).last_hidden_state
+        for folder in ("saved", "hub"):
+            loaded = AutoModel.from_pretrained(tmp_path / folder)
+            assert loaded.config.max_position_embeddings == N
+            torch.testing.assert_close(loaded(ids).last_hidden_state, reference)
+    assert json.loads((tmp_path / "hub" / "sentence_bert_config.json").read_text())["max_seq_length"] == N
+
+
+def _long_folder(tokenizer_dir, tmp_path, capsys) -> str:
+    """A tiny BERT converted by the CLI to N tokens, with 2 transfer steps on blocks of N; the output folder."""
+    _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
+    text = tmp_path / "text.txt"
+    text.write_text("Linear attention reads long documents at a cost linear in their length. " * 120)
+    out = str(tmp_path / "out")
+    transfer = ["--transfer_file", str(text), "--transfer_steps", "2", "--transfer_batch_size", "2"]
+    main([str(tmp_path / "bert"), out, "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window", "4",
+          "--hybrid_sinks", "1", "--max_length", str(N), *transfer])  # fmt: skip
+    assert "relative error of each layer's attention output" in capsys.readouterr().out
+    return out
+
+
+def test_the_cli_converts_to_a_target_length_for_sentence_transformers_and_pipelines(tokenizer_dir, tmp_path, capsys):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    out = _long_folder(tokenizer_dir, tmp_path, capsys)
+    assert AutoTokenizer.from_pretrained(out).model_max_length == N
+    wrapped = sentence_transformers.SentenceTransformer(out, device="cpu")
+    assert wrapped.max_seq_length == N
+    text = " ".join(["attention"] * (N + 50))
+    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModel.from_pretrained(out)
+    encoded = tokenizer([text], truncation=True, max_length=N, return_tensors="pt")
+    assert encoded["input_ids"].shape == (1, N)
+    with torch.no_grad():
+        mean = model(**encoded).last_hidden_state.mean(1)
+    torch.testing.assert_close(wrapped.encode([text], convert_to_tensor=True), mean, rtol=1e-4, atol=1e-5)
+    features = pipeline("feature-extraction", model=out, device="cpu")(" ".join(["attention"] * (N - 2)))
+    assert len(features[0]) == N
+
+
+def test_the_cli_refuses_a_target_length_for_gpt2_in_one_line(tmp_path, capsys):
+    from tests.conversion.test_transfer import tiny_gpt2
+
+    tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "gpt2"), str(tmp_path / "out"), "--max_length", "1024"])
+    assert exit_.value.code == 2
+    assert "--max_length converts BERT encoders" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_cli_refuses_a_position_init_without_a_target_length_in_one_line(tmp_path, capsys):
+    tiny_bert().save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "bert"), str(tmp_path / "out"), "--long_positions", "interpolate"])
+    assert exit_.value.code == 2
+    assert "give --max_length too" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_real_minilm_converts_to_1024_tokens_and_transfers_on_long_blocks(tokenizer_dir):
+    """all-MiniLM-L6-v2 (512 positions) to 1024, two transfer steps on blocks of 1024 from a standard-library module."""
+    import inspect
+    import typing
+
+    from linearformers.conversion.transfer import TransferArguments
+
+    bert = BertModel.from_pretrained(tokenizer_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    args = TransferArguments(steps=2, batch_size=1, progress=False)
+    model, report = convert_bert(
+        bert, "performer", max_length=1024, kernel="hedgehog", num_random_features=64, hybrid_window=64,
+        hybrid_sinks=1, hybrid_query_scale=True, transfer=args, transfer_texts=[inspect.getsource(typing)],
+        tokenizer=tokenizer,
+    )  # fmt: skip
+    assert report.transfer.steps == 2 and len(report.transfer.error_after) == 6
+    ids = tokenizer([inspect.getsource(typing)], truncation=True, max_length=1024, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert model(ids).last_hidden_state.shape == (1, 1024, 384)
+    with pytest.raises(ValueError, match=r"1025 tokens exceeds max_position_embeddings=1024"):
+        model(torch.cat([ids, ids[:, :1]], 1))
