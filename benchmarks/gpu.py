@@ -35,7 +35,7 @@ CPU smoke mode: ``--device cpu`` times with ``time.perf_counter``, runs float32 
 records no memory (the CUDA memory stats have no CPU counterpart here); ``--quick`` shrinks to lengths 64, 128,
 m = k = 32, tiny models (hidden 64, 2 layers, 4 heads, vocab 1000), one thread, one warm-up and one timed run,
 in-process (the attention layer keeps its 12 x 64 shape). The targets (issue 31) are H100 targets: on CPU they print as
-``not measured``. H100 figures: the README, section "Benchmarks: GPU", and benchmarks/results/h100/
+``not measured``. GPU figures: benchmarks/README.md, section "GPU", from benchmarks/results/h100/ and h200/
 
     pip install -e .[gpu]           # flash-linear-attention (fla-core, Triton) and matplotlib, both optional
     python benchmarks/gpu.py                                         # 1K .. 64K, attention then training

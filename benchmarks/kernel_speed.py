@@ -72,7 +72,7 @@ def main() -> None:
                 print(f"{n:>6} {name:<26} {seconds:>8.3f}s {base[causal] / seconds:>13.2f}x")
     print(f"after: {_load()}")
     print("speed > 1x: faster than SDPA in this run. A quick forward-only look (best of 2); the measured comparison")
-    print("is benchmarks/attention.py (forward + backward, best of 3, paired runs), tabled in the README.")
+    print("is benchmarks/attention.py (forward + backward, best of 3, paired runs), tabled in benchmarks/README.md.")
 
 
 if __name__ == "__main__":

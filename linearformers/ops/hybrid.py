@@ -68,14 +68,13 @@ _LOG_SCALE_HEADROOM = 50.0
 # the most bytes of window scores one pass of the CPU core makes: glibc serves an allocation above its mmap
 # threshold (which it raises by itself to at most 32 MB) from a fresh mapping and unmaps it when freed, so a step
 # whose temporaries pass it pays their page faults again every call; a pass's tensors stay below it, the heap
-# keeps them for the next pass and the next step (README, "Why the time per token grew with n")
+# keeps them for the next pass and the next step (docs/attention-and-backends.md, "Long sequences on a CPU")
 _PASS_BYTES = 16 * 2**20
 
 # above this many bytes of window scores in one call, the passes are checkpointed under autograd: backward keeps
-# their inputs and makes the scores again, one pass at a time. One layer forward + backward, m = 128, recomputing at
-# every length (this at 0; benchmarks/results/attention_paired_hybrid_recompute.txt) against an earlier run without
-# (attention_paired_passes.txt): at n = 16384 (151 MB of scores) peak 3817 -> 2719 MB in about the same time; at
-# 4096 (38 MB) 925 -> 880 MB for 0.323 -> 0.412 s. Hence a threshold, between the two
+# their inputs and makes the scores again, one pass at a time: at long lengths that cuts the peak by about a third
+# in about the same time, while at a few thousand positions it costs time for little memory (measured on the CPU,
+# one layer forward + backward, m = 128); hence a threshold between the two
 _RECOMPUTE_BYTES = 64 * 2**20
 
 
