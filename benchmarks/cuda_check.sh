@@ -4,7 +4,7 @@
 #                                          # benchmarks/triton_sweep.py: launch settings and a per-kernel profile
 #   bash benchmarks/cuda_check.sh tests    # pytest -m cuda, and the torch.compile tests on the machine's own torch
 #   bash benchmarks/cuda_check.sh bench    # benchmarks/gpu.py: attention at 4K / 16K / 64K, training at 16K / 64K
-# One lease, one call (about 6 minutes on an H100 or H200 with a cold Triton cache), as run last:
+# One lease, one call (5 minutes on an H200 with a cold Triton cache), as run last:
 #   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=140 CUDA_TEST_ARGS="-n 8" ATTENTION_S=150 TRAINING_S=60 \
 #   KERNELS="sdpa_causal favor_causal/triton linear_causal/triton hedgehog_causal/triton hybrid_causal sdpa favor/triton" \
 #   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \

@@ -13,8 +13,8 @@ Triton compiles every kernel once per (C, warps, stages): ``--jobs`` processes c
 parallel, at a short length (the lengths are runtime values, so the same binaries serve every length), and the
 timing process reads Triton's disk cache.
 
-    python benchmarks/triton_sweep.py --out /tmp/sweep                      # H100: ~2 minutes
-    python benchmarks/triton_sweep.py --quick --out /tmp/sweep              # the interpreter on a CPU, seconds
+    python benchmarks/triton_sweep.py --out /tmp/sweep                      # H100: compile, then ~1 minute
+    python benchmarks/triton_sweep.py --quick --out /tmp/sweep              # the interpreter on a CPU, minutes
 
 Output: ``<out>/triton_sweep.json`` (header with command, commit, device, load; rows; profile; best per length).
 """
