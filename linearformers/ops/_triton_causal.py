@@ -241,10 +241,10 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
     return q, k, v, w, keep, launch, _segments(launch, v.device)
 
 
-def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
-    """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
-    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
-    (b·h·P, m) for backward, empty (0,) for one segment)."""
+def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The forward walk's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32 whose last entry is
+    left for the lost count, the queries' offsets (b·h, n), final S, z, and the keys' segment sums (b·h·P, m, d),
+    (b·h·P, m) for backward, empty (0,) for one segment). The hybrid kernels divide them their own way."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
@@ -268,32 +268,58 @@ def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
         den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
         HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
     )  # fmt: skip
-    out = torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
-    # where the first real key is, per batch: positions before it see none, and are not lost
-    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
-    kern._normalize[(b * h, -(-n // _ROWS))](
-        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
-    )
     if count > 1:
         s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
     s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
     if sums is None:  # one segment: no sums to keep
-        return out, den, qoff, s_out, z_out, den.new_empty(0), den.new_empty(0)
-    return out, den, qoff, s_out, z_out, *sums
+        sums = (den.new_empty(0), den.new_empty(0))
+    return num, den, qoff, s_out, z_out, *sums
+
+
+def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
+    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
+    (b·h·P, m) for backward, empty (0,) for one segment)."""
+    num, den, qoff, s_out, z_out, sums, z_sums = linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk)
+    b, h, n, d = v.shape
+    out = torch.empty(b, h, n, d, dtype=v.dtype, device=v.device)
+    # where the first real key is, per batch: positions before it see none, and are not lost
+    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    kernels()._normalize[(b * h, -(-n // _ROWS))](
+        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+    )
+    return out, den, qoff, s_out, z_out, sums, z_sums
+
+
+def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
+    """The dtype the backward kernels read dL/dN in: bf16 where the products take bf16 operands (it enters only
+    products, as bf16, so half the memory), else float32."""
+    return torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
 
 
 def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
+    b, h, n, d = v.shape
+    gn = torch.empty(b * h, n, d, dtype=output_grad_dtype(v), device=v.device)
+    gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
+    kernels()._backward_prep[(b * h, -(-n // _ROWS))](
+        g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
+    )  # rows with no real key (D = 0): no gradient
+    dq, dk, dv, ds_first, dz_first = linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk)
+    del gn, gd  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
+    dq = dq.to(q.dtype)
+    dk = dk.to(k.dtype)
+    dv = dv.to(v.dtype)
+    return dq, dk, dv, ds_first, dz_first
+
+
+def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk):
+    """The backward walks from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq,
+    dL/dk, dL/dv float32 (b, h, n, ·), dL/dS_0, dL/dz_0 (empty without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
-    # bf16 operands: gn enters only products, as bf16, so it is kept so (half the memory)
-    gn = torch.empty(b * h, n, d, dtype=torch.bfloat16 if launch.constants["OPS"] else torch.float32, device=v.device)
-    gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
-    kern._backward_prep[(b * h, -(-n // _ROWS))](
-        g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
-    )  # rows with no real key (D = 0): no gradient
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
@@ -313,15 +339,9 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
         root, eps, HAS_LATER=later is not None, **common,
     )  # fmt: skip
     if s0 is None:  # no initial state to differentiate
-        ds_first, dz_first = ds0.new_empty(0), dz0.new_empty(0)
-    else:  # the first segment's walk ends at the start
-        ds_first = ds0.view(b, h, count, m, d)[:, :, 0].contiguous()
-        dz_first = dz0.view(b, h, count, m)[:, :, 0].contiguous()
-    del gn, gd, later  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
-    dq = dq.to(q.dtype)
-    dk = dk.to(k.dtype)
-    dv = dv.to(v.dtype)
-    return dq, dk, dv, ds_first, dz_first
+        return dq, dk, dv, ds0.new_empty(0), dz0.new_empty(0)
+    # the first segment's walk ends at the start
+    return dq, dk, dv, ds0.view(b, h, count, m, d)[:, :, 0].contiguous(), dz0.view(b, h, count, m)[:, :, 0].contiguous()
 
 
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):

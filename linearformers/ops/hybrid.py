@@ -60,6 +60,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._precision import outside_autocast
+from ._triton_hybrid import refusal as _kernel_refusal
+from ._triton_hybrid import triton_causal_hybrid
+from .backends import triton_refusal
+
+HYBRID_BACKENDS = ("chunked", "triton")  # what hybrid_attention may name
 
 # R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
 # times sums over a million keys of features up to a thousand
@@ -318,6 +323,24 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     return torch.where(den > 0, num / safe, torch.zeros_like(num))
 
 
+def hybrid_backend(
+    backend: str | None, q, k, v, phi_q, phi_k, window: int, sinks: int, causal: bool, stateful: bool
+) -> str:
+    """The backend a :func:`hybrid_attention` call takes: "chunked" or "triton" (its ``backend`` argument)."""
+    if backend is not None and backend not in HYBRID_BACKENDS:
+        raise ValueError(f"backend must be None or one of {HYBRID_BACKENDS} for hybrid attention, got {backend!r}")
+    if backend == "chunked":
+        return "chunked"
+    reason = _kernel_refusal(window, sinks, causal, stateful) or triton_refusal(
+        v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k)
+    )
+    if backend == "triton":
+        if reason:
+            raise ValueError(f"backend='triton' cannot run this call: {reason}")
+        return "triton"
+    return "triton" if v.device.type == "cuda" and reason is None else "chunked"
+
+
 @outside_autocast
 def hybrid_attention(
     q: torch.Tensor,
@@ -335,6 +358,7 @@ def hybrid_attention(
     return_state: bool = False,
     query_log_scale: torch.Tensor | None = None,
     sinks: int = 0,
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridState]:
     """Sliding-window softmax + linear attention (module docstring).
 
@@ -354,6 +378,10 @@ def hybrid_attention(
         sinks: S >= 0, the number of attention sinks: the first S real tokens of each sequence (counted from the
             start of the state's sequence when one is given) take exact scores from every query that sees them, as
             if in its window, and never the linear part (default 0).
+        backend: None, "chunked" (this module's blocks, in PyTorch) or "triton" (:mod:`_triton_hybrid`: causal,
+            window <= 128, up to 16 sinks, no initial_state; float32, bf16 or fp16). None takes "triton" on CUDA
+            tensors where it can run (and :func:`backends.set_triton_kernels` leaves it on), else "chunked"; a
+            named "triton" that cannot run raises a ValueError saying why.
 
     Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
     (and the state).
@@ -361,6 +389,7 @@ def hybrid_attention(
     _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
+    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, initial_state is not None)
     b, h, n, d = q.shape
     m, dv = phi_q.shape[-1], v.shape[-1]
     mask = check_mask(key_padding_mask, b, n)
@@ -404,8 +433,17 @@ def hybrid_attention(
             sink_valid = sink_valid | old
         sink = (sink_k, sink_v, sink_pos, sink_valid)
     linear = valid & ~torch.cat([valid.new_zeros(b, p), is_sink], 1)
-    out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink)
-    out = out[:, :, p:].to(v.dtype)
+    if chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
+        sink_pos = torch.zeros(b, 0, dtype=torch.long, device=q.device)
+        if sink is not None:
+            sink_pos = torch.where(sink[3], sink[2], -1)
+        out = triton_causal_hybrid(
+            q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
+            query_log_scale=query_log_scale, scale=scale,
+        )  # fmt: skip
+    else:
+        out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink)
+        out = out[:, :, p:].to(v.dtype)
     if not return_state:
         return out
     # the state: keys before the last w - 1 positions join (S, z); the last w - 1 stay (invalid places in front
