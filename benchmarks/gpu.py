@@ -87,8 +87,15 @@ def _backends(fn, names) -> list[str]:
 
 
 def attention_kernels() -> list[str]:
-    from linearformers.ops import causal_linformer_attention, favor_attention, linear_attention, linformer_attention
+    from linearformers.ops import (
+        causal_linformer_attention,
+        favor_attention,
+        hybrid_attention,
+        linear_attention,
+        linformer_attention,
+    )
     from linearformers.ops.backends import BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
+    from linearformers.ops.hybrid import HYBRID_BACKENDS
     from linearformers.ops.linformer import BACKENDS as LINFORMER_BACKENDS
     from linearformers.ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
 
@@ -103,10 +110,10 @@ def attention_kernels() -> list[str]:
         *(f"linformer_causal/{b}" for b in _backends(causal_linformer_attention, LINFORMER_CAUSAL_BACKENDS)),
         *(f"linear_causal/{b}" for b in _backends(linear_attention, CAUSAL_BACKENDS)),
         "fla_causal",
-        "hedgehog",
+        *(f"hedgehog/{b}" for b in _backends(linear_attention, ("chunked", "triton"))),
         *(f"hedgehog_causal/{b}" for b in _backends(linear_attention, CAUSAL_BACKENDS)),
         "hybrid",
-        "hybrid_causal",
+        *(f"hybrid_causal/{b}" for b in _backends(hybrid_attention, HYBRID_BACKENDS)),
     ]
 
 
@@ -224,7 +231,7 @@ def build_attention(name: str, n: int, device: str, dtype: torch.dtype, m: int, 
 
             def fn(q, k, v):
                 phi_q, phi_k = fmap(q, is_query=True), fmap(k, is_query=False)
-                return hybrid_attention(q, k, v, phi_q, phi_k, gamma, HYBRID_WINDOW, causal=causal, sinks=1)
+                return hybrid_attention(q, k, v, phi_q, phi_k, gamma, HYBRID_WINDOW, causal=causal, sinks=1, **extra)
 
     elif family == "fla_causal":
         call = _fla_call()

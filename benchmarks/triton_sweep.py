@@ -40,8 +40,16 @@ ROWS = ("favor_causal/triton", "linear_causal/triton")
 BASELINES = ("sdpa_causal",)  # fla's autotuned kernels tune for minutes on first use: gpu.py has its row
 
 
-def settings(quick: bool) -> list[dict]:
-    """Every (chunk, warps, stages, programs_per_sm) to time."""
+def settings(quick: bool, forms: bool = False) -> list[dict]:
+    """Every (chunk, warps, stages, programs_per_sm) to time; ``forms``: the two forms (see _triton_causal) at the
+    default launch settings and their neighbours instead."""
+    if forms:
+        walk = [dict(form="walk", chunk=64, warps=4, stages=1, programs_per_sm=4)]
+        chunks = [
+            dict(form="chunks", chunk=c, warps=4, stages=1, programs_per_sm=p, chunk_warps=cw)
+            for c, cw, p in ((64, 8, 4), (64, 4, 4), (64, 8, 2), (128, 8, 4), (32, 4, 4))
+        ]
+        return [dict(s, chunk=16 if quick else s["chunk"]) for s in walk + chunks][: 2 if quick else None]
     if quick:
         return [dict(chunk=c, warps=4, stages=1, programs_per_sm=p) for c, p in ((16, 1), (32, 2))]
     grid = itertools.product((32, 64, 128), (4, 8), (1, 3), (1, 2, 4, 8))  # 3 stages: Triton's default
@@ -52,7 +60,7 @@ def compiled_variants(every: list[dict]) -> list[dict]:
     """The settings that compile differently (programs per multiprocessor is a runtime value)."""
     seen, out = set(), []
     for s in every:
-        key = (s["chunk"], s["warps"], s["stages"])
+        key = (s["chunk"], s["warps"], s["stages"], s.get("form"), s.get("chunk_warps"))
         if key not in seen:
             seen.add(key)
             out.append(dict(s, programs_per_sm=None))
@@ -62,8 +70,8 @@ def compiled_variants(every: list[dict]) -> list[dict]:
 def apply(setting: dict) -> None:
     from linearformers.ops import _triton_causal
 
-    for key in ("warps", "stages", "programs_per_sm"):
-        _triton_causal.TUNING[key] = setting[key]
+    for key in _triton_causal.TUNING:
+        _triton_causal.TUNING[key] = setting.get(key)
 
 
 def bind(name: str, base, chunk: int | None, device: str):
@@ -111,7 +119,7 @@ def row(name: str, base, setting: dict | None, a: argparse.Namespace) -> dict:
         result = {"status": "error", "message": f"{err.__class__.__name__}: {str(err).strip()[:300]}"}
     finally:
         if setting is not None:
-            apply(dict(warps=None, stages=None, programs_per_sm=None))
+            apply({})
         if a.device == "cuda":
             torch.cuda.empty_cache()
     return result
@@ -166,7 +174,7 @@ def profile(n: int, a: argparse.Namespace) -> dict:
 
 def compile_only(indices: list[int], a: argparse.Namespace) -> None:
     """Compile the settings' kernels: one short forward + backward of each row (the segments' pass included)."""
-    variants = compiled_variants(settings(a.quick))
+    variants = compiled_variants(settings(a.quick, a.forms))
     for i in indices:
         s = variants[i]
         for name in ROWS:
@@ -180,7 +188,7 @@ def precompile(a: argparse.Namespace, argv: list[str]) -> float:
     start = time.perf_counter()
     if a.jobs == 0:  # compiled already (--precompile-only), or compiled on first use
         return 0.0
-    count = len(compiled_variants(settings(a.quick)))
+    count = len(compiled_variants(settings(a.quick, a.forms)))
     jobs = [list(range(j, count, a.jobs)) for j in range(min(a.jobs, count))]
     procs = [
         subprocess.Popen([sys.executable, __file__, *argv, "--compile-only", ",".join(map(str, idx))]) for idx in jobs
@@ -198,6 +206,7 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--jobs", type=int, default=8, help="processes that compile the settings first (0: none)")
     p.add_argument("--quick", action="store_true", help="the interpreter on a CPU: two settings, length 64")
+    p.add_argument("--forms", action="store_true", help="the two forms near the default settings, not the grid")
     p.add_argument("--precompile-only", action="store_true", help="compile the settings' kernels, then stop")
     p.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -239,19 +248,19 @@ def main(argv=None) -> None:
             del base
         for name in ROWS:
             base = base_row(name, n, a)
-            for i, s in enumerate(settings(a.quick)):
+            for i, s in enumerate(settings(a.quick, a.forms)):
                 cells[name, str(i), str(n)] = row(name, base, s, a)
             del base
             gpu._free(a.device, True)
         partial = [{"setting": s, "kernel": name, "n": n, **cells[name, str(i), str(n)]}
-                   for i, s in enumerate(settings(a.quick)) for name in ROWS]  # fmt: skip
+                   for i, s in enumerate(settings(a.quick, a.forms)) for name in ROWS]  # fmt: skip
         result.setdefault("partial", []).extend(partial)
         path.write_text(json.dumps(result, indent=1))
         for name in ROWS:
             ok = sorted((c["ms"], s) for c, s in ((c, c["setting"]) for c in partial if c["kernel"] == name)
                         if c["status"] == "ok")  # fmt: skip
             print(f"length {n} {name}: best {[(round(ms, 2), s) for ms, s in ok[:3]]}", flush=True)
-    for i, s in enumerate(settings(a.quick)):
+    for i, s in enumerate(settings(a.quick, a.forms)):
         for name in ROWS:
             lengths = {str(n): cells[name, str(i), str(n)] for n in a.lengths}
             result["rows"].append({"setting": s, "kernel": name, "lengths": lengths})

@@ -66,7 +66,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from types import SimpleNamespace
 
 import torch
 
@@ -80,7 +79,20 @@ MAPS = {"features": 0, "softmax": 1, "relu": 2}
 # stages hold more tiles in shared memory and registers, which a program carrying its state cannot spare). The sweep
 # overrides them here; None keeps these defaults.
 DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_PROGRAMS_PER_SM = 4, 1, 4
-TUNING: dict[str, int | None] = {"warps": None, "stages": None, "programs_per_sm": None}
+FORMS = ("chunks", "walk")  # module docstring, "Two forms"
+DEFAULT_FORM = "chunks"
+# the chunk-parallel form's kernels hold a chunk's (C, C) scores and its m-block's features at once: at 4 warps they
+# spill registers (ptxas, sm_90), at 8 they do not
+DEFAULT_CHUNK_WARPS = 8
+TUNING: dict[str, int | str | None] = {
+    "warps": None, "stages": None, "programs_per_sm": None, "form": None, "chunk_warps": None,
+}  # fmt: skip
+
+
+def form() -> str:
+    """The form the kernels take: "chunks" (states stored per chunk, outputs and gradients chunk-parallel) or
+    "walk" (everything in the walks); TUNING["form"] overrides the default."""
+    return TUNING["form"] or DEFAULT_FORM
 
 
 _FOUND: dict[str, bool] = {}  # whether triton imports, checked once (a plain dict: torch.compile traces it)
@@ -127,25 +139,9 @@ def _block(size: int) -> int:
 
 def kernels():
     """The kernel module, imported on first use (Triton with it)."""
-    from ._triton_causal_kernels import (
-        _backward_kv,
-        _backward_prep,
-        _backward_q,
-        _forward,
-        _normalize,
-        _offsets,
-        _segment_sums,
-    )
+    from . import _triton_causal_kernels
 
-    return SimpleNamespace(
-        _backward_kv=_backward_kv,
-        _backward_prep=_backward_prep,
-        _backward_q=_backward_q,
-        _forward=_forward,
-        _normalize=_normalize,
-        _offsets=_offsets,
-        _segment_sums=_segment_sums,
-    )
+    return _triton_causal_kernels
 
 
 class _Launch:
@@ -241,10 +237,41 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
     return q, k, v, w, keep, launch, _segments(launch, v.device)
 
 
-def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
-    """The forward walk's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32 whose last entry is
-    left for the lost count, the queries' offsets (b·h, n), final S, z, and the keys' segment sums (b·h·P, m, d),
-    (b·h·P, m) for backward, empty (0,) for one segment). The hybrid kernels divide them their own way."""
+def _chunk_constants(launch: _Launch) -> dict:
+    """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two)."""
+    cst = {key: value for key, value in launch.constants.items() if key != "BD"}
+    return {**cst, "DP": 1 << (launch.d - 1).bit_length(), **_chunk_options(launch)}
+
+
+def _chunk_options(launch: _Launch) -> dict:
+    """The chunk-parallel form's launch options: its own warps, the walk's pipelining stages."""
+    return {**launch.options, "num_warps": TUNING["chunk_warps"] or DEFAULT_CHUNK_WARPS}
+
+
+def _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums):
+    """The keys' walk (chunk-parallel form): the state before every chunk, H (b·h, NC, m, d) (bf16 where the
+    products take bf16 operands, else float32) and HZ (b·h, NC, m) float32, and the final S, z."""
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    (count, length), nc, dev = segments, -(-n // launch.chunk), v.device
+    hs = torch.empty(
+        b * h, nc, m, d, dtype=torch.bfloat16 if launch.constants["OPS"] == 1 else torch.float32, device=dev
+    )
+    hz = torch.empty(b * h, nc, m, dtype=torch.float32, device=dev)
+    s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
+    z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
+    kern._states[(b * h * count, *launch.grid[1:])](
+        k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), hs, hz,
+        s_out, z_out, n, nc, h, count, length, launch.scale, math.sqrt(launch.scale), launch.eps,
+        HAS_KEEP=keep is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **_chunk_options(launch),
+        **launch.constants,
+    )  # fmt: skip
+    return hs, hz, s_out, z_out
+
+
+def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normalize):
+    """The forward in the chosen form (TUNING["form"]): (out in v's dtype when ``normalize``, else N (b·h, n, d)
+    float32; D (b·h·n + 1) float32, whose last entry counts the lost positions when ``normalize``; the queries'
+    offsets (b·h, n); final S, z; the keys' segment sums (b·h·P, m, d), (b·h·P, m), empty (0,) for one segment)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
@@ -259,36 +286,55 @@ def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     count, length = segments
     sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
-    num = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
     den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
-    s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
-    z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
-    kern._forward[(b * h * count, *launch.grid[1:])](
-        q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), num,
-        den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
-        HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
-    )  # fmt: skip
+    # where the first real key is, per batch: positions before it see none, and are not lost
+    first = None if keep is None or not normalize else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    if form() == "chunks":
+        hs, hz, s_out, z_out = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums)
+        result = (
+            torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
+            if normalize
+            else torch.empty(b * h, n, d, dtype=torch.float32, device=dev)
+        )
+        kern._chunk_out[(b * h, -(-n // chunk))](
+            q, k, v, _or(w, qoff), _or(keep, qoff), qoff, hs, hz, _or(first, den), result, den, result, n, hs.shape[1],
+            h, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_FIRST=first is not None,
+            NORMALIZE=normalize, **_chunk_constants(launch),
+        )  # fmt: skip
+        del hs, hz
+    else:
+        result = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
+        s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
+        z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
+        kern._forward[(b * h * count, *launch.grid[1:])](
+            q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
+            result, den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
+            HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
+        )  # fmt: skip
+        if normalize:
+            num, result = result, torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
+            kern._normalize[(b * h, -(-n // _ROWS))](
+                num, den, _or(first, den), result, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
+            )
     if count > 1:
         s_out, z_out = s_out.view(b, h, count, m, d)[:, :, -1], z_out.view(b, h, count, m)[:, :, -1]
     s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
     if sums is None:  # one segment: no sums to keep
         sums = (den.new_empty(0), den.new_empty(0))
-    return num, den, qoff, s_out, z_out, *sums
+    return result, den, qoff, s_out, z_out, *sums
+
+
+def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+    """The forward's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32, the queries' offsets,
+    final S, z, the keys' segment sums): the hybrid kernels divide them their own way."""
+    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=False)
 
 
 def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
     positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
     (b·h·P, m) for backward, empty (0,) for one segment)."""
-    num, den, qoff, s_out, z_out, sums, z_sums = linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk)
-    b, h, n, d = v.shape
-    out = torch.empty(b, h, n, d, dtype=v.dtype, device=v.device)
-    # where the first real key is, per batch: positions before it see none, and are not lost
-    first = None if keep is None else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
-    kernels()._normalize[(b * h, -(-n // _ROWS))](
-        num, den, _or(first, den), out, n, h, d, 1 << (d - 1).bit_length(), _ROWS, first is not None
-    )
-    return out, den, qoff, s_out, z_out, sums, z_sums
+    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=True)
 
 
 def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
@@ -305,7 +351,9 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
     kernels()._backward_prep[(b * h, -(-n // _ROWS))](
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
     )  # rows with no real key (D = 0): no gradient
-    dq, dk, dv, ds_first, dz_first = linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk)
+    dq, dk, dv, ds_first, dz_first = linear_grads(
+        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk
+    )
     del gn, gd  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
     dq = dq.to(q.dtype)
     dk = dk.to(k.dtype)
@@ -314,10 +362,43 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
 
 
 def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk):
-    """The backward walks from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq,
-    dL/dk, dL/dv float32 (b, h, n, ·), dL/dS_0, dL/dz_0 (empty without a state)."""
+    """The backward from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq, dL/dk,
+    dL/dv float32 (b, h, n, ·), dL/dS_0, dL/dz_0 (empty without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
+    if form() == "walk":
+        return _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps)
+    b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
+    (count, length), nc, dev = segments, -(-n // chunk), v.device
+    keys = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
+    hs, hz, _, _ = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, keys)
+    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
+    dh = torch.empty_like(hs)
+    dhz = torch.empty_like(hz)
+    ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
+    dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
+    walk = {key: value for key, value in launch.constants.items() if key != "HAS_KEEP"}
+    kern._dstates[(b * h * count, *launch.grid[1:])](
+        q, _or(w, qoff), qoff, gn, gd, *(later or (ds0, dz0)), dh, dhz, ds0, dz0, n, nc, count, length, scale,
+        math.sqrt(scale), eps, HAS_LATER=later is not None, **_chunk_options(launch), **walk,
+    )  # fmt: skip
+    del later
+    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=dev) for t in (q, k, v))
+    common = dict(HAS_KEEP=keep is not None, **_chunk_constants(launch))
+    args = (n, nc, h, scale, math.sqrt(scale), eps)
+    grid = (b * h, nc)
+    kern._chunk_grads_q[grid](q, k, v, _or(w, qoff), _or(keep, qoff), qoff, hs, hz, gn, gd, dq, *args, **common)
+    del hs, hz
+    kern._chunk_grads_kv[grid](q, k, v, _or(w, qoff), _or(keep, qoff), qoff, dh, dhz, gn, gd, dk, dv, *args, **common)
+    if s0 is None:  # no initial state to differentiate
+        return dq, dk, dv, ds0.new_empty(0), dz0.new_empty(0)
+    # the first segment's walk ends at the start
+    return dq, dk, dv, ds0.view(b, h, count, m, d)[:, :, 0].contiguous(), dz0.view(b, h, count, m)[:, :, 0].contiguous()
+
+
+def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps):
+    """The walk form's backward (see :func:`linear_grads`)."""
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))

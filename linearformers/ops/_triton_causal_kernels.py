@@ -535,3 +535,330 @@ def _backward_prep(
     gn = g * inv[:, None]
     tl.store(GN + bh * n * D + ot[:, None] * D + od[None, :], gn.to(GN.dtype.element_ty), mask=mask)
     tl.store(GD + bh * n + ot, -tl.sum(gn * out, 1), mask=tmask)
+
+
+# ------------------------------------------------------------------------------------------ the chunk-parallel form
+# (module docstring of _triton_causal, "Two forms"): the walks only carry the state and store it at every chunk;
+# the outputs and the input gradients then come from one program per chunk, all m-blocks summed in its registers.
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _states(
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    S0,
+    Z0,
+    SUMS,
+    Z_SUMS,
+    H,
+    HZ,
+    S_OUT,
+    Z_OUT,
+    n,
+    NC,
+    HH,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    HAS_SUMS: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The keys' walk: the state (S, z) before each chunk, stored in H (b·h, NC, M, D) (H's dtype) and HZ
+    (b·h, NC, M) float32, and each segment's end state. Grid (b·h·P, M / BM, D / BD)."""
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
+    s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
+    for c in range(start, end, C):
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        chunk = (bh * NC + c // C).to(tl.int64)
+        tl.store(H + chunk * M * D + om[:, None] * D + od[None, :], s.to(H.dtype.element_ty))
+        tl.store(HZ + chunk * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
+        keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        s, z = _advance(s, z, pk, vv, OPS, PREC)
+    _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M, D)
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _dstates(
+    Q,
+    W,
+    QOFF,
+    GN,
+    GD,
+    SUMS,
+    Z_SUMS,
+    DH,
+    DHZ,
+    DS0,
+    DZ0,
+    n,
+    NC,
+    P,
+    L,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    BD: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_LATER: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The queries' reverse walk: dS = Σ phi_q gnᵀ and dz = Σ phi_q gd over the chunks after each chunk, stored in
+    DH (b·h, NC, M, D) (DH's dtype) and DHZ float32, and each segment's sums over its own chunks and the later
+    ones (the first segment's: dL/dS_0, dL/dz_0). Grid (b·h·P, M / BM, D / BD)."""
+    seg, bh, start, end, om, od, row, vrow, qrow = _segment(n, P, L, XD, D, BM, BD)
+    ds, dz = _start_state(DS0, DZ0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, False, HAS_LATER, True)
+    chunks = tl.cdiv(end - start, C)
+    for i in range(0, chunks):
+        c = start + (chunks - 1 - i) * C
+        ot = c + tl.arange(0, C)
+        tmask = ot < n
+        chunk = (bh * NC + c // C).to(tl.int64)
+        tl.store(DH + chunk * M * D + om[:, None] * D + od[None, :], ds.to(DH.dtype.element_ty))
+        tl.store(DHZ + chunk * M + om, dz, mask=om * 0 + tl.program_id(2) == 0)
+        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
+        ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
+        dz += tl.sum(pq * gd[:, None], 0)
+    _store_state(DS0, DZ0, seg, om, od, ds, dz, M, D)
+
+
+@triton.jit
+def _chunk_ids(n, NC, XD: tl.constexpr, D: tl.constexpr, C: tl.constexpr, DP: tl.constexpr):
+    """This program's (batch, head) bh, its chunk's positions ot and their mask, the chunk's index in H, d's
+    offsets, and where bh's rows start in the (n, XD), (n, D) and (n,) tensors. Grid (b·h, NC)."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    ot = c * C + tl.arange(0, C)
+    od = tl.arange(0, DP)
+    return bh, ot, ot < n, bh * NC + c, od, bh * n * XD, bh * n * D, bh * n
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _chunk_out(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    H,
+    HZ,
+    FIRST,
+    NUM,
+    DEN,
+    OUT,
+    n,
+    NC,
+    HH,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One chunk's outputs: N = tril(phi_q phi_kᵀ) V + phi_q S, D = rowsum(...) + phi_q z, summed over the m-blocks
+    in registers, with S, z the state before the chunk (H, HZ). NORMALIZE: out = N / D in OUT's dtype, D stored
+    for backward, and the lost positions counted into DEN's last entry (as _normalize does); else N (NUM) and D
+    stored as they are. Grid (b·h, NC)."""
+    bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
+    dmask = od < D
+    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    scores = tl.zeros((C, C), tl.float32)
+    num = tl.zeros((C, DP), tl.float32)
+    den = tl.zeros((C,), tl.float32)
+    for mb in range(0, M, BM):
+        om = mb + tl.arange(0, BM)
+        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        scores += tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
+        s = tl.load(H + chunk * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
+        num += tl.dot(_operand(pq, OPS), _operand(s.to(tl.float32), OPS), input_precision=PREC)
+        den += tl.sum(pq * tl.load(HZ + chunk * M + om)[None, :], 1)
+    scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
+    vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+    num += tl.dot(_operand(scores, OPS), _operand(vv.to(tl.float32), OPS), input_precision=PREC)
+    den += tl.sum(scores, 1)
+    ptrs = vrow + ot[:, None] * D + od[None, :]
+    mask = tmask[:, None] & dmask[None, :]
+    if NORMALIZE:
+        out = num / tl.maximum(den, 1e-30)[:, None]
+        tl.store(OUT + ptrs, out.to(OUT.dtype.element_ty), mask=mask)
+        lost = tmask & (den <= 1e-30)
+        if HAS_FIRST:
+            lost = lost & (ot >= tl.load(FIRST + bh // HH))
+        tl.atomic_add(DEN + tl.num_programs(0).to(tl.int64) * n, tl.sum(lost.to(tl.float32), 0))
+    else:
+        tl.store(NUM + ptrs, num, mask=mask)
+    tl.store(DEN + qrow + ot, den, mask=tmask)
+
+
+@triton.jit
+def _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr):
+    """gn (C, DP), gd (C,), v (C, DP) float32 of the chunk, and dL/dscores = tril(gn vᵀ + gd) (queries x keys)."""
+    dmask = od < D
+    mask = tmask[:, None] & dmask[None, :]
+    gn = tl.load(GN + vrow + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    gd = tl.load(GD + qrow + ot, mask=tmask, other=0.0)
+    vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    d_scores = tl.dot(_operand(gn, OPS), _operand(tl.trans(vv), OPS), input_precision=PREC) + gd[:, None]
+    d_scores = tl.where(ot[:, None] >= ot[None, :], d_scores, 0.0)
+    return gn, gd, vv, d_scores
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _chunk_grads_q(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    H,
+    HZ,
+    GN,
+    GD,
+    DQ,
+    n,
+    NC,
+    HH,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One chunk's dL/dq: dphi_q = tril(gn vᵀ + gd) phi_k + gn Sᵀ + gd z per m-block, through the map, summed in
+    registers (given features: each m-block's columns stored). Grid (b·h, NC)."""
+    bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
+    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    gn, gd, _v, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
+    dq = tl.zeros((C, XDP), tl.float32)
+    for mb in range(0, M, BM):
+        om = mb + tl.arange(0, BM)
+        pq, x, w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        s = tl.load(H + chunk * M * D + om[:, None] * D + od[None, :], mask=(od < D)[None, :], other=0.0)
+        dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
+        dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s.to(tl.float32)), OPS), input_precision=PREC)
+        dpq += gd[:, None] * tl.load(HZ + chunk * M + om)[None, :]
+        if MAP == 0:
+            _add_input_grad(DQ, row, ot, tmask, om, dpq, XD, XDP, MAP, False)
+        else:
+            dq += _feature_grad(dpq, pq, x, w, scale, eps, MAP, True, OPS, PREC)
+    if MAP != 0:
+        _add_input_grad(DQ, row, ot, tmask, 0, dq, XD, XDP, MAP, False)
+
+
+@triton.jit(do_not_specialize=_LENGTHS)
+def _chunk_grads_kv(
+    Q,
+    K,
+    V,
+    W,
+    KEEP,
+    QOFF,
+    DH,
+    DHZ,
+    GN,
+    GD,
+    DK,
+    DV,
+    n,
+    NC,
+    HH,
+    scale,
+    root,
+    eps,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    XD: tl.constexpr,
+    XDP: tl.constexpr,
+    C: tl.constexpr,
+    BM: tl.constexpr,
+    MAP: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    OPS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One chunk's dL/dk and dL/dv: dphi_k = (tril(gn vᵀ + gd)ᵀ phi_q + v dSᵀ + dz) keep and
+    dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) keep per m-block, summed in registers, with dS, dz the queries' sums
+    over the later chunks (DH, DHZ). Grid (b·h, NC)."""
+    bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
+    dmask = od < D
+    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    gn, gd, vv, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
+    d_scores_t = tl.trans(d_scores)
+    dk = tl.zeros((C, XDP), tl.float32)
+    dv = tl.zeros((C, DP), tl.float32)
+    causal_t = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
+    for mb in range(0, M, BM):
+        om = mb + tl.arange(0, BM)
+        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
+        pk, x, w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pk = pk * keep[:, None]
+        ds = tl.load(DH + chunk * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
+        ds = ds.to(tl.float32)
+        scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
+        scores_t = tl.where(causal_t, scores_t, 0.0)
+        dv += tl.dot(_operand(scores_t, OPS), _operand(gn, OPS), input_precision=PREC)
+        dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
+        dpk = tl.dot(_operand(d_scores_t, OPS), _operand(pq, OPS), input_precision=PREC)
+        dpk += tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC)
+        dpk = (dpk + tl.load(DHZ + chunk * M + om)[None, :]) * keep[:, None]
+        if MAP == 0:
+            _add_input_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP, False)
+        else:
+            dk += _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
+    if MAP != 0:
+        _add_input_grad(DK, row, ot, tmask, 0, dk, XD, XDP, MAP, False)
+    tl.store(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None] & dmask[None, :])

@@ -73,7 +73,7 @@ def _window_settings(q, v, window, sinks):
     xd, d = q.shape[-1], v.shape[-1]
     ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
     chunk = _chunk(window)
-    warps = 8 if chunk >= 64 else 4
+    warps = 8 if chunk >= 64 else 4  # the frame's (C, C) tiles: 4 warps would spill them at C = 64
     return dict(
         XD=xd, XDP=1 << (xd - 1).bit_length(), D=d, DP=1 << (d - 1).bit_length(), C=chunk, SP=16, OPS=ops,
         PREC="tf32" if ops == 1 else "ieee", num_warps=warps, num_stages=1,
@@ -119,7 +119,7 @@ def _forward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, window, scale
     ell_arg = None if ell is None else ell.contiguous()
     _kernels()[1][(b * h, -(-n // _ROWS))](
         num, den, a, dw, top, gamma.contiguous(), _or(ell_arg, top), out, out32, total, n, h, d,
-        1 << (d - 1).bit_length(), _ROWS, ell is not None, out32 is not out,
+        1 << (d - 1).bit_length(), _ROWS, ell is not None, out32 is not out, num_warps=8,
     )  # fmt: skip
     # float32 inputs: out itself is kept (an op's outputs may not alias one another: the second is empty then)
     return out, (out32 if out32 is not out else out.new_empty(0)), total, sums, z_sums
@@ -137,7 +137,7 @@ def _backward(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, tota
     gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
     prep[(b * h, -(-n // _ROWS))](
         g, out, total, top, gamma.contiguous(), _or(ell_arg, top), gn, gd, n, h, d, 1 << (d - 1).bit_length(), _ROWS,
-        ell is not None,
+        ell is not None, num_warps=8,
     )  # fmt: skip
     pk_late, v_late = _delayed(pk, window), _delayed(v, window)
     keep_late = torch.nn.functional.pad(linear, (window, 0))[:, :n].contiguous()

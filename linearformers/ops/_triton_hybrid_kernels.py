@@ -14,7 +14,7 @@ except ImportError as err:  # imported only after _triton_causal.triton_importab
 from ._triton_causal_kernels import _operand
 
 _LENGTHS = ["n", "W"]
-_HEADROOM = 50.0  # R of hybrid.py: the most the linear factor exp(ℓ - c') may reach
+_HEADROOM = tl.constexpr(50.0)  # R of hybrid.py: the most the linear factor exp(ℓ - c') may reach
 
 
 @triton.jit
@@ -129,7 +129,9 @@ def _combine(
     mask = tmask[:, None] & (od[None, :] < D)
     alpha, beta = _factors(GAMMA, ELL, CMAX, bh, H, n, ot, tmask, HAS_ELL)
     ptrs = bh * n * D + ot[:, None] * D + od[None, :]
-    num = alpha[:, None] * tl.load(A + ptrs, mask=mask, other=0.0) + beta[:, None] * tl.load(NUM + ptrs, mask=mask, other=0.0)
+    num = alpha[:, None] * tl.load(A + ptrs, mask=mask, other=0.0) + beta[:, None] * tl.load(
+        NUM + ptrs, mask=mask, other=0.0
+    )
     total = alpha * tl.load(DW + bh * n + ot, mask=tmask, other=0.0)
     total += beta * tl.load(DEN + bh * n + ot, mask=tmask, other=0.0)
     out = tl.where(total[:, None] > 0, num / tl.where(total > 0, total, 1.0)[:, None], 0.0)

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from linearformers.ops import (
+    _triton_causal,
     draw_random_features,
     favor_attention,
     favor_step,
@@ -156,6 +157,46 @@ def test_initial_state_continues_a_prefill(device):
         for backend in ("triton", "chunked")
     )
     assert_close(got, expected, TOLERANCE[torch.float32], "continued")
+
+
+@pytest.fixture
+def walk_form():
+    """The kernels' walk form (everything in the walks) for one test, then the default again."""
+    previous = _triton_causal.TUNING["form"]
+    _triton_causal.TUNING["form"] = "walk"
+    yield
+    _triton_causal.TUNING["form"] = previous
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "features"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel, request):
+    """The chunk-parallel form (the default: states stored per chunk) and the walk form agree: output, final state and
+    the gradients of q, k, v and the initial state, with padding, at lengths that cross segments."""
+    b, h, m, d, chunk = FAVOR_SIZES[device]
+    n = 37 if device == "cpu" else 1000
+    q, k, v = (randn(b, h, n, d, device=device, seed=s) for s in (1, 2, 3))
+    w = draw_random_features(m, d, seed=4, device=device)
+    if kernel == "features":
+        q, k, w = random_features(q, w, is_query=True), random_features(k, w, is_query=False), None
+    keep = padding_mask(b, n, device).float()
+    s0 = randn(b, h, w.shape[0] if w is not None else m, d, device=device, seed=5).abs()
+    z0 = randn(b, h, w.shape[0] if w is not None else m, device=device, seed=6).abs()
+    grad = randn(b, h, n, d, device=device, seed=7, dtype=torch.float64)
+
+    def call(q, k, v, s0, z0):
+        out, s, z, _ = triton_causal_linear(q, k, v, w, keep, kernel, d**-0.5 if w is not None else 1.0, 1e-6,
+                                            chunk or 64, s0, z0)  # fmt: skip
+        call.state = (s, z)
+        return out
+
+    got = run_with_grads(call, [q, k, v, s0, z0], grad)
+    got_state = call.state
+    request.getfixturevalue("walk_form")
+    expected = run_with_grads(call, [q, k, v, s0, z0], grad)
+    assert_close(got, expected, 1e-4, f"{kernel}: chunks vs walk", ("out", "dq", "dk", "dv", "dS0", "dz0"))
+    for a, e in zip(got_state, call.state):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6 * float(e.abs().max()))
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "relu"])

@@ -51,7 +51,9 @@ def _compare(n, window, sinks, ell, padded, dtype, device, sizes):
     got = run_with_grads(_hybrid(window, sinks, mask, "triton"), inputs, grad)
     # the reference on the same (rounded) values, in float64 on the CPU
     exact = [t.detach().double().cpu() for t in inputs]
-    expected = run_with_grads(_hybrid(window, sinks, None if mask is None else mask.cpu(), "reference"), exact, grad.cpu())
+    expected = run_with_grads(
+        _hybrid(window, sinks, None if mask is None else mask.cpu(), "reference"), exact, grad.cpu()
+    )
     assert_close([t.cpu() for t in got], expected, TOLERANCE[dtype], f"n={n} w={window} S={sinks}", NAMES)
 
 
@@ -80,7 +82,9 @@ def test_a_state_returned_by_the_kernels_continues_decoding_as_the_chunked_backe
     it: the next token's output is the same."""
     b, h, d, m = (2, 2, 32, 32) if device == "cpu" else (1, 12, 64, 128)
     n, window = (29, 8) if device == "cpu" else (1000, 64)
-    q, k, v, phi_q, phi_k, gamma, *rest = _inputs(b, h, n + 1, d, m, device=device, dtype=torch.float32, seed=5, ell=ell)
+    q, k, v, phi_q, phi_k, gamma, *rest = _inputs(
+        b, h, n + 1, d, m, device=device, dtype=torch.float32, seed=5, ell=ell
+    )
     ell_all = rest[0] if ell else None
     mask = padding_mask(b, n + 1, device)
     mask[1] = True  # right padding would leave the step's token padded: that row keeps every token
