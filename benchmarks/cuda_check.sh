@@ -4,7 +4,12 @@
 #                                          # benchmarks/triton_sweep.py: launch settings and a per-kernel profile
 #   bash benchmarks/cuda_check.sh tests    # pytest -m cuda, and the torch.compile tests on the machine's own torch
 #   bash benchmarks/cuda_check.sh bench    # benchmarks/gpu.py: attention at 4K / 16K / 64K, training at 16K / 64K
-# One lease, one call (5 minutes on an H200 with a cold Triton cache), as run last:
+# One lease, one call: the CUDA tests while the sweep of the two causal forms compiles, the sweep, then the
+# attention rows and the 16K training step (SWEEP_SET="--forms": the forms near the defaults, not the 48-setting grid):
+#   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=170 CUDA_WORKERS=6 PRECOMPILE_S=170 SWEEP_S=60 SWEEP_SET=--forms \
+#   ATTENTION_S=200 TRAINING_S=60 KERNELS="..." ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
+#   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh diag bench
+# An earlier single call (5 minutes on an H200 with a cold Triton cache):
 #   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=140 CUDA_TEST_ARGS="-n 8" ATTENTION_S=150 TRAINING_S=60 \
 #   KERNELS="sdpa_causal favor_causal/triton linear_causal/triton hedgehog_causal/triton hybrid_causal sdpa favor/triton" \
 #   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
@@ -39,25 +44,31 @@ for part in "${@:-tests bench}"; do
 case $part in
 diag)
     stamp "CUDA tests (xdist) and the torch.compile tests in the background; the sweep's kernels compile meanwhile"
-    (timeout "${COMPILE_S:-200}" $PY -m pytest -q -p no:cacheprovider tests/modeling/test_compile.py \
-        >"$OUT/compile_tests.log" 2>&1; echo "exit $?" >>"$OUT/compile_tests.log") &
-    compile_job=$!
-    (timeout "${CUDA_TESTS_S:-170}" $PY -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=15 -n 4 tests \
+    compile_job=
+    if [ "${COMPILE_TESTS:-1}" = 1 ]; then
+        (timeout "${COMPILE_S:-200}" $PY -m pytest -q -p no:cacheprovider tests/modeling/test_compile.py \
+            >"$OUT/compile_tests.log" 2>&1; echo "exit $?" >>"$OUT/compile_tests.log") &
+        compile_job=$!
+    fi
+    (timeout "${CUDA_TESTS_S:-170}" $PY -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=15 -n "${CUDA_WORKERS:-4}" tests \
         >"$OUT/cuda_tests.log" 2>&1; echo "exit $?" >>"$OUT/cuda_tests.log") &
     tests_job=$!
-    timeout "${PRECOMPILE_S:-170}" $PY benchmarks/triton_sweep.py --out "$OUT" --precompile-only --jobs 8 \
+    # shellcheck disable=SC2086
+    timeout "${PRECOMPILE_S:-170}" $PY benchmarks/triton_sweep.py --out "$OUT" --precompile-only --jobs 8 ${SWEEP_SET:-} \
         >"$OUT/sweep_compile.log" 2>&1
     stamp "sweep compiled; waiting for the tests"
     wait $tests_job
     tail -30 "$OUT/cuda_tests.log"
     stamp "the sweep (GPU to itself but for the compile tests' CPU work)"
     # shellcheck disable=SC2086
-    timeout "${SWEEP_S:-110}" $PY benchmarks/triton_sweep.py --out "$OUT" --jobs 0 ${SWEEP_ARGS:---warmup 1 --repeats 3} \
+    timeout "${SWEEP_S:-110}" $PY benchmarks/triton_sweep.py --out "$OUT" --jobs 0 ${SWEEP_SET:-} ${SWEEP_ARGS:---warmup 1 --repeats 3} \
         >"$OUT/sweep.log" 2>&1
     echo "exit $?" >>"$OUT/sweep.log"
     grep -v "^ \|^{\|^}" "$OUT/sweep.log" | tail -20
-    wait $compile_job
-    tail -3 "$OUT/compile_tests.log"
+    if [ -n "$compile_job" ]; then
+        wait $compile_job
+        tail -3 "$OUT/compile_tests.log"
+    fi
     ;;
 tests)
     stamp "torch.compile tests on this torch (CPU, in the background) and the CUDA tests"

@@ -55,6 +55,17 @@ Keys of large norm: keys' features are taken at offset 0 (exp(-|w - k'|²/2) <= 
 position whose every visible key underflowed has D = 0 and is counted in ``lost``, so favor_attention redoes such
 calls with the per-position offsets of :func:`_favor_chunked.favor_causal_offsets`.
 
+Two forms. The walks above carry the state in registers and compute everything on the way (the "walk" form).
+The default "chunks" form splits the work the way fla's chunked kernels do, with the features still made inside the
+kernels: the walks only carry the state, storing it before every chunk (``_states``: S, z per chunk, (b·h, n / C,
+m, d) in bf16 for bf16 inputs, the precision its products read it at; ``_dstates``: the queries' dS, dz after every
+chunk, in backward), and then one program per chunk (``_chunk_out``; ``_chunk_grads_q``, ``_chunk_grads_kv``)
+computes its outputs or its input gradients over every m-block in turn, summing them in registers: no atomic adds,
+no (n, d) float32 buffers, each gradient written once in its own dtype, and a grid of b·h·n / C programs that
+needs no segments. It costs the stored states: m d / C values per position (256 for m = 256, d = 64, C = 64), held
+during one call's forward and, recomputed, during its backward. ``TUNING["form"]`` picks one; the sweep
+(benchmarks/triton_sweep.py --forms) times both.
+
 The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
 torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
 the library imports without it. Off CUDA the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -352,18 +363,19 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
     )  # rows with no real key (D = 0): no gradient
     dq, dk, dv, ds_first, dz_first = linear_grads(
-        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk
+        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True
     )
-    del gn, gd  # freed before the casts, and each float32 gradient as soon as it is cast: a lower peak
+    del gn, gd  # freed before any casts, and each float32 gradient as soon as it is cast: a lower peak
     dq = dq.to(q.dtype)
     dk = dk.to(k.dtype)
     dv = dv.to(v.dtype)
     return dq, dk, dv, ds_first, dz_first
 
 
-def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk):
+def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False):
     """The backward from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq, dL/dk,
-    dL/dv float32 (b, h, n, ·), dL/dS_0, dL/dz_0 (empty without a state)."""
+    dL/dv (b, h, n, ·), float32 or, ``final``, in q's, k's and v's dtypes where the form writes each once (the chunk
+    form; the walk's are sums of atomic adds, float32), and dL/dS_0, dL/dz_0 (empty without a state)."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
@@ -384,7 +396,7 @@ def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, s
         math.sqrt(scale), eps, HAS_LATER=later is not None, **_chunk_options(launch), **walk,
     )  # fmt: skip
     del later
-    dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=dev) for t in (q, k, v))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype if final else torch.float32, device=dev) for t in (q, k, v))
     common = dict(HAS_KEEP=keep is not None, **_chunk_constants(launch))
     args = (n, nc, h, scale, math.sqrt(scale), eps)
     grid = (b * h, nc)

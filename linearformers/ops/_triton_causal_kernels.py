@@ -836,7 +836,7 @@ def _chunk_grads_kv(
     bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
     dmask = od < D
     keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
-    gn, gd, vv, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
+    gn, _gd, vv, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
     d_scores_t = tl.trans(d_scores)
     dk = tl.zeros((C, XDP), tl.float32)
     dv = tl.zeros((C, DP), tl.float32)
