@@ -92,9 +92,9 @@ MAPS = {"features": 0, "softmax": 1, "relu": 2}
 DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_PROGRAMS_PER_SM = 4, 1, 4
 FORMS = ("chunks", "walk")  # module docstring, "Two forms"
 DEFAULT_FORM = "chunks"
-# the chunk-parallel form's kernels hold a chunk's (C, C) scores and its m-block's features at once: at 4 warps they
-# spill registers (ptxas, sm_90), at 8 they do not
-DEFAULT_CHUNK_WARPS = 8
+# the chunk-parallel form's warps per program: 4 ran it fastest on an H200 at 16K and 64K (benchmarks/triton_sweep.py
+# --forms), although ptxas reports a few hundred bytes of register spills there that 8 warps avoid
+DEFAULT_CHUNK_WARPS = 4
 TUNING: dict[str, int | str | None] = {
     "warps": None, "stages": None, "programs_per_sm": None, "form": None, "chunk_warps": None,
 }  # fmt: skip

@@ -1,0 +1,102 @@
+"""CUDA diagnosis: the causal Triton kernels' two forms against the chunked backend (float32 math), per head_dim and
+warps; prints the max relative error of out, dq, dk, dv for each configuration."""
+
+import sys
+
+import torch
+
+from linearformers.ops import _triton_causal, draw_random_features, favor_attention, linear_attention
+
+torch.manual_seed(0)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def case(form, warps, d, m, n, kernel, dtype):
+    _triton_causal.TUNING.update(form=form, chunk_warps=warps)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g).mul(s).cuda() for s in (1.5, 1.5, 1.0))
+    w = draw_random_features(m, d, seed=2, device="cuda")
+    cot = torch.randn(1, 2, n, d, generator=g).cuda()
+    res = []
+    for be, dt in (("triton", dtype), ("chunked", torch.float32)):
+        x = [t.detach().to(dt).clone().requires_grad_() for t in (q, k, v)]
+        if kernel == "features":
+            from linearformers.ops.feature_maps import random_features
+
+            pq = random_features(x[0], w.to(dt), is_query=True)
+            pk = random_features(x[1], w.to(dt), is_query=False)
+            out = linear_attention(pq, pk, x[2], causal=True, backend=be)
+        else:
+            out = favor_attention(*x, w, causal=True, kernel=kernel, backend=be)
+        out.backward(cot.to(out.dtype))
+        torch.cuda.synchronize()
+        res.append([out.detach(), *(t.grad for t in x)])
+    return [rel(a, b) for a, b in zip(*res)]
+
+
+def hybrid_case(form, d, m, n, window, dtype, ell):
+    from linearformers.ops import hybrid_attention
+
+    _triton_causal.TUNING.update(form=form, chunk_warps=None)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, d, generator=g).mul(s).cuda() for s in (1.5, 1.5, 1.0))
+    pq, pk = (torch.rand(2, 2, n, m, generator=g).cuda() for _ in range(2))
+    gamma = torch.rand(2, generator=g).cuda() + 0.5
+    log_scale = torch.randn(2, 2, n, generator=g).cuda() if ell else None
+    mask = torch.ones(2, n, dtype=torch.bool, device="cuda")
+    mask[0, : n // 3] = False
+    cot = torch.randn(2, 2, n, d, generator=g).cuda()
+    res = []
+    for be, dt in (("triton", dtype), ("chunked", torch.float32)):
+        x = [t.detach().to(dt).clone().requires_grad_() for t in (q, k, v, pq, pk)]
+        gm = gamma.clone().requires_grad_()
+        out = hybrid_attention(
+            *x, gm, window, causal=True, key_padding_mask=mask, sinks=1, backend=be, query_log_scale=log_scale
+        )
+        out.backward(cot.to(out.dtype))
+        torch.cuda.synchronize()
+        res.append([out.detach(), *(t.grad for t in x), gm.grad])
+    return [rel(a, b) for a, b in zip(*res)]
+
+
+if "--hybrid" in sys.argv:
+    for form in ("walk", "chunks"):
+        for d, m, window in ((16, 32, 32), (64, 128, 64)):
+            for dtype in (torch.bfloat16,):
+                for ell in (False, True):
+                    try:
+                        errs = hybrid_case(form, d, m, 259 if d == 16 else 1000, window, dtype, ell)
+                        print(
+                            f"hybrid {form:6s} d {d} m {m} w {window} {str(dtype)[6:]:8s} ell {ell:d} "
+                            + " ".join(f"{e:.2e}" for e in errs),
+                            flush=True,
+                        )
+                    except Exception as err:
+                        print(
+                            f"hybrid {form} {d} {m} {dtype} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True
+                        )
+                        sys.exit(1)
+    _triton_causal.TUNING.update(form=None, chunk_warps=None)
+
+if "--linear" in sys.argv:
+    for form, warps in (("walk", None), ("chunks", 4), ("chunks", 8)):
+        for d, m in ((16, 32), (64, 256)):
+            for kernel in ("softmax",):
+                for dtype in (torch.bfloat16,):
+                    try:
+                        errs = case(form, warps, d, m, 259 if d == 16 else 1000, kernel, dtype)
+                        print(
+                            f"{form:6s} warps {warps} d {d} m {m} {kernel:8s} {str(dtype)[6:]:8s} "
+                            + " ".join(f"{e:.2e}" for e in errs),
+                            flush=True,
+                        )
+                    except Exception as err:
+                        print(
+                            f"{form} {warps} {d} {m} {kernel} {dtype} FAILED {type(err).__name__}: {str(err)[:200]}",
+                            flush=True,
+                        )
+                        sys.exit(1)
+    _triton_causal.TUNING.update(form=None, chunk_warps=None)
