@@ -160,6 +160,7 @@ class _Launch:
 
     def __init__(self, q, v, w, kernel, chunk, scale, eps):
         b, h, n, d = v.shape
+        self.cuda = v.device.type == "cuda"
         self.chunk, self.scale, self.eps = chunk, scale, eps
         self.b, self.h, self.n, self.d = b, h, n, d
         self.m = q.shape[-1] if kernel == "features" else w.shape[0]
@@ -248,6 +249,15 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
     return q, k, v, w, keep, launch, _segments(launch, v.device)
 
 
+def _chunk_form(launch: _Launch) -> bool:
+    """Whether this call takes the chunk-parallel form: where it is chosen (:func:`form`) and the widths are those
+    it was checked at on a GPU, v's head_dim 64 and tiles of 64 features (m = 128, 256). At head_dim 16 and m = 32 its
+    compiled kernels (Triton 3.6, H200) gave wrong outputs where the interpreter's are right, for a reason not found
+    yet; the walk form computes those widths on CUDA (the interpreter, whose results are right, takes every width)."""
+    checked = launch.d == 64 and launch.m % 64 == 0 and launch.constants["XD"] >= 64
+    return form() == "chunks" and (checked or not launch.cuda)
+
+
 def _chunk_constants(launch: _Launch) -> dict:
     """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two)."""
     cst = {key: value for key, value in launch.constants.items() if key != "BD"}
@@ -300,7 +310,7 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
     den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
     # where the first real key is, per batch: positions before it see none, and are not lost
     first = None if keep is None or not normalize else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
-    if form() == "chunks":
+    if _chunk_form(launch):
         hs, hz, s_out, z_out = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums)
         result = (
             torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
@@ -379,7 +389,7 @@ def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, s
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
-    if form() == "walk":
+    if not _chunk_form(launch):
         return _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     (count, length), nc, dev = segments, -(-n // chunk), v.device
