@@ -8,6 +8,8 @@ chunks of 16 so that several chunks, m-blocks and d-blocks are crossed. With CUD
 n = 1000 against a float64 quadratic reference (the n = 4099 one would not fit in host memory).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -159,19 +161,21 @@ def test_initial_state_continues_a_prefill(device):
     assert_close(got, expected, TOLERANCE[torch.float32], "continued")
 
 
-@pytest.fixture
-def walk_form():
-    """The kernels' walk form (everything in the walks) for one test, then the default again."""
+@contextlib.contextmanager
+def kernel_form(name):
+    """The causal kernels' form ``name`` ("chunks" or "walk") inside the block, then the default again."""
     previous = _triton_causal.TUNING["form"]
-    _triton_causal.TUNING["form"] = "walk"
-    yield
-    _triton_causal.TUNING["form"] = previous
+    _triton_causal.TUNING["form"] = name
+    try:
+        yield
+    finally:
+        _triton_causal.TUNING["form"] = previous
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "features"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel, request):
-    """The chunk-parallel form (the default: states stored per chunk) and the walk form agree: output, final state and
+def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel):
+    """The chunk-parallel form (states stored per chunk) and the walk form (the default) agree: output, final state and
     the gradients of q, k, v and the initial state, with padding, at lengths that cross segments."""
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = 37 if device == "cpu" else 1000
@@ -180,20 +184,21 @@ def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel, re
     if kernel == "features":
         q, k, w = random_features(q, w, is_query=True), random_features(k, w, is_query=False), None
     keep = padding_mask(b, n, device).float()
-    s0 = randn(b, h, w.shape[0] if w is not None else m, d, device=device, seed=5).abs()
-    z0 = randn(b, h, w.shape[0] if w is not None else m, device=device, seed=6).abs()
+    scale = d**-0.5 if w is not None else 1.0
+    # the initial state: a prefix's, on the scale of what the chunks add (keys' features at offset 0 are small)
+    _, s0, z0, _ = triton_causal_linear(q[:, :, :11], k[:, :, :11], v[:, :, :11], w, None, kernel, scale, 1e-6, 16)
     grad = randn(b, h, n, d, device=device, seed=7, dtype=torch.float64)
 
     def call(q, k, v, s0, z0):
-        out, s, z, _ = triton_causal_linear(q, k, v, w, keep, kernel, d**-0.5 if w is not None else 1.0, 1e-6,
-                                            chunk or 64, s0, z0)  # fmt: skip
+        out, s, z, _ = triton_causal_linear(q, k, v, w, keep, kernel, scale, 1e-6, chunk or 64, s0, z0)
         call.state = (s, z)
         return out
 
-    got = run_with_grads(call, [q, k, v, s0, z0], grad)
-    got_state = call.state
-    request.getfixturevalue("walk_form")
-    expected = run_with_grads(call, [q, k, v, s0, z0], grad)
+    with kernel_form("chunks"):
+        got = run_with_grads(call, [q, k, v, s0, z0], grad)
+        got_state = call.state
+    with kernel_form("walk"):
+        expected = run_with_grads(call, [q, k, v, s0, z0], grad)
     assert_close(got, expected, 1e-4, f"{kernel}: chunks vs walk", ("out", "dq", "dk", "dv", "dS0", "dz0"))
     for a, e in zip(got_state, call.state):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6 * float(e.abs().max()))

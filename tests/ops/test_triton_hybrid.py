@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from linearformers.ops import hybrid_attention, hybrid_step, set_triton_kernels
+from linearformers.ops import _triton_causal, hybrid_attention, hybrid_step, set_triton_kernels
 from linearformers.ops.hybrid import hybrid_backend
 from linearformers.ops.reference import hybrid_reference
 from tests.ops._triton_cases import CUDA, ON_CPU, ON_CUDA, TOLERANCE, assert_close, padding_mask, randn, run_with_grads
@@ -73,6 +73,17 @@ def _compare(n, window, sinks, ell, padded, dtype, device, sizes):
 def test_the_causal_hybrid_kernels_match_the_reference(n, window, sinks, ell, padded, dtype):
     """Output and the gradients of q, k, v, phi_q, phi_k, gamma (and ℓ) as the (n x n) reference's."""
     _compare(n, window, sinks, ell, padded, dtype, "cpu", (2, 2, 32, 32))
+
+
+@ON_CPU
+def test_the_causal_hybrid_matches_the_reference_through_the_chunk_form_too():
+    """The linear part through the causal kernels' chunk-parallel form: the same reference."""
+    previous = _triton_causal.TUNING["form"]
+    _triton_causal.TUNING["form"] = "chunks"
+    try:
+        _compare(70, 12, 3, True, True, torch.float32, "cpu", (2, 2, 32, 32))
+    finally:
+        _triton_causal.TUNING["form"] = previous
 
 
 @pytest.mark.parametrize("ell", [False, True], ids=["paper", "softmax-scale"])
