@@ -472,11 +472,15 @@ def section_triton_sweep(path: Path) -> list[str]:
         return f"{c['ms']:.2f} ms ({ref['ms'] / c['ms']:.2f}x)" if ref.get("status") == "ok" else f"{c['ms']:.2f} ms"
 
     def label(s: dict) -> str:
-        return f"C {s['chunk']}, {s['warps']} warps, {s['stages'] or 3} stages, {s['programs_per_sm']} per SM"
+        text = f"C {s['chunk']}, {s['warps']} warps, {s['stages'] or 3} stages, {s['programs_per_sm']} per SM"
+        if s.get("form") == "chunks":
+            return f"chunk form ({s.get('chunk_warps') or 4} warps), C {s['chunk']}, {s['programs_per_sm']} per SM"
+        return f"walk form, {text}" if s.get("form") else text
 
     favor = [r for r in data["rows"] if r["kernel"] == "favor_causal/triton"]
     ok = [r for r in favor if r["lengths"][middle].get("status") == "ok"]
     ranked = sorted(ok, key=lambda r: r["lengths"][middle]["ms"])[:5]
+    ranked += [r for r in favor if r["setting"].get("form") == "walk" and r not in ranked]  # the default form
     linear = {json.dumps(r["setting"], sort_keys=True): r for r in data["rows"] if r["kernel"] != "favor_causal/triton"}
     body = [["flash SDPA, causal", *(f"{sdpa[str(n)]['ms']:.2f} ms" for n in lengths), "-"]]
     for r in ranked:
@@ -488,8 +492,8 @@ def section_triton_sweep(path: Path) -> list[str]:
     settings = len(favor)
     return [
         f"The {settings} launch settings of the causal kernels (chunk C, warps, pipelining stages, programs per "
-        f"multiprocessor), forward + backward, bf16, 12 heads x 64: the five fastest at {middle} (speedup over flash "
-        "SDPA of the same run).",
+        f"multiprocessor), forward + backward, bf16, 12 heads x 64: the five fastest at {middle}, and the walk form where "
+        "the run has it (speedup over flash SDPA of the same run).",
         "",
         *_table(header, body),
         "",
