@@ -28,14 +28,6 @@ def _left_padded(n=7, pad=3):
     return ids, mask
 
 
-def test_config_checks_the_feature_count_and_ignores_redraws():
-    with pytest.raises(ValueError, match="num_random_features"):
-        tiny_config("performer", kernel="hedgehog", num_random_features=33)
-    cfg = PerformerConfig(kernel="hedgehog")  # the default feature_redraw_interval (1000) is accepted and ignored
-    assert cfg.feature_redraw_interval == 1000 and not cfg.random_feature_kernel
-    assert PerformerConfig().random_feature_kernel
-
-
 def test_layers_own_a_hedgehog_map_at_its_identity_init_and_no_random_features():
     model = _encoder(num_local_heads=1, local_window=4)
     for layer in model.layers:

@@ -379,46 +379,6 @@ def test_compiled_model_has_no_graph_breaks_and_equals_eager(kernel, decoder):
                 torch.testing.assert_close(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("value", [None, 1, 64])
-def test_config_accepts_none_and_positive_windows(value):
-    assert PerformerConfig(hybrid_window=value).hybrid_window == value
-
-
-@pytest.mark.parametrize(("value", "cause"), [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
-def test_config_refuses_other_windows(value, cause):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_window'") as raised:
-        PerformerConfig(hybrid_window=value)
-    assert isinstance(raised.value.__cause__, cause)
-
-
-@pytest.mark.parametrize("value", [0, 1, 64])
-def test_config_accepts_sinks_with_a_window(value):
-    assert PerformerConfig(hybrid_window=8, hybrid_sinks=value).hybrid_sinks == value
-
-
-@pytest.mark.parametrize(("value", "cause"), [(-1, ValueError), (1.5, TypeError), (True, TypeError), (None, TypeError)])
-def test_config_refuses_other_sinks(value, cause):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_sinks'") as raised:
-        PerformerConfig(hybrid_window=8, hybrid_sinks=value)
-    assert isinstance(raised.value.__cause__, cause)
-
-
-def test_sinks_without_a_window_are_refused():
-    with pytest.raises(ValueError, match="hybrid_sinks=2 needs a hybrid_window"):
-        PerformerConfig(hybrid_sinks=2)
-
-
-def test_a_query_scale_without_a_window_is_refused():
-    with pytest.raises(ValueError, match="hybrid_query_scale=True needs a hybrid_window"):
-        PerformerConfig(hybrid_query_scale=True)
-
-
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_config_refuses_a_query_scale_that_is_not_a_bool(value):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_query_scale'"):
-        PerformerConfig(hybrid_window=8, hybrid_query_scale=value)
-
-
 def test_the_query_scale_exists_only_when_asked_for_and_starts_at_zero():
     scaled, plain = _model(hybrid_query_scale=True), _model()
     for layer in scaled.layers:
@@ -446,17 +406,6 @@ def test_the_query_scale_moves_the_linear_part_against_the_window():
     torch.testing.assert_close(
         window_only, local_reference(q, k, v, 2 * WINDOW - 1, causal=False), rtol=1e-4, atol=1e-5
     )
-
-
-def test_a_key_scale_without_a_window_is_refused():
-    with pytest.raises(ValueError, match="hybrid_key_scale=True needs a hybrid_window"):
-        PerformerConfig(hybrid_key_scale=True)
-
-
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_config_refuses_a_key_scale_that_is_not_a_bool(value):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_key_scale'"):
-        PerformerConfig(hybrid_window=8, hybrid_key_scale=value)
 
 
 def test_the_key_scale_exists_only_when_asked_for_and_starts_at_zero():

@@ -1,5 +1,3 @@
-import copy
-
 import pytest
 import torch
 from transformers import (
@@ -202,73 +200,12 @@ def test_too_long_inputs_raise_an_error_naming_the_limit(family):
         model(torch.randint(1, 99, (1, 40)))
 
 
-def test_linformer_longer_than_its_projections_raises_naming_max_seq_length():
-    cfg = tiny_config("linformer", position_embedding_type="rotary", max_seq_length=32, projected_length=8)
-    model = AutoModel.from_config(cfg)
-    with pytest.raises(ValueError, match="max_seq_length=32"):
-        model(torch.randint(1, 99, (1, 40)))
-
-
 @pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
 def test_performer_without_learned_positions_runs_past_max_position_embeddings(position_embedding_type):
     cfg = tiny_config("performer", max_position_embeddings=16, position_embedding_type=position_embedding_type)
     model = AutoModel.from_config(cfg).eval()
     out = model(torch.randint(1, 99, (1, 100))).last_hidden_state
     assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
-
-
-@pytest.mark.parametrize("sharing", ["per_head", "headwise", "key_value", "layerwise"])
-@pytest.mark.parametrize("projection", ["learned", "pool", "conv"])
-def test_linformer_sharing_modes_and_projections_build_and_run(sharing, projection):
-    cfg = tiny_config("linformer", sharing=sharing, projection=projection, projected_length=16)
-    model = AutoModelForMaskedLM.from_config(cfg)
-    ids = torch.randint(1, 99, (2, 40))
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    names = [
-        n for n, _ in model.named_parameters() if "proj" in n and ("e_proj" in n or "f_proj" in n or "shared" in n)
-    ]
-    if projection == "learned" and sharing == "layerwise":
-        assert names == ["model.shared_projection"]
-    elif projection == "learned":
-        per_layer = 1 if sharing == "key_value" else 2
-        assert len(names) == 2 * per_layer
-    elif projection == "pool":
-        assert names == []
-    assert all(p.grad is not None for n, p in model.named_parameters() if n in names)
-
-
-def test_linformer_per_layer_k():
-    cfg = tiny_config("linformer", projected_length_per_layer=[8, 16])
-    model = AutoModel.from_config(cfg)
-    assert model.layers[0].attention.e_proj.shape == (8, 64)
-    assert model.layers[1].attention.e_proj.shape == (16, 64)
-
-
-def test_layerwise_sharing_uses_the_per_layer_k():
-    cfg = tiny_config("linformer", sharing="layerwise", projected_length=32, projected_length_per_layer=[8, 8])
-    model = AutoModel.from_config(cfg)
-    assert model.shared_projection.shape == (8, 64)
-    assert model(torch.randint(1, 99, (1, 10))).last_hidden_state.shape == (1, 10, 32)
-
-
-def test_the_layerwise_projection_is_one_parameter_that_every_layer_reads(tmp_path):
-    cfg = tiny_config("linformer", sharing="layerwise", projected_length=8)
-    model = lf.LinformerModel(cfg).eval()
-    assert [k for k in model.state_dict() if "_proj" in k and ("e_proj" in k or "f_proj" in k or "shared" in k)] == [
-        "shared_projection"
-    ]
-    ids = torch.randint(1, 99, (1, 10))
-    with torch.no_grad():
-        before = model(ids).last_hidden_state
-        model.shared_projection.mul_(2.0)  # read at the call by every layer: the outputs move
-        assert not torch.allclose(model(ids).last_hidden_state, before)
-    model.save_pretrained(tmp_path)
-    for again in (lf.LinformerModel.from_pretrained(tmp_path).eval(), copy.deepcopy(model)):
-        for layer in again.layers:  # a loaded or copied model's layers read its own parameter
-            assert layer.attention.projections()[0] is again.shared_projection
-        with torch.no_grad():
-            torch.testing.assert_close(again(ids).last_hidden_state, model(ids).last_hidden_state, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("auto", [AutoModel, AutoModelForCausalLM], ids=lambda a: a.__name__)
