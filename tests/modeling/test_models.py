@@ -57,44 +57,6 @@ def test_every_auto_class_round_trips_with_identical_outputs(family, auto, tmp_p
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # BLAS may reorder sums across calls
 
 
-def test_performer_features_are_saved_with_the_checkpoint(tmp_path):
-    model = lf.PerformerModel(tiny_config("performer")).eval()
-    model.redraw_features(5)  # differs from the draw a fresh model would make
-    features = model.layers[0].attention.random_features.clone()
-    model.save_pretrained(tmp_path)
-    again = lf.PerformerModel.from_pretrained(tmp_path)
-    torch.testing.assert_close(again.layers[0].attention.random_features, features, rtol=0, atol=0)
-    assert not torch.equal(lf.PerformerModel(tiny_config("performer")).layers[0].attention.random_features, features)
-
-
-def test_features_are_deterministic_from_the_seed_and_differ_per_layer():
-    a = lf.PerformerModel(tiny_config("performer", feature_seed=3))
-    b = lf.PerformerModel(tiny_config("performer", feature_seed=3))
-    c = lf.PerformerModel(tiny_config("performer", feature_seed=4))
-    fa = [layer.attention.random_features for layer in a.layers]
-    assert torch.equal(fa[0], b.layers[0].attention.random_features)
-    assert not torch.equal(fa[0], fa[1])
-    assert not torch.equal(fa[0], c.layers[0].attention.random_features)
-
-
-def test_redraws_follow_the_interval_in_training_only():
-    model = lf.PerformerModel(tiny_config("performer", feature_redraw_interval=2))
-    ids = torch.randint(1, 99, (1, 8))
-    first = model.layers[0].attention.random_features.clone()
-    model.eval()
-    for _ in range(3):
-        model(ids)
-    assert torch.equal(model.layers[0].attention.random_features, first)
-    model.train()
-    model(ids)
-    model(ids)
-    assert torch.equal(model.layers[0].attention.random_features, first)
-    model(ids)  # third training forward: draw 1
-    drawn = model.layers[0].attention.random_features
-    assert not torch.equal(drawn, first)
-    torch.testing.assert_close(drawn, model.layers[0].attention.draw_features(1), rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("position_embedding_type", ["absolute", "rotary", "sinusoidal"])
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -198,24 +160,6 @@ def test_too_long_inputs_raise_an_error_naming_the_limit(family):
     limit = "max_seq_length=32" if family == "linformer" else "max_position_embeddings=32"
     with pytest.raises(ValueError, match=limit):
         model(torch.randint(1, 99, (1, 40)))
-
-
-@pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
-def test_performer_without_learned_positions_runs_past_max_position_embeddings(position_embedding_type):
-    cfg = tiny_config("performer", max_position_embeddings=16, position_embedding_type=position_embedding_type)
-    model = AutoModel.from_config(cfg).eval()
-    out = model(torch.randint(1, 99, (1, 100))).last_hidden_state
-    assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
-
-
-@pytest.mark.parametrize("auto", [AutoModel, AutoModelForCausalLM], ids=lambda a: a.__name__)
-def test_only_the_performer_keeps_a_redraw_counter(auto):
-    decoder = auto is AutoModelForCausalLM
-    prefix = "model." if decoder else ""
-    linformer = auto.from_config(tiny_config("linformer", is_decoder=decoder))
-    performer = auto.from_config(tiny_config("performer", is_decoder=decoder))
-    assert not [key for key in linformer.state_dict() if "feature_redraws" in key]
-    assert [key for key in performer.state_dict() if "feature_redraws" in key] == [prefix + "feature_redraws"]
 
 
 def test_the_shared_stack_has_no_family_branch():
