@@ -161,8 +161,8 @@ def favor_backend(
     Continued prefills (``initial_state``) run "chunked" whatever is named: the state's offset M needs the chunked
     form with per-position offsets. One choice depends on the data and shows only after the call: a causal
     softmax call whose keys are of large norm (a position lost every key at offset 0) is redone in that form too,
-    and then the state it returns (``return_state=True``) has M != 0, where the backend's own pass hands over
-    M = 0."""
+    and then the state it returns (``return_state=True``) has M < 0 (the prefix maximum of the key exponents),
+    where the backend's own pass hands over M = 0."""
     _check_favor_args(q, k, v, projection, None, "softmax", causal=causal)
     return _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend)
 
@@ -219,7 +219,7 @@ def favor_attention(
             :mod:`backends` (None: causal, the Triton kernels on CUDA, the compiled CPU walk where it runs and the
             chunked backend elsewhere;
             bidirectional, the Triton kernels on CUDA, the blockwise kernel on the CPU and the chunked one elsewhere
-            and under torch.compile on the CPU).
+            and under torch.compile on the CPU); :func:`favor_backend` names the one a call takes.
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
             (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.

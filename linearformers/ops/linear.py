@@ -132,9 +132,9 @@ def linear_attention(
         chunk_size: causal chunk; None: each backend's default (64 chunked and triton, 32 native).
         initial_state: causal only, the (S, z) of an earlier call (continued prefill).
         return_state: causal only, also return the final (S, z).
-        backend: None (see :mod:`backends`), "reference", "chunked", "triton" or "native" (causal); bidirectional
-            "triton" runs only when named (its fused-map form is the FAVOR+ default on CUDA), with chunk_size its
-            tile of positions.
+        backend: None (see :mod:`backends`; :func:`linear_backend` names the one a call takes), "reference",
+            "chunked", "triton" or "native" (causal); bidirectional "triton" runs only when named (its fused-map form
+            is the FAVOR+ default on CUDA), with chunk_size its tile of positions.
 
     Gradients reach phi_q, phi_k and v (and the initial state), so a learned map trains through any backend.
     Returns (batch, heads, length, d_v) in v's dtype, and the state when ``return_state``.
