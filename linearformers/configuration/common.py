@@ -191,7 +191,11 @@ class LinearAttentionConfig(PreTrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
     def sequence_limit(self) -> tuple[int, str] | None:
-        """The longest input this config's model accepts, and the field that sets it (None: no limit)."""
+        """The longest input this config's model accepts, and the field that sets it (None: no limit). The shared
+        embeddings' learned position table bounds it; sinusoidal and rotary positions do not. A family whose
+        attention is sized by the length too (the Linformer's E / F) narrows it."""
+        if self.position_embedding_type == "absolute":
+            return self.max_position_embeddings, "max_position_embeddings"
         return None
 
     def check_input_length(self, length: int, *, past: int = 0) -> None:

@@ -171,10 +171,5 @@ class PerformerConfig(LinearAttentionConfig):
                 "hybrid heads; set hybrid_window (e.g. 64), or hybrid_key_scale=False"
             )
 
-    def sequence_limit(self) -> tuple[int, str] | None:
-        if self.position_embedding_type == "absolute":
-            return self.max_position_embeddings, "max_position_embeddings"
-        return None
-
 
 __all__ = ["PerformerConfig"]

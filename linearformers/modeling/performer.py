@@ -436,9 +436,10 @@ class PerformerModel(LinearAttentionModel, PerformerPreTrainedModel):
 
     def _maybe_redraw(self) -> None:
         interval = self.config.feature_redraw_interval
-        if not (self.training and interval and self.config.random_feature_kernel):
+        # the layers' buffers, not the config, say whether there is anything to redraw (a learned map has none)
+        attentions = [layer.attention for layer in self.layers if layer.attention.random_features is not None]
+        if not (self.training and interval and attentions):
             return
-        attentions = [layer.attention for layer in self.layers]
         features = [attention.random_features for attention in attentions]
         seeds = [attention.draw_seed for attention in attentions]
         _redraw_schedule_step(self.feature_redraws, features, seeds, interval, self.config.orthogonal_features)

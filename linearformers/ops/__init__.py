@@ -1,16 +1,17 @@
 """Attention math: plain functions on (batch, heads, length, head_dim) tensors. Imports only torch (and Triton,
 lazily, when a call runs its kernels).
 
-The package exports the ops users call, the feature maps they pass and the backend switches; the choice tuples
+The package exports the ops users call, the feature maps they pass, the backend switches and
+:func:`favor_backend` / :func:`linear_backend`, which say which backend a call takes; the choice tuples
 (``backends.CAUSAL_BACKENDS``, ``linformer.METHODS``, ``feature_maps.KERNELS``, ...) and the helpers the models
 use stay in their modules."""
 
 from ._native import available as native_available
 from .backends import BACKENDS, native_walk_enabled, set_native_walk, set_triton_kernels
-from .favor import draw_random_features, favor_attention, favor_features, favor_step
+from .favor import draw_random_features, favor_attention, favor_backend, favor_features, favor_step
 from .feature_maps import FavorPositive, FeatureMap, HedgehogFeatureMap, ReluFeatures, favor_positive, relu_features
 from .hybrid import HybridState, hybrid_attention, hybrid_step
-from .linear import linear_attention, linear_step
+from .linear import linear_attention, linear_backend, linear_step
 from .linformer import causal_linformer_attention, causal_linformer_step, linformer_attention
 from .linformer_hybrid import linformer_hybrid_attention
 from .local import local_attention, local_attention_step
@@ -27,12 +28,14 @@ __all__ = [
     "causal_linformer_step",
     "draw_random_features",
     "favor_attention",
+    "favor_backend",
     "favor_features",
     "favor_positive",
     "favor_step",
     "hybrid_attention",
     "hybrid_step",
     "linear_attention",
+    "linear_backend",
     "linear_step",
     "linformer_attention",
     "linformer_hybrid_attention",

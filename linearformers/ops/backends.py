@@ -28,7 +28,8 @@ Backends of :func:`favor.favor_attention` and of :func:`linear.linear_attention`
 take "chunked" (float64 math throughout), and naming either for them is refused. :func:`set_native_walk` is the
 public switch that turns the native walk off for automatic choices (``LINEARFORMERS_NATIVE=0`` also keeps it from
 being built at all), :func:`set_triton_kernels` the one for the Triton kernels; a named backend is always taken as
-asked, or refused with a ValueError saying why it cannot run.
+asked, or refused with a ValueError saying why it cannot run. :func:`favor.favor_backend` and
+:func:`linear.linear_backend` name the backend a call takes.
 """
 
 from __future__ import annotations

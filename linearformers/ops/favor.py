@@ -142,6 +142,46 @@ def _check_favor_args(q, k, v, projection, key_padding_mask, kernel, *, causal: 
     return check_mask(key_padding_mask, k.shape[0], k.shape[2])
 
 
+def favor_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    projection: torch.Tensor,
+    *,
+    causal: bool = False,
+    chunk_size: int | None = None,
+    initial_state: tuple[torch.Tensor, ...] | None = None,
+    return_state: bool = False,
+    backend: str | None = None,
+) -> str:
+    """The backend :func:`favor_attention` runs for these arguments, one of ``backends.BACKENDS``: the name it
+    dispatches on, so asking this is how a test, a benchmark or a user learns which code a call takes. A named
+    backend that cannot run the call raises the ValueError the call would.
+
+    Continued prefills (``initial_state``) run "chunked" whatever is named: the state's offset M needs the chunked
+    form with per-position offsets. One choice depends on the data and shows only after the call: a causal
+    softmax call whose keys are of large norm (a position lost every key at offset 0) is redone in that form too,
+    and then the state it returns (``return_state=True``) has M < 0 (the prefix maximum of the key exponents),
+    where the backend's own pass hands over M = 0."""
+    _check_favor_args(q, k, v, projection, None, "softmax", causal=causal)
+    return _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend)
+
+
+def _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend) -> str:
+    state_in = initial_state is not None
+    chosen = choose_backend(
+        backend,
+        v,
+        projection.shape[0],
+        chunk_size,
+        causal=causal,
+        state_in=state_in,
+        state_out=return_state,
+        inputs=(q, k),
+    )
+    return "chunked" if state_in else chosen
+
+
 @outside_autocast
 def favor_attention(
     q: torch.Tensor,
@@ -179,7 +219,7 @@ def favor_attention(
             :mod:`backends` (None: causal, the Triton kernels on CUDA, the compiled CPU walk where it runs and the
             chunked backend elsewhere;
             bidirectional, the Triton kernels on CUDA, the blockwise kernel on the CPU and the chunked one elsewhere
-            and under torch.compile on the CPU).
+            and under torch.compile on the CPU); :func:`favor_backend` names the one a call takes.
             Causal softmax calls whose keys are of large norm (every visible key's features underflowed at offset
             0), and softmax continued prefills, run the chunked form with per-position offsets
             (:func:`_favor_chunked.favor_causal_offsets`) whatever the backend.
@@ -206,16 +246,7 @@ def favor_attention(
             "differentiate through it; pass projection.detach() (models keep it as a buffer)"
         )
     state_in = initial_state is not None
-    chosen = choose_backend(
-        backend,
-        v,
-        projection.shape[0],
-        chunk_size,
-        causal=causal,
-        state_in=state_in,
-        state_out=return_state,
-        inputs=(q, k),
-    )
+    chosen = _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend)
     if chosen == "reference":
         return favor_reference(
             q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps

@@ -76,6 +76,39 @@ def _keep(mask):
     return None if mask is None else mask.float()
 
 
+def linear_backend(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    chunk_size: int | None = None,
+    initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_state: bool = False,
+    backend: str | None = None,
+) -> str:
+    """The backend :func:`linear_attention` runs for these arguments, one of ``backends.BACKENDS`` ("blockwise"
+    aside: it fuses the FAVOR+ map): the name it dispatches on, so asking this is how a test, a benchmark or a user
+    learns which code a call takes. A named backend that cannot run the call raises the ValueError the call
+    would."""
+    _check_features(phi_q, phi_k, v, same_length=causal)
+    return _chosen_backend(phi_q, phi_k, v, causal, chunk_size, initial_state, return_state, backend)
+
+
+def _chosen_backend(phi_q, phi_k, v, causal, chunk_size, initial_state, return_state, backend) -> str:
+    return choose_backend(
+        backend,
+        v,
+        phi_q.shape[-1],
+        chunk_size,
+        causal=causal,
+        state_in=initial_state is not None,
+        state_out=return_state,
+        fused=False,
+        inputs=(phi_q, phi_k),
+    )
+
+
 @outside_autocast
 def linear_attention(
     phi_q: torch.Tensor,
@@ -99,9 +132,9 @@ def linear_attention(
         chunk_size: causal chunk; None: each backend's default (64 chunked and triton, 32 native).
         initial_state: causal only, the (S, z) of an earlier call (continued prefill).
         return_state: causal only, also return the final (S, z).
-        backend: None (see :mod:`backends`), "reference", "chunked", "triton" or "native" (causal); bidirectional
-            "triton" runs only when named (its fused-map form is the FAVOR+ default on CUDA), with chunk_size its
-            tile of positions.
+        backend: None (see :mod:`backends`; :func:`linear_backend` names the one a call takes), "reference",
+            "chunked", "triton" or "native" (causal); bidirectional "triton" runs only when named (its fused-map form
+            is the FAVOR+ default on CUDA), with chunk_size its tile of positions.
 
     Gradients reach phi_q, phi_k and v (and the initial state), so a learned map trains through any backend.
     Returns (batch, heads, length, d_v) in v's dtype, and the state when ``return_state``.
@@ -114,21 +147,7 @@ def linear_attention(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     b, h, _, m = phi_q.shape
     d = v.shape[-1]
-    chosen = choose_backend(
-        backend,
-        v,
-        m,
-        chunk_size,
-        causal=causal,
-        state_in=initial_state is not None,
-        state_out=return_state,
-        fused=False,
-        inputs=(phi_q, phi_k),
-    )
-    if chosen == "native" and d % 16:  # the walk's tile also spans v's width
-        if backend == "native":
-            raise ValueError(f"backend='native' cannot run this call: v's head_dim must be a multiple of 16, got {d}")
-        chosen = "chunked"
+    chosen = _chosen_backend(phi_q, phi_k, v, causal, chunk_size, initial_state, return_state, backend)
     if chosen == "reference":
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     keep = None if mask is None else mask[:, None, :, None].float()

@@ -589,3 +589,26 @@ def test_cli_offers_a_flag_for_every_transfer_argument(capsys):
         name = f.metadata.get("flag", f.name)
         flag = f"--no_{name}" if f.default is True else f"--{name}"
         assert re.search(rf"{flag}\b", usage), flag
+
+
+def test_conversion_and_transfer_train_the_balance_and_the_projections():
+    bert = tiny_bert()
+    model, report = convert_bert(
+        bert, "linformer", projected_length=8, max_seq_length=32, hybrid_window=4, hybrid_sinks=1
+    )
+    assert "layers.0.attention.window_balance" in report.initialized
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if "window_balance" in name}
+    transfer = attention_transfer(model, bert, blocks(), args=quick(steps=30))
+    assert {"layers.0.attention.window_balance", "layers.1.attention.e_proj"} <= set(transfer.parameters)
+    assert all(a < b for b, a in zip(transfer.error_before, transfer.error_after))
+    assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters() if name in before)
+
+
+def test_the_cli_converts_a_linformer_hybrid(tokenizer_dir, tmp_path):
+    out = _convert_with_a_short_transfer(
+        tokenizer_dir, tmp_path, "--family", "linformer", "--projected_length", "8", "--max_seq_length", "32",
+        "--hybrid_window", "4", "--hybrid_sinks", "1",
+    )  # fmt: skip
+    loaded = AutoModel.from_pretrained(out)
+    assert loaded.config.hybrid_window == 4 and loaded.config.hybrid_sinks == 1
+    assert any(layer.attention.window_balance.abs().sum() > 0 for layer in loaded.layers)  # trained, then saved

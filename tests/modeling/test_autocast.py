@@ -11,17 +11,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from linearformers.ops import (
-    _favor_native,
     causal_linformer_attention,
     causal_linformer_step,
     draw_random_features,
     favor_attention,
+    favor_backend,
     favor_step,
     linformer_attention,
     local_attention,
     local_attention_step,
     native_available,
-    native_walk_enabled,
     set_native_walk,
 )
 from tests.conftest import tiny_config
@@ -34,17 +33,13 @@ WALKS = [pytest.param(True, id="native", marks=NO_NATIVE), pytest.param(False, i
 
 
 @pytest.fixture
-def walk(request, monkeypatch):
-    """Causal FAVOR+ through the compiled walk (native) or the chunked backend (set_native_walk(False)); counts the
-    compiled calls."""
-    calls = []
-    if request.param is None:  # not a FAVOR+ test: leave the choice alone
-        return calls
-    forward = _favor_native.native_forward
-    previous = set_native_walk(request.param)
-    request.addfinalizer(lambda: set_native_walk(previous))
-    monkeypatch.setattr(_favor_native, "native_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
-    return calls
+def walk(request):
+    """Causal FAVOR+ through the compiled walk (True) or the chunked backend (False: set_native_walk(False)) for
+    ``backend=None`` calls; None leaves the choice alone (not a FAVOR+ test)."""
+    if request.param is not None:
+        previous = set_native_walk(request.param)
+        request.addfinalizer(lambda: set_native_walk(previous))
+    return request.param
 
 
 def _inputs(b=2, h=2, n=40, d=16, seed=0, key_scale=1.0):
@@ -111,7 +106,10 @@ def test_causal_favor_under_autocast_matches_float32(walk, kernel, padding, dtyp
         return favor_attention(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=16)
 
     _check(op, dtype, _inputs())
-    assert len(walk) == (2 if native_walk_enabled() else 0)  # autocast and float32: both on the chosen walk
+    chosen = {
+        favor_backend(*(t.to(d) for t in _inputs()), w, causal=True, chunk_size=16) for d in (dtype, torch.float32)
+    }
+    assert chosen == {"native" if walk else "chunked"}  # autocast and float32: both on the chosen walk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

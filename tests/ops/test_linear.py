@@ -13,10 +13,10 @@ from linearformers.ops import (
     FavorPositive,
     FeatureMap,
     ReluFeatures,
-    _linear_native,
     draw_random_features,
     favor_attention,
     linear_attention,
+    linear_backend,
     linear_step,
     native_available,
     native_walk_enabled,
@@ -485,29 +485,26 @@ def test_inputs_are_not_modified():
 
 
 @needs_native
-def test_set_native_walk_false_takes_the_chunked_backend(monkeypatch):
-    calls = []
-    original = _linear_native.native_forward
-    monkeypatch.setattr(_linear_native, "native_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+def test_set_native_walk_false_takes_the_chunked_backend():
     phi_q, phi_k, v = _features()
     assert native_walk_enabled()
+    assert linear_backend(phi_q, phi_k, v, causal=True) == "native", "backend None runs the native walk where it can"
     on = linear_attention(phi_q, phi_k, v, causal=True)
-    assert len(calls) == 1, "backend None runs the native walk where it can"
+    assert torch.equal(on, linear_attention(phi_q, phi_k, v, causal=True, backend="native"))
     previous = set_native_walk(False)
     try:
         assert previous is True and not native_walk_enabled()
+        assert linear_backend(phi_q, phi_k, v, causal=True) == "chunked", "switched off, None runs the chunked backend"
         off = linear_attention(phi_q, phi_k, v, causal=True)
-        assert len(calls) == 1, "switched off, backend None runs the chunked backend"
-        torch.testing.assert_close(off, linear_attention(phi_q, phi_k, v, causal=True, backend="chunked"))
+        assert torch.equal(off, linear_attention(phi_q, phi_k, v, causal=True, backend="chunked"))
         torch.testing.assert_close(off, on, rtol=1e-5, atol=1e-6)
-        with pytest.raises(ValueError, match="switched off"):
-            linear_attention(phi_q, phi_k, v, causal=True, backend="native")
-        assert len(calls) == 1
+        for ask in (linear_backend, linear_attention):
+            with pytest.raises(ValueError, match="switched off"):
+                ask(phi_q, phi_k, v, causal=True, backend="native")
     finally:
         assert set_native_walk(previous) is False
     assert native_walk_enabled()
-    linear_attention(phi_q, phi_k, v, causal=True)
-    assert len(calls) == 2, "restored: backend None runs the native walk again"
+    assert linear_backend(phi_q, phi_k, v, causal=True) == "native", "restored: None runs the native walk again"
 
 
 def test_float64_prefill_and_steps_stay_in_float64():

@@ -21,9 +21,11 @@ from ...ops.local import causal_local_attention, num_relative_positions
 
 FAVOR_BACKENDS = BACKENDS
 
-# what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules)
+# what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules),
+# and the deprecated path offers none of the ops' newer ones
+_NEWER = ("favor_backend", "linear_backend")
 __all__ = [
-    *ops.__all__,
+    *(name for name in ops.__all__ if name not in _NEWER),
     "BIDIRECTIONAL_BACKENDS",
     "CAUSAL_BACKENDS",
     "FAVOR_BACKENDS",

@@ -1,3 +1,6 @@
+"""The rules every config shares (configuration/common.py), checked on both families: rules across fields, field
+ranges, choices and types, JSON round trips, the family check on load and the sequence limit."""
+
 import dataclasses
 import re
 import typing
@@ -143,10 +146,6 @@ def test_configs_round_trip_through_json(tmp_path):
     assert PerformerConfig().hybrid_window is None
 
 
-def test_max_seq_length_defaults_to_max_position_embeddings():
-    assert LinformerConfig(max_position_embeddings=1024).max_seq_length == 1024
-
-
 @pytest.mark.parametrize(
     "cls,kwargs,message",
     [
@@ -213,34 +212,6 @@ def test_every_float_field_refuses_nan_and_infinity_naming_the_field(cls, bad):
         _refused(cls, {name: bad}, ValueError)
 
 
-def test_kernel_eps_nan_or_inf_raises_naming_kernel_eps():
-    for bad in (float("nan"), float("inf")):
-        _refused(PerformerConfig, {"kernel_eps": bad}, ValueError)
-
-
-@pytest.mark.parametrize(
-    "per_layer,message",
-    [
-        ([], "projected_length_per_layer has 0 entries for num_hidden_layers=2"),
-        ([64], "projected_length_per_layer has 1 entries for num_hidden_layers=2"),
-    ],
-)
-def test_projected_length_per_layer_needs_one_k_per_layer(per_layer, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        LinformerConfig(num_hidden_layers=2, projected_length_per_layer=per_layer)
-
-
-@pytest.mark.parametrize("bad", [0, -8])
-def test_projected_length_per_layer_needs_positive_ks(bad):
-    with pytest.raises(StrictDataclassFieldValidationError, match=f"projected length k must be positive, got {bad}"):
-        LinformerConfig(num_hidden_layers=2, projected_length_per_layer=[64, bad])
-
-
-def test_an_empty_projected_length_per_layer_is_refused_for_a_single_layer_too():
-    with pytest.raises(ValueError, match=re.escape("has 0 entries for num_hidden_layers=1")):
-        LinformerConfig(num_hidden_layers=1, projected_length_per_layer=[])
-
-
 @pytest.mark.parametrize(
     "config_cls,other_cls", [(PerformerConfig, LinformerConfig), (LinformerConfig, PerformerConfig)]
 )
@@ -302,15 +273,3 @@ def test_attention_fields_are_the_familys_own_and_the_local_heads_not_the_stacks
     shape = {"hidden_size", "vocab_size", "num_hidden_layers", "max_position_embeddings", "is_decoder", "pad_token_id"}
     assert not (performer | linformer) & shape
     assert "num_random_features" not in linformer and "projected_length" not in performer
-
-
-def test_a_converted_linformer_starts_at_k_equal_n_unless_told_otherwise():
-    assert LinformerConfig.conversion_defaults({}, 128) == {"max_seq_length": 128, "projected_length": 128}
-    given = LinformerConfig.conversion_defaults({"max_seq_length": None, "projected_length": 32}, 128)
-    assert given == {"max_seq_length": 128, "projected_length": 32}
-    assert LinformerConfig.conversion_defaults({"max_seq_length": 64}, 128)["projected_length"] == 64
-
-
-def test_a_converted_performer_keeps_the_users_fields_none_included():
-    fields = {"feature_redraw_interval": None, "num_random_features": 64}
-    assert PerformerConfig.conversion_defaults(fields, 128) == fields

@@ -1,4 +1,6 @@
-"""PerformerConfig(hybrid_window=w): sliding-window softmax + linear attention (LoLCATs) in the Performer's heads."""
+"""The Performer models (modeling/performer.py): the random features (saved, drawn from the seed, redrawn in
+training only), the learned Hedgehog map (kernel="hedgehog"), and the hybrid (hybrid_window): sliding-window softmax
+beside the linear attention in the same heads (LoLCATs)."""
 
 import itertools
 import math
@@ -6,14 +8,234 @@ import math
 import pytest
 import torch
 import torch._dynamo
-from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel, AutoModelForCausalLM
 
-from linearformers import LinearAttentionCache, PerformerConfig
+import linearformers as lf
+from linearformers import LinearAttentionCache
 from linearformers.ops import favor_positive, relu_features
-from linearformers.ops.feature_maps import favor_exponents
+from linearformers.ops.feature_maps import HedgehogFeatureMap, favor_exponents
 from linearformers.ops.reference import hybrid_reference, local_reference, softmax_reference
 from tests.conftest import tiny_config
+
+
+def _left_padded(n=11, pad=3, batch=2, seed=1):
+    ids = torch.randint(1, 99, (batch, n), generator=torch.Generator().manual_seed(seed))
+    ids[1, :pad] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+# the random features and their redraws
+
+
+def test_performer_features_are_saved_with_the_checkpoint(tmp_path):
+    model = lf.PerformerModel(tiny_config("performer")).eval()
+    model.redraw_features(5)  # differs from the draw a fresh model would make
+    features = model.layers[0].attention.random_features.clone()
+    model.save_pretrained(tmp_path)
+    again = lf.PerformerModel.from_pretrained(tmp_path)
+    torch.testing.assert_close(again.layers[0].attention.random_features, features, rtol=0, atol=0)
+    assert not torch.equal(lf.PerformerModel(tiny_config("performer")).layers[0].attention.random_features, features)
+
+
+def test_features_are_deterministic_from_the_seed_and_differ_per_layer():
+    a = lf.PerformerModel(tiny_config("performer", feature_seed=3))
+    b = lf.PerformerModel(tiny_config("performer", feature_seed=3))
+    c = lf.PerformerModel(tiny_config("performer", feature_seed=4))
+    fa = [layer.attention.random_features for layer in a.layers]
+    assert torch.equal(fa[0], b.layers[0].attention.random_features)
+    assert not torch.equal(fa[0], fa[1])
+    assert not torch.equal(fa[0], c.layers[0].attention.random_features)
+
+
+def test_redraws_follow_the_interval_in_training_only():
+    model = lf.PerformerModel(tiny_config("performer", feature_redraw_interval=2))
+    ids = torch.randint(1, 99, (1, 8))
+    first = model.layers[0].attention.random_features.clone()
+    model.eval()
+    for _ in range(3):
+        model(ids)
+    assert torch.equal(model.layers[0].attention.random_features, first)
+    model.train()
+    model(ids)
+    model(ids)
+    assert torch.equal(model.layers[0].attention.random_features, first)
+    model(ids)  # third training forward: draw 1
+    drawn = model.layers[0].attention.random_features
+    assert not torch.equal(drawn, first)
+    torch.testing.assert_close(drawn, model.layers[0].attention.draw_features(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("auto", [AutoModel, AutoModelForCausalLM], ids=lambda a: a.__name__)
+def test_only_the_performer_keeps_a_redraw_counter(auto):
+    decoder = auto is AutoModelForCausalLM
+    prefix = "model." if decoder else ""
+    linformer = auto.from_config(tiny_config("linformer", is_decoder=decoder))
+    performer = auto.from_config(tiny_config("performer", is_decoder=decoder))
+    assert not [key for key in linformer.state_dict() if "feature_redraws" in key]
+    assert [key for key in performer.state_dict() if "feature_redraws" in key] == [prefix + "feature_redraws"]
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
+def test_performer_without_learned_positions_runs_past_max_position_embeddings(position_embedding_type):
+    cfg = tiny_config("performer", max_position_embeddings=16, position_embedding_type=position_embedding_type)
+    model = AutoModel.from_config(cfg).eval()
+    out = model(torch.randint(1, 99, (1, 100))).last_hidden_state
+    assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
+
+
+# the learned map (kernel="hedgehog")
+
+
+def _hedgehog_encoder(**overrides):
+    torch.manual_seed(0)
+    return AutoModel.from_config(tiny_config("performer", kernel="hedgehog", **overrides)).eval()
+
+
+def _hedgehog_lm(**overrides):
+    torch.manual_seed(0)
+    cfg = tiny_config("performer", kernel="hedgehog", is_decoder=True, max_position_embeddings=128, **overrides)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_layers_own_a_hedgehog_map_at_its_identity_init_and_no_random_features():
+    model = _hedgehog_encoder(num_local_heads=1, local_window=4)
+    for layer in model.layers:
+        attention = layer.attention
+        assert attention.random_features is None
+        fmap = attention.feature_map
+        assert isinstance(fmap, HedgehogFeatureMap)
+        assert (fmap.num_heads, fmap.head_dim, fmap.num_features) == (3, 8, 32)
+        reference = HedgehogFeatureMap(3, 8, 32)
+        # m / 2 = 16 > head_dim = 8: the first 8 columns are the identity (the rest are random), bias 0
+        for name in ("weight", "key_weight"):
+            assert torch.equal(getattr(fmap, name)[:, :, :8], getattr(reference, name)[:, :, :8])
+        assert not fmap.bias.any() and not fmap.key_bias.any()
+    keys = model.state_dict().keys()
+    assert not [k for k in keys if "random_features" in k]
+    assert [k for k in keys if k.endswith("attention.feature_map.key_weight")]
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_forward_with_left_padding_and_gradients_reach_the_map(decoder):
+    model = _hedgehog_lm() if decoder else _hedgehog_encoder()
+    model.train()
+    ids, mask = _left_padded(n=7)
+    out = model(ids, attention_mask=mask)
+    result = out.logits if decoder else out.last_hidden_state
+    assert torch.isfinite(result).all()
+    result.float().pow(2).mean().backward()
+    for layer in (model.model if decoder else model).layers:
+        fmap = layer.attention.feature_map
+        for p in (fmap.weight, fmap.bias, fmap.key_weight, fmap.key_bias):
+            assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_training_forwards_never_redraw():
+    model = _hedgehog_encoder(feature_redraw_interval=1)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(3):
+        model(torch.randint(1, 99, (1, 5)))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k != "feature_redraws")
+
+
+def test_encoder_real_tokens_do_not_see_the_padding():
+    model = _hedgehog_encoder()
+    ids, mask = _left_padded(n=7)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).last_hidden_state[1, 3:]
+        alone = model(ids[1:, 3:]).last_hidden_state[0]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_cached_greedy_equals_uncached_greedy():
+    model = _hedgehog_lm(initializer_range=0.2)
+    ids = torch.randint(1, 99, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, no_repeat_ngram_size=2)
+    cached = model.generate(ids, **kwargs)
+    assert cached.shape == (2, 18)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **kwargs))
+
+
+def test_cache_holds_two_states_and_a_prompt_in_pieces_equals_one_prefill():
+    model = _hedgehog_lm()
+    ids = torch.randint(1, 99, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = LinearAttentionCache(model.config.num_hidden_layers)
+        first = model(ids[:, :6], past_key_values=cache, use_cache=True)
+        second = model(ids[:, 6:9], past_key_values=first.past_key_values, use_cache=True)
+        third = model(ids[:, 9:], past_key_values=second.past_key_values, use_cache=True)
+    assert len(third.past_key_values.get_state(0)) == 2
+    pieces = torch.cat([first.logits, second.logits, third.logits], 1)
+    torch.testing.assert_close(pieces, full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_save_and_reload_gives_identical_outputs(decoder, tmp_path):
+    model = _hedgehog_lm() if decoder else _hedgehog_encoder()
+    with torch.no_grad():  # move the map away from its init, so a reload that re-initialized it would show
+        for layer in (model.model if decoder else model).layers:
+            layer.attention.feature_map.weight.add_(0.1 * torch.randn_like(layer.attention.feature_map.weight))
+    ids, mask = _left_padded(n=7)
+    model.save_pretrained(tmp_path)
+    cls = AutoModelForCausalLM if decoder else AutoModel
+    reloaded = cls.from_pretrained(tmp_path).eval()
+    assert reloaded.config.kernel == "hedgehog"
+    with torch.no_grad():
+        a, b = model(ids, attention_mask=mask), reloaded(ids, attention_mask=mask)
+    key = "logits" if decoder else "last_hidden_state"
+    assert torch.equal(a[key], b[key])
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_a_learned_map_forward_under_bf16_autocast_is_finite(decoder):
+    model = _hedgehog_lm() if decoder else _hedgehog_encoder()
+    ids, mask = _left_padded(n=7)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, attention_mask=mask)
+    result = out.logits if decoder else out.last_hidden_state
+    assert torch.isfinite(result.float()).all()
+
+
+def test_a_learned_map_export_loads_with_remote_code_where_the_package_is_missing(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.hub_cards.test_export import assert_causal_lm_loads_as_remote_code
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = tiny_config(
+        "performer",
+        kernel="hedgehog",
+        vocab_size=tokenizer.vocab_size,
+        is_decoder=True,
+        num_local_heads=1,
+        local_window=4,
+        max_position_embeddings=128,
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # away from the init: a remote load that re-initialized the map would show
+        for layer in model.model.layers:
+            layer.attention.feature_map.key_weight.add_(0.1 * torch.randn_like(layer.attention.feature_map.key_weight))
+    assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path)
+
+
+def test_model_card_describes_the_learned_map(tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from linearformers.hub_cards import save_for_hub
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModel.from_config(tiny_config("performer", kernel="hedgehog", vocab_size=tokenizer.vocab_size))
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", repo_id="me/tiny")
+    card = (folder / "README.md").read_text()
+    assert "Hedgehog" in card and "m=32" in card and "random features" not in card
+
+
+# the hybrid (hybrid_window)
 
 KERNELS = ("softmax", "hedgehog")  # the random map, which takes the softmax's scale, and a learned one
 ALL_KERNELS = ("softmax", "relu", "hedgehog")
@@ -59,14 +281,6 @@ def _move_balance(model):
             for param in (attention.window_balance, *scales):
                 if param is not None:
                     param.copy_(torch.randn(param.shape, generator=g))
-
-
-def _left_padded(n=11, pad=3, batch=2, seed=1):
-    ids = torch.randint(1, 99, (batch, n), generator=torch.Generator().manual_seed(seed))
-    ids[1, :pad] = 0
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
-    return ids, mask
 
 
 def _output(model, *args, **kwargs):
@@ -312,12 +526,6 @@ def test_a_plain_checkpoint_loads_into_a_hybrid_with_the_balance_at_its_init(tmp
         assert not theirs.attention.window_balance.any()
 
 
-def test_the_cache_refuses_more_states_than_it_holds():
-    cache = LinearAttentionCache(1)
-    with pytest.raises(ValueError, match="holds at most 10 states, got 11"):
-        cache.set_state(0, (torch.zeros(1, 2),) * 11)
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 def test_gradients_reach_the_balance_the_scales_and_the_feature_map(kernel, decoder):
@@ -379,46 +587,6 @@ def test_compiled_model_has_no_graph_breaks_and_equals_eager(kernel, decoder):
                 torch.testing.assert_close(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("value", [None, 1, 64])
-def test_config_accepts_none_and_positive_windows(value):
-    assert PerformerConfig(hybrid_window=value).hybrid_window == value
-
-
-@pytest.mark.parametrize(("value", "cause"), [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)])
-def test_config_refuses_other_windows(value, cause):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_window'") as raised:
-        PerformerConfig(hybrid_window=value)
-    assert isinstance(raised.value.__cause__, cause)
-
-
-@pytest.mark.parametrize("value", [0, 1, 64])
-def test_config_accepts_sinks_with_a_window(value):
-    assert PerformerConfig(hybrid_window=8, hybrid_sinks=value).hybrid_sinks == value
-
-
-@pytest.mark.parametrize(("value", "cause"), [(-1, ValueError), (1.5, TypeError), (True, TypeError), (None, TypeError)])
-def test_config_refuses_other_sinks(value, cause):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_sinks'") as raised:
-        PerformerConfig(hybrid_window=8, hybrid_sinks=value)
-    assert isinstance(raised.value.__cause__, cause)
-
-
-def test_sinks_without_a_window_are_refused():
-    with pytest.raises(ValueError, match="hybrid_sinks=2 needs a hybrid_window"):
-        PerformerConfig(hybrid_sinks=2)
-
-
-def test_a_query_scale_without_a_window_is_refused():
-    with pytest.raises(ValueError, match="hybrid_query_scale=True needs a hybrid_window"):
-        PerformerConfig(hybrid_query_scale=True)
-
-
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_config_refuses_a_query_scale_that_is_not_a_bool(value):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_query_scale'"):
-        PerformerConfig(hybrid_window=8, hybrid_query_scale=value)
-
-
 def test_the_query_scale_exists_only_when_asked_for_and_starts_at_zero():
     scaled, plain = _model(hybrid_query_scale=True), _model()
     for layer in scaled.layers:
@@ -446,17 +614,6 @@ def test_the_query_scale_moves_the_linear_part_against_the_window():
     torch.testing.assert_close(
         window_only, local_reference(q, k, v, 2 * WINDOW - 1, causal=False), rtol=1e-4, atol=1e-5
     )
-
-
-def test_a_key_scale_without_a_window_is_refused():
-    with pytest.raises(ValueError, match="hybrid_key_scale=True needs a hybrid_window"):
-        PerformerConfig(hybrid_key_scale=True)
-
-
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_config_refuses_a_key_scale_that_is_not_a_bool(value):
-    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_key_scale'"):
-        PerformerConfig(hybrid_window=8, hybrid_key_scale=value)
 
 
 def test_the_key_scale_exists_only_when_asked_for_and_starts_at_zero():

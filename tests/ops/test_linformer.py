@@ -1,3 +1,8 @@
+"""The Linformer ops (ops/linformer.py, and the hand-written backward of _linformer_autograd.py): linformer_attention
+and causal_linformer_attention against the plain formulas, padding, projections, backends and bad arguments. The
+causal chunked form has its own file (test_linformer_chunked.py), as do the paths a GPU runs
+(test_linformer_cuda_paths.py)."""
+
 import pytest
 import torch
 

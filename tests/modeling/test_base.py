@@ -1,7 +1,9 @@
-import copy
+"""The shared stack (modeling/base.py) on both families: every Auto class, padding, causality, checkpointing, inputs
+and outputs, and the heads (what they own, inherit and load); PEFT, device_map and torch.compile on top."""
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -11,7 +13,10 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    GenerationMixin,
 )
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 import linearformers as lf
 from tests.conftest import FAMILIES, tiny_config
@@ -57,44 +62,6 @@ def test_every_auto_class_round_trips_with_identical_outputs(family, auto, tmp_p
         assert torch.equal(saved[key], loaded[key]), key
     for a, b in zip(_tensors(before), _tensors(after), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # BLAS may reorder sums across calls
-
-
-def test_performer_features_are_saved_with_the_checkpoint(tmp_path):
-    model = lf.PerformerModel(tiny_config("performer")).eval()
-    model.redraw_features(5)  # differs from the draw a fresh model would make
-    features = model.layers[0].attention.random_features.clone()
-    model.save_pretrained(tmp_path)
-    again = lf.PerformerModel.from_pretrained(tmp_path)
-    torch.testing.assert_close(again.layers[0].attention.random_features, features, rtol=0, atol=0)
-    assert not torch.equal(lf.PerformerModel(tiny_config("performer")).layers[0].attention.random_features, features)
-
-
-def test_features_are_deterministic_from_the_seed_and_differ_per_layer():
-    a = lf.PerformerModel(tiny_config("performer", feature_seed=3))
-    b = lf.PerformerModel(tiny_config("performer", feature_seed=3))
-    c = lf.PerformerModel(tiny_config("performer", feature_seed=4))
-    fa = [layer.attention.random_features for layer in a.layers]
-    assert torch.equal(fa[0], b.layers[0].attention.random_features)
-    assert not torch.equal(fa[0], fa[1])
-    assert not torch.equal(fa[0], c.layers[0].attention.random_features)
-
-
-def test_redraws_follow_the_interval_in_training_only():
-    model = lf.PerformerModel(tiny_config("performer", feature_redraw_interval=2))
-    ids = torch.randint(1, 99, (1, 8))
-    first = model.layers[0].attention.random_features.clone()
-    model.eval()
-    for _ in range(3):
-        model(ids)
-    assert torch.equal(model.layers[0].attention.random_features, first)
-    model.train()
-    model(ids)
-    model(ids)
-    assert torch.equal(model.layers[0].attention.random_features, first)
-    model(ids)  # third training forward: draw 1
-    drawn = model.layers[0].attention.random_features
-    assert not torch.equal(drawn, first)
-    torch.testing.assert_close(drawn, model.layers[0].attention.draw_features(1), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,85 +167,6 @@ def test_too_long_inputs_raise_an_error_naming_the_limit(family):
     limit = "max_seq_length=32" if family == "linformer" else "max_position_embeddings=32"
     with pytest.raises(ValueError, match=limit):
         model(torch.randint(1, 99, (1, 40)))
-
-
-def test_linformer_longer_than_its_projections_raises_naming_max_seq_length():
-    cfg = tiny_config("linformer", position_embedding_type="rotary", max_seq_length=32, projected_length=8)
-    model = AutoModel.from_config(cfg)
-    with pytest.raises(ValueError, match="max_seq_length=32"):
-        model(torch.randint(1, 99, (1, 40)))
-
-
-@pytest.mark.parametrize("position_embedding_type", ["rotary", "sinusoidal"])
-def test_performer_without_learned_positions_runs_past_max_position_embeddings(position_embedding_type):
-    cfg = tiny_config("performer", max_position_embeddings=16, position_embedding_type=position_embedding_type)
-    model = AutoModel.from_config(cfg).eval()
-    out = model(torch.randint(1, 99, (1, 100))).last_hidden_state
-    assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
-
-
-@pytest.mark.parametrize("sharing", ["per_head", "headwise", "key_value", "layerwise"])
-@pytest.mark.parametrize("projection", ["learned", "pool", "conv"])
-def test_linformer_sharing_modes_and_projections_build_and_run(sharing, projection):
-    cfg = tiny_config("linformer", sharing=sharing, projection=projection, projected_length=16)
-    model = AutoModelForMaskedLM.from_config(cfg)
-    ids = torch.randint(1, 99, (2, 40))
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    names = [
-        n for n, _ in model.named_parameters() if "proj" in n and ("e_proj" in n or "f_proj" in n or "shared" in n)
-    ]
-    if projection == "learned" and sharing == "layerwise":
-        assert names == ["model.shared_projection"]
-    elif projection == "learned":
-        per_layer = 1 if sharing == "key_value" else 2
-        assert len(names) == 2 * per_layer
-    elif projection == "pool":
-        assert names == []
-    assert all(p.grad is not None for n, p in model.named_parameters() if n in names)
-
-
-def test_linformer_per_layer_k():
-    cfg = tiny_config("linformer", projected_length_per_layer=[8, 16])
-    model = AutoModel.from_config(cfg)
-    assert model.layers[0].attention.e_proj.shape == (8, 64)
-    assert model.layers[1].attention.e_proj.shape == (16, 64)
-
-
-def test_layerwise_sharing_uses_the_per_layer_k():
-    cfg = tiny_config("linformer", sharing="layerwise", projected_length=32, projected_length_per_layer=[8, 8])
-    model = AutoModel.from_config(cfg)
-    assert model.shared_projection.shape == (8, 64)
-    assert model(torch.randint(1, 99, (1, 10))).last_hidden_state.shape == (1, 10, 32)
-
-
-def test_the_layerwise_projection_is_one_parameter_that_every_layer_reads(tmp_path):
-    cfg = tiny_config("linformer", sharing="layerwise", projected_length=8)
-    model = lf.LinformerModel(cfg).eval()
-    assert [k for k in model.state_dict() if "_proj" in k and ("e_proj" in k or "f_proj" in k or "shared" in k)] == [
-        "shared_projection"
-    ]
-    ids = torch.randint(1, 99, (1, 10))
-    with torch.no_grad():
-        before = model(ids).last_hidden_state
-        model.shared_projection.mul_(2.0)  # read at the call by every layer: the outputs move
-        assert not torch.allclose(model(ids).last_hidden_state, before)
-    model.save_pretrained(tmp_path)
-    for again in (lf.LinformerModel.from_pretrained(tmp_path).eval(), copy.deepcopy(model)):
-        for layer in again.layers:  # a loaded or copied model's layers read its own parameter
-            assert layer.attention.projections()[0] is again.shared_projection
-        with torch.no_grad():
-            torch.testing.assert_close(again(ids).last_hidden_state, model(ids).last_hidden_state, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("auto", [AutoModel, AutoModelForCausalLM], ids=lambda a: a.__name__)
-def test_only_the_performer_keeps_a_redraw_counter(auto):
-    decoder = auto is AutoModelForCausalLM
-    prefix = "model." if decoder else ""
-    linformer = auto.from_config(tiny_config("linformer", is_decoder=decoder))
-    performer = auto.from_config(tiny_config("performer", is_decoder=decoder))
-    assert not [key for key in linformer.state_dict() if "feature_redraws" in key]
-    assert [key for key in performer.state_dict() if "feature_redraws" in key] == [prefix + "feature_redraws"]
 
 
 def test_the_shared_stack_has_no_family_branch():
@@ -442,3 +330,98 @@ def test_torch_compile_with_inductor_matches_eager():
     ids = torch.randint(1, 99, (2, 16))
     eager = model(ids).logits
     torch.testing.assert_close(torch.compile(model)(ids).logits, eager, rtol=1e-4, atol=1e-5)
+
+
+# the heads
+
+SPAN_HEADS = [AutoModelForTokenClassification, AutoModelForQuestionAnswering]
+
+
+def _loss(model, auto):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 99, (2, 12), generator=g)
+    if auto is AutoModelForTokenClassification:
+        return model(ids, labels=torch.randint(0, 3, (2, 12), generator=g)).loss
+    return model(ids, start_positions=torch.tensor([1, 4]), end_positions=torch.tensor([3, 9])).loss
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("auto", SPAN_HEADS, ids=lambda a: a.__name__)
+def test_token_and_span_heads_give_every_parameter_a_gradient(family, auto):
+    """No unused pooler: plain DDP (find_unused_parameters off) and transformers' gradient-checkpointing tests
+    need a gradient on every parameter."""
+    model = auto.from_config(tiny_config(family, num_labels=3)).train()
+    assert model.model.pooler is None
+    _loss(model, auto).backward()
+    without = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert without == []
+
+
+def _log_of(fn):
+    with CaptureLogger(logging.get_logger("transformers")) as captured:
+        result = fn()
+    return result, captured.out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("auto", SPAN_HEADS, ids=lambda a: a.__name__)
+def test_span_heads_load_a_base_checkpoint_with_a_pooler_silently_about_it(family, auto, tmp_path):
+    base = lf.LinformerModel if family == "linformer" else lf.PerformerModel
+    encoder = base(tiny_config(family, num_labels=3))
+    assert encoder.pooler is not None
+    encoder.save_pretrained(tmp_path)
+    model, log = _log_of(lambda: auto.from_pretrained(tmp_path))
+    assert model.model.pooler is None
+    assert "pooler" not in log, log
+    for name, tensor in encoder.state_dict().items():
+        if not name.startswith("pooler."):
+            assert torch.equal(model.model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("auto", SPAN_HEADS, ids=lambda a: a.__name__)
+def test_span_heads_load_their_own_older_checkpoints_that_carry_a_pooler(family, auto, tmp_path):
+    """Checkpoints of these heads saved before they dropped the pooler hold model.pooler.* weights."""
+    head = auto.from_config(tiny_config(family, num_labels=3))
+    head.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.pooler.dense.weight"] = torch.randn(32, 32)
+    weights["model.pooler.dense.bias"] = torch.randn(32)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, log = _log_of(lambda: auto.from_pretrained(tmp_path))
+    assert log.strip() == "", log
+    saved = head.state_dict()
+    assert model.state_dict().keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("cls", [lf.LinformerForCausalLM, lf.PerformerForCausalLM], ids=lambda c: c.__name__)
+def test_causal_lms_list_generation_mixin_among_their_own_bases(cls):
+    """transformers' test_inherits_generation_mixin looks at __bases__, not the MRO."""
+    assert GenerationMixin in cls.__bases__
+
+
+@pytest.mark.parametrize(
+    "saved,loader",
+    [
+        ("linformer", lf.PerformerForMaskedLM),
+        ("performer", lf.LinformerForMaskedLM),
+        ("linformer", lf.PerformerModel),
+        ("performer", lf.LinformerForTokenClassification),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.__name__,
+)
+def test_loading_a_checkpoint_of_the_other_family_raises_naming_both_model_types(saved, loader, tmp_path):
+    other = "performer" if saved == "linformer" else "linformer"
+    base = lf.LinformerModel if saved == "linformer" else lf.PerformerModel
+    base(tiny_config(saved)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"model_type '{saved}'.*model_type '{other}'"):
+        loader.from_pretrained(tmp_path)
+
+
+def test_building_a_model_from_the_other_familys_config_raises_naming_both():
+    with pytest.raises(ValueError, match="model_type 'linformer'.*PerformerForMaskedLM.*'performer'"):
+        lf.PerformerForMaskedLM(tiny_config("linformer"))
+    with pytest.raises(ValueError, match="model_type 'performer'.*LinformerModel.*'linformer'"):
+        lf.LinformerModel(tiny_config("performer"))
