@@ -77,6 +77,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -152,10 +153,37 @@ def _block(size: int) -> int:
 
 
 def kernels():
-    """The kernel module, imported on first use (Triton with it)."""
-    from . import _triton_causal_kernels
+    """The kernels, imported on first use (Triton with them). Named one by one: the Hub export follows
+    ``from .module import name`` to the files a model needs."""
+    from ._triton_causal_kernels import (
+        _backward_kv,
+        _backward_prep,
+        _backward_q,
+        _chunk_grads_kv,
+        _chunk_grads_q,
+        _chunk_out,
+        _dstates,
+        _forward,
+        _normalize,
+        _offsets,
+        _segment_sums,
+        _states,
+    )
 
-    return _triton_causal_kernels
+    return SimpleNamespace(
+        _backward_kv=_backward_kv,
+        _backward_prep=_backward_prep,
+        _backward_q=_backward_q,
+        _chunk_grads_kv=_chunk_grads_kv,
+        _chunk_grads_q=_chunk_grads_q,
+        _chunk_out=_chunk_out,
+        _dstates=_dstates,
+        _forward=_forward,
+        _normalize=_normalize,
+        _offsets=_offsets,
+        _segment_sums=_segment_sums,
+        _states=_states,
+    )
 
 
 class _Launch:
