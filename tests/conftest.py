@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without CUDA, Triton's interpreter runs the Triton kernels' tests (tests/ops/test_triton.py). It
+# Without CUDA, Triton's interpreter runs the Triton kernels' tests (tests/ops/test_triton*.py). It
 # must be set before triton is first imported (torch imports it with torch._dynamo), since triton's own library
 # functions are decorated then. Scripts started by run_script do not inherit it.
 _INTERPRET = "TRITON_INTERPRET"

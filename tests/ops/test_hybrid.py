@@ -1,3 +1,7 @@
+"""hybrid_attention and hybrid_step (ops/hybrid.py): the window + sinks + linear part in one normalizer, against
+reference.hybrid_reference, with padding, prefills and steps, query log scales, sinks and bad inputs. Every test runs
+the CPU core in one pass and in passes (core_passes); the tests of how the core splits its work see the real split."""
+
 import itertools
 import math
 
@@ -440,3 +444,30 @@ def test_bad_sinks_are_named():
         hybrid_step(
             q[:, :, one], k[:, :, one], v[:, :, one], phi_q[:, :, one], phi_k[:, :, one], gamma, 3, state, sinks=2
         )
+
+
+# -- how the CPU core splits its work
+
+# The real split, not core_passes' stand-ins: one run each, in one pass.
+REAL_SPLIT = pytest.mark.parametrize("core_passes", ["one-pass"], indirect=True)
+
+
+@REAL_SPLIT
+def test_the_cpu_core_runs_in_passes_whose_scores_stay_under_the_byte_cap():
+    cap, per_block = hybrid_module._PASS_BYTES, 1 * 12 * 64 * 192 * 4  # b, h, blk, frame, float32
+    step = hybrid_module._blocks_per_pass(1, 12, 64, 192, 256, 4, torch.device("cpu"))
+    assert 1 <= step < 256 and step * per_block <= cap < (step + 1) * per_block
+    assert hybrid_module._blocks_per_pass(64, 12, 64, 192, 256, 4, torch.device("cpu")) == 1  # at least one block
+    assert hybrid_module._blocks_per_pass(1, 1, 4, 12, 3, 4, torch.device("cpu")) == 3  # never more than there are
+    assert hybrid_module._blocks_per_pass(1, 12, 64, 192, 256, 4, torch.device("cuda")) == 256  # one pass off the CPU
+    assert hybrid_module._blocks_per_pass(0, 12, 64, 192, 256, 4, torch.device("cpu")) == 256  # empty batch
+
+
+@REAL_SPLIT
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(0, 2), (1, 0)], ids=["empty-batch", "no-heads"])
+def test_empty_inputs_give_empty_outputs(shape, causal):
+    b, h = shape
+    q, phi = torch.randn(b, h, 8, 4), torch.rand(b, h, 8, 3)
+    out = hybrid_attention(q, q, q, phi, phi, torch.ones(h), 4, causal=causal)
+    assert out.shape == (b, h, 8, 4)

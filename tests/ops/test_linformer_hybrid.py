@@ -1,5 +1,7 @@
 """linformer_hybrid_attention (ops/linformer_hybrid.py): an exact sliding window (and sinks) beside Linformer's slots,
-in one softmax, against the dense reference, in passes of query blocks, with dropout and bad arguments."""
+in one softmax, against the dense reference, in passes of query blocks, with dropout and bad arguments; and the form a
+GPU runs (batched projections, the GPU's pass budget, bf16 operands), exercised on the CPU by naming it. Its CUDA
+tests at real sizes are test_linformer.py's, beside the other Linformer paths."""
 
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch
 from linearformers.ops import linformer_attention, linformer_hybrid_attention
 from linearformers.ops import linformer_hybrid as linformer_hybrid_module
 from linearformers.ops.reference import linformer_hybrid_reference, softmax_reference
+from tests.ops.helpers import assert_near
 
 WINDOW = 3
 
@@ -179,3 +182,104 @@ def test_the_op_refuses_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         linformer_hybrid_attention(q, k, v, **args)
+
+
+# -- the GPU form (batched projections, the GPU's pass budget), named on the CPU
+
+
+def _qkv_leaves(b=2, h=3, n=32, d=16, seed=0):
+    """q, k, v as float32 autograd leaves."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).requires_grad_() for _ in range(3))
+
+
+def _padding(b, n):
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :7] = False  # left padding
+    mask[1, n - 5 :] = False  # right padding
+    return mask
+
+
+def _grads_in_dtype(out, inputs, seed=3):
+    """Gradients of a weighted sum of out, the weights in out's dtype and on its device."""
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    return torch.autograd.grad((out * weights).sum(), inputs)
+
+
+PROJECTIONS = [
+    ("learned", (8, 64), None),  # shared E, F
+    ("learned", (3, 8, 64), None),  # per head
+    ("pool", None, 4),
+    ("conv", (16, 16, 4), 4),
+]
+
+
+def _gpu_form(monkeypatch):
+    """The hybrid's GPU form on the CPU: batched projections and the GPU's pass budget."""
+    monkeypatch.setattr(linformer_hybrid_module, "_gpu_form", lambda device: True)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("method,shape,window", PROJECTIONS)
+def test_hybrid_gpu_form_equals_the_reference_gradients_included(monkeypatch, sinks, method, shape, window):
+    _gpu_form(monkeypatch)
+    q, k, v = (x.double().detach().requires_grad_() for x in _qkv_leaves(n=32))
+    g = torch.Generator().manual_seed(1)
+    e, f = (None if shape is None else torch.randn(shape, generator=g).double().requires_grad_() for _ in range(2))
+    gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    mask = _padding(2, 32)
+    kwargs = dict(method=method, window=window, key_padding_mask=mask, sinks=sinks)
+    got = linformer_hybrid_attention(q, k, v, e, f, gamma, 4, **kwargs)
+    want = linformer_hybrid_reference(q, k, v, e, f, gamma, 4, **kwargs)
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-12)
+    inputs = tuple(x for x in (q, k, v, e, f, gamma) if x is not None)
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(9), dtype=got.dtype) * real
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    want_grads = torch.autograd.grad((want * weights).sum(), inputs)
+    for a, c in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-11)
+
+
+def test_hybrid_gpu_form_dropout_is_drawn_from_the_seed(monkeypatch):
+    _gpu_form(monkeypatch)
+    q, k, v = _qkv_leaves(n=32)
+    e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    gamma = torch.ones(3)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        out = linformer_hybrid_attention(q, k, v, e, None, gamma, 4, sinks=1, dropout_p=0.5)
+        runs.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v))))
+    for a, c in zip(runs[0], runs[1]):
+        assert torch.equal(a, c)
+    assert not torch.allclose(runs[0][0], runs[2][0])
+    assert not torch.allclose(runs[0][0], linformer_hybrid_attention(q, k, v, e, None, gamma, 4, sinks=1))
+
+
+def test_hybrid_gpu_budget_runs_the_benchmark_shape_at_16k_in_one_pass():
+    blocks, per_block = 16384 // 64, 1 * 12 * 64 * (3 * 64 + 256 + 1) * 4  # b, h, w, frame + k + S, float32
+    assert linformer_hybrid_module._blocks_per_pass(blocks, per_block, gpu=True) == blocks
+    assert linformer_hybrid_module._blocks_per_pass(blocks, per_block, gpu=False) < 16  # the CPU's passes stay in cache
+    assert not linformer_hybrid_module._gpu_form(torch.device("cpu"))
+    assert linformer_hybrid_module._gpu_form(torch.device("meta"))
+
+
+def test_hybrid_bf16_operands_follow_the_float32_op(monkeypatch):
+    # on CUDA, bf16 inputs take bf16 operands for the hybrid's products; here the same casts on the CPU
+    _gpu_form(monkeypatch)
+    q, k, v = (x.bfloat16().detach().requires_grad_() for x in _qkv_leaves(n=32))
+    e = (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.3).requires_grad_()
+    gamma = torch.tensor([0.5, 1.0, 3.0], requires_grad=True)
+    kwargs = dict(key_padding_mask=_padding(2, 32), sinks=1)
+    q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
+    want = linformer_hybrid_attention(q32, k32, v32, e, None, gamma, 4, **kwargs)
+    monkeypatch.setattr(linformer_hybrid_module, "half_operands", lambda v: torch.bfloat16)
+    got = linformer_hybrid_attention(q, k, v, e, None, gamma, 4, **kwargs)
+    assert got.dtype == torch.bfloat16
+    real = kwargs["key_padding_mask"][:, None, :, None].float()
+    got_all = (got * real, *_grads_in_dtype(got * real, (q, k, v, e, gamma)))
+    want_all = (want * real, *_grads_in_dtype(want * real, (q32, k32, v32, e, gamma)))
+    for name, a, c in zip(("out", "dq", "dk", "dv", "de", "dgamma"), got_all, want_all):
+        assert_near(name, a, c, 2e-2)
+    assert not torch.equal(got.float(), want.to(torch.bfloat16).float())  # the casts took effect
