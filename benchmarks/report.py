@@ -683,10 +683,11 @@ SECTIONS = [
         "all-MiniLM-L6-v2 converted to read 8192 tokens (`convert_bert(..., max_length=8192)`, the hybrid of the best "
         "setting; its transfer in `results/long_documents_conversion.txt`) against the original, on the Python "
         "standard library's longest modules cut to each length: the original over [CLS] + 510 tokens + [SEP] chunks, "
-        "averaged; the original truncated to 512 tokens; the converted model over the whole text (mean pooling). "
+        "averaged, each weighted by its tokens; the original truncated to 512 tokens; the converted model over the whole text (mean pooling). "
         "Passage: a passage from beyond each document's first 512 tokens, removed from it, retrieves its document "
         "(at 512 tokens no method sees it); halves: a document's first half retrieves its second half. Time (median "
-        "of the repeats after a warm-up) and peak RSS in a fresh process per method, 2 threads.",
+        "of the repeats after a warm-up) in a fresh process per method, 2 threads; its peak RSS is the whole "
+        "process's, with both models loaded, so it does not tell the methods apart.",
         section_long_documents,
     ),
     (
