@@ -2,7 +2,7 @@
 
 Three ways to embed a document (mean pooling over real tokens, as sentence-transformers pools all-MiniLM-L6-v2):
   * original-chunked: the original over [CLS] + 510 tokens + [SEP] chunks of the document, the chunk embeddings
-    averaged (the only way to embed a whole long document with it);
+    averaged, each weighted by its tokens (the only way to embed a whole long document with it);
   * original-truncated: the original over the document's first 510 tokens;
   * converted: the converted model (``convert_bert(..., max_length=N)``, a folder written by the conversion CLI) over
     the whole document.
@@ -131,7 +131,12 @@ class Embedder:
             return mean_pool(self.original, [self.wrap(tokens[: self.body]) for tokens in texts], self.batch_size)
         rows = [[self.wrap(text[i : i + self.body]) for i in range(0, len(text), self.body)] for text in texts]
         pooled = mean_pool(self.original, [row for chunks in rows for row in chunks], self.batch_size)
-        return torch.stack([part.mean(0) for part in pooled.split([len(chunks) for chunks in rows])])
+        # each chunk weighted by its tokens: the mean of every token state of the chunks, which the conversion's
+        # chunk-wise teacher trains the student toward; an unweighted mean would give a document's few-token tail
+        # chunk the weight of a full one
+        sizes = torch.tensor([len(row) for chunks in rows for row in chunks], dtype=pooled.dtype)[:, None]
+        parts = zip((pooled * sizes).split([len(chunks) for chunks in rows]), sizes.split([len(c) for c in rows]))
+        return torch.stack([weighted.sum(0) / size.sum() for weighted, size in parts])
 
 
 def scores(queries: torch.Tensor, documents: torch.Tensor) -> dict:

@@ -501,6 +501,36 @@ def section_triton_sweep(path: Path) -> list[str]:
     ]
 
 
+# -------------------------------------------------------------------------------------------------- long documents
+def section_long_documents(path: Path) -> list[str]:
+    data = _read(path)
+    settings = data["settings"]
+    body = [
+        [
+            str(row["length"]),
+            row["method"],
+            f"{row['passage']['top1']:.3f} / {row['passage']['mrr']:.3f}",
+            f"{row['halves']['top1']:.3f} / {row['halves']['mrr']:.3f}",
+        ]
+        for row in data["rows"]
+    ]
+    header = ["length", "method", "passage top-1 / MRR", "halves top-1 / MRR"]
+    timing = [[row["method"], f"{row['seconds']:.3f}", f"{row['peak_mb']:.0f}"] for row in data["timing"]]
+    longest = max(settings["lengths"])
+    return [
+        f"{settings['documents_used']} documents, passages of {settings['passage']} tokens.",
+        "",
+        *_table(header, body),
+        "",
+        f"Short-text fidelity: mean cosine of the converted model's embeddings to the original's at 256 tokens, "
+        f"{data['fidelity_cosine_256']:.4f}.",
+        "",
+        *_table([f"embed one {longest}-token document", "seconds", "peak MB"], timing),
+        "",
+        "Run: " + stamp_line(data.get("header")),
+    ]
+
+
 # -------------------------------------------------------------------------------------------------------- the page
 SECTIONS = [
     (
@@ -650,6 +680,19 @@ SECTIONS = [
         "the far mass spread as the original spreads it; and with the G far keys that take most of the original's "
         "attention made exact (an oracle's choice). Then other linear parts trained on one layer alone.",
         section_hybrid_anatomy,
+    ),
+    (
+        "long_documents.json",
+        "Conversion: long documents",
+        "all-MiniLM-L6-v2 converted to read 8192 tokens (`convert_bert(..., max_length=8192)`, the hybrid of the best "
+        "setting; its transfer in `results/long_documents_conversion.txt`) against the original, on the Python "
+        "standard library's longest modules cut to each length: the original over [CLS] + 510 tokens + [SEP] chunks, "
+        "averaged, each weighted by its tokens; the original truncated to 512 tokens; the converted model over the whole text (mean pooling). "
+        "Passage: a passage from beyond each document's first 512 tokens, removed from it, retrieves its document "
+        "(at 512 tokens no method sees it); halves: a document's first half retrieves its second half. Time (median "
+        "of the repeats after a warm-up) in a fresh process per method, 2 threads; its peak RSS is the whole "
+        "process's, with both models loaded, so it does not tell the methods apart.",
+        section_long_documents,
     ),
     (
         "conversion_gpt2.json",

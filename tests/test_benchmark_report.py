@@ -103,3 +103,20 @@ def test_stamp_records_command_commit_device_and_load_before_and_after():
 def test_stamp_command_is_the_script_and_its_arguments(monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "training.py"), "--lengths", "512", "a b"])
     assert stamp.command() == "python benchmarks/training.py --lengths 512 'a b'"
+
+
+def test_long_documents_table_has_each_length_and_method_the_fidelity_and_the_timing(tmp_path):
+    row = {"length": 8192, "method": "converted", "passage": {"top1": 0.5, "mrr": 0.625}, "seconds": 9.0}
+    data = {
+        "header": STAMP,
+        "settings": {"lengths": [512, 8192], "passage": 64, "documents_used": 40},
+        "rows": [{**row, "halves": {"top1": 0.75, "mrr": 0.8}}],
+        "fidelity_cosine_256": 0.99213,
+        "timing": [{"method": "converted", "length": 8192, "seconds": 1.5, "peak_mb": 812.4}],
+    }
+    (tmp_path / "long_documents.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| 8192 | converted | 0.500 / 0.625 | 0.750 / 0.800 |" in page
+    assert "at 256 tokens, 0.9921." in page
+    assert "| converted | 1.500 | 812 |" in page
+    assert "Run: `python benchmarks/training.py --lengths 512` · commit abc1234" in page

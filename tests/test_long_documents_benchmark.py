@@ -4,8 +4,12 @@ code path and writes the JSON and plot it promises. No quality or timing thresho
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.conftest import run_script
+import torch
+from transformers import BertConfig, BertModel
+
+from tests.conftest import load_script, run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_documents.py"
 
@@ -29,3 +33,20 @@ def test_long_documents_smoke_scores_every_method_at_every_length_and_times_both
     assert "| 256 | converted |" in done.stdout
     # the plot needs the [bench] extra's matplotlib; without it the script writes the JSON alone
     assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_original_chunked_weights_each_chunk_by_its_tokens():
+    """A document of one full chunk and a 2-token tail embeds as the mean of every token state of both chunks, not
+    as the mean of the two chunk embeddings (which would give the tail half the weight)."""
+    torch.manual_seed(0)
+    bert = BertModel(
+        BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                   max_position_embeddings=12)
+    ).eval()  # fmt: skip
+    script = load_script(SCRIPT)
+    embed = script.Embedder(SimpleNamespace(cls_token_id=1, sep_token_id=2), bert, None, batch_size=4)
+    text = list(range(5, 17))  # 10 tokens fill the first chunk ([CLS] + 10 + [SEP]), 2 make the tail
+    chunks = [embed.wrap(text[:10]), embed.wrap(text[10:])]
+    with torch.no_grad():
+        states = torch.cat([bert(input_ids=torch.tensor([chunk])).last_hidden_state[0] for chunk in chunks])
+    torch.testing.assert_close(embed("original-chunked", [text])[0], states.mean(0), atol=1e-5, rtol=1e-5)
