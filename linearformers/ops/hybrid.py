@@ -324,7 +324,16 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
 
 
 def hybrid_backend(
-    backend: str | None, q, k, v, phi_q, phi_k, window: int, sinks: int, causal: bool, stateful: bool
+    backend: str | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    window: int,
+    sinks: int,
+    causal: bool,
+    stateful: bool,
 ) -> str:
     """The backend a :func:`hybrid_attention` call takes: "chunked" or "triton" (its ``backend`` argument)."""
     if backend is not None and backend not in HYBRID_BACKENDS:
