@@ -22,7 +22,7 @@ def test_gpu_benchmark_cpu_quick(tmp_path):
     rows = result["attention"]["rows"]
     names = ("sdpa", "sdpa_causal", "favor/auto", "favor_causal/auto", "favor_causal/chunked", "linformer/auto")
     # linear_causal: linear_attention on precomputed FAVOR+ features, the same inputs as the fla row
-    learned = ("hedgehog", "hedgehog_causal/auto", "hybrid", "hybrid_causal", "linformer_hybrid")
+    learned = ("hedgehog/auto", "hedgehog_causal/auto", "hybrid", "hybrid_causal/auto", "linformer_hybrid")
     for name in (
         *names,
         *learned,
