@@ -9,6 +9,8 @@ n = 1000 against a float64 quadratic reference (the n = 4099 one would not fit i
 """
 
 import contextlib
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -381,7 +383,9 @@ def _ddp_worker(rank, world, port, folder, kernel):
     import linearformers.ops.linear as linear
     from tests.conftest import tiny_config
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         calls = []
         for module in (favor, linear):
@@ -392,6 +396,7 @@ def _ddp_worker(rank, world, port, folder, kernel):
         ddp(ids, labels=ids).loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
         torch.save({"grads": grads, "triton": "triton" in calls}, f"{folder}/rank{rank}.pt")
+        dist.barrier()  # both ranks done before either tears gloo down: one rank once hung in its teardown
     finally:
         dist.destroy_process_group()
 
@@ -425,7 +430,13 @@ def test_ddp_through_the_kernels_gives_the_gradient_of_the_whole_batch(kernel, t
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), kernel), nprocs=2, join=True)
+    ranks = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), kernel), nprocs=2, join=False)
+    deadline = time.monotonic() + 600  # a hung rank fails the test instead of holding the suite
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two DDP ranks did not finish within 600 s")
     model = _ddp_model(tiny_config, AutoModelForCausalLM, kernel)
     ids = _ddp_batch()
     loss = (model(ids[:2], labels=ids[:2]).loss + model(ids[2:], labels=ids[2:]).loss) / 2
