@@ -9,6 +9,8 @@
 #   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=170 CUDA_WORKERS=6 PRECOMPILE_S=170 SWEEP_S=60 SWEEP_SET=--forms \
 #   ATTENTION_S=200 TRAINING_S=60 KERNELS="..." ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
 #   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh diag bench
+# The whole CUDA set (pytest -m cuda -n 8) needs more than 175 s on a cold Triton cache: give it 240 s or more.
+# The causal kernels' chunk form (opt-in) is diagnosed by: python benchmarks/forms_check.py --states --linear --hybrid
 # An earlier single call (5 minutes on an H200 with a cold Triton cache):
 #   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=140 CUDA_TEST_ARGS="-n 8" ATTENTION_S=150 TRAINING_S=60 \
 #   KERNELS="sdpa_causal favor_causal/triton linear_causal/triton hedgehog_causal/triton hybrid_causal sdpa favor/triton" \
