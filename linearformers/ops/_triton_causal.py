@@ -458,7 +458,6 @@ def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, 
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
     sums = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
-    s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
     later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
     grid = (b * h * count, *launch.grid[1:])
     w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)

@@ -19,7 +19,7 @@ Backward: gn = dL/dout / total, gd = -gn·out. The linear part's walks take beta
 window's kernel recomputes its logits, its weights a = gamma e^{x - c'} and dx = a (gn·v + gd); without ℓ, c_t is
 the largest logit, whose key takes -Σ_s dx_ts (max's gradient); with ℓ, c' cancels in the division. It also sums
 Σ_s dx / gamma per query: dL/dgamma is its sum and dL/dℓ_t its negative times gamma (the joint normalizer makes
-beta's share the negative of the window's). Kept for backward: the inputs, the output, the joint denominator and
+beta's share the negative of the window's). Kept for backward: the inputs, the output, the joint denominator, c_t and
 the linear walks' segment sums.
 
 Precision as in :mod:`_triton_causal`: float32 logits, exponents, sums and normalizers, bf16 product operands for
@@ -64,12 +64,15 @@ def _kernels():
     return _window_forward, _combine, _prep, _window_backward
 
 
-def _delayed(x: torch.Tensor, window: int) -> torch.Tensor:
-    """x (b, h, n, ·) moved w positions later along n: zeros first, the last w rows dropped."""
-    return torch.nn.functional.pad(x, (0, 0, window, 0))[:, :, : x.shape[2]].contiguous()
+def _delayed(pk: torch.Tensor, v: torch.Tensor, linear: torch.Tensor, window: int):
+    """The linear part's keys: phi_k, v (b, h, n, ·) and the keys' weights (b, n) moved w positions later along n,
+    zeros first, the last w rows dropped."""
+    n = v.shape[2]
+    late = (torch.nn.functional.pad(x, (0, 0, window, 0))[:, :, :n].contiguous() for x in (pk, v))
+    return *late, torch.nn.functional.pad(linear, (window, 0))[:, :n].contiguous()
 
 
-def _window_settings(q, v, window, sinks):
+def _window_settings(q, v, window):
     xd, d = q.shape[-1], v.shape[-1]
     ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
     chunk = _chunk(window)
@@ -82,11 +85,12 @@ def _window_settings(q, v, window, sinks):
 
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor pq, Tensor pk, Tensor gamma, Tensor? ell, Tensor valid, Tensor linear, "
-    "Tensor sink_pos, int window, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor sink_pos, int window, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor pq, Tensor pk, Tensor gamma, Tensor? ell, Tensor valid, "
-    "Tensor linear, Tensor sink_pos, Tensor out, Tensor total, Tensor sums, Tensor z_sums, int window, float scale) "
+    "Tensor linear, Tensor sink_pos, Tensor out, Tensor total, Tensor top, Tensor sums, Tensor z_sums, int window, "
+    "float scale) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -97,18 +101,17 @@ def _window_max_and_sums(q, k, v, valid, sink_pos, window, scale):
     a = torch.empty(b * h, n, d, dtype=torch.float32, device=v.device)
     dw = torch.empty(b * h * n, dtype=torch.float32, device=v.device)
     top = torch.empty(b * h * n, dtype=torch.float32, device=v.device)
-    cst = _window_settings(q, v, window, None)
+    cst = _window_settings(q, v, window)
     _kernels()[0][(b * h, -(-n // cst["C"]))](q, k, v, valid, sink_pos, a, dw, top, n, h, window, scale, **cst)
     return a, dw, top
 
 
 def _forward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, window, scale):
-    """(out in v's dtype, out in float32 (for backward), the joint denominator (b·h·n) float32, the linear walks'
-    segment sums)."""
+    """(out in v's dtype, out in float32 (for backward), the joint denominator and each query's largest window
+    logit c_t (b·h·n) float32, the linear walks' segment sums)."""
     q, k, v, pq = (t.contiguous() for t in (q, k, v, pq))
     b, h, n, d = v.shape
-    pk_late, v_late = _delayed(pk, window), _delayed(v, window)
-    keep_late = torch.nn.functional.pad(linear, (window, 0))[:, :n].contiguous()
+    pk_late, v_late, keep_late = _delayed(pk, v, linear, window)
     num, den, _, _, _, sums, z_sums = linear_sums(pq, pk_late, v_late, None, keep_late, None, None, "features", 1.0,
                                                   0.0, 64)  # fmt: skip
     del pk_late, v_late
@@ -122,16 +125,14 @@ def _forward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, window, scale
         1 << (d - 1).bit_length(), _ROWS, ell is not None, out32 is not out, num_warps=8,
     )  # fmt: skip
     # float32 inputs: out itself is kept (an op's outputs may not alias one another: the second is empty then)
-    return out, (out32 if out32 is not out else out.new_empty(0)), total, sums, z_sums
+    return out, (out32 if out32 is not out else out.new_empty(0)), total, top, sums, z_sums
 
 
-def _backward(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, sums, z_sums, window, scale):
+def _backward(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, top, sums, z_sums, window, scale):
     """dL/dq, dL/dk, dL/dv, dL/dphi_q, dL/dphi_k in their dtypes, dL/dgamma (h,), dL/dℓ (b, h, n) (empty without)."""
     q, k, v, pq, g = (t.contiguous() for t in (q, k, v, pq, g))
     b, h, n, d = v.shape
     _, _, prep, window_backward = _kernels()
-    _a, _dw, top = _window_max_and_sums(q, k, v, valid, sink_pos, window, scale)
-    del _a, _dw
     ell_arg = None if ell is None else ell.contiguous()
     gn = torch.empty(b * h, n, d, dtype=output_grad_dtype(v), device=v.device)
     gd = torch.empty(b * h, n, dtype=torch.float32, device=v.device)
@@ -139,8 +140,7 @@ def _backward(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, tota
         g, out, total, top, gamma.contiguous(), _or(ell_arg, top), gn, gd, n, h, d, 1 << (d - 1).bit_length(), _ROWS,
         ell is not None, num_warps=8,
     )  # fmt: skip
-    pk_late, v_late = _delayed(pk, window), _delayed(v, window)
-    keep_late = torch.nn.functional.pad(linear, (window, 0))[:, :n].contiguous()
+    pk_late, v_late, keep_late = _delayed(pk, v, linear, window)
     dpq, dpk_late, dv_late, _, _ = linear_grads(gn, gd, pq, pk_late, v_late, None, keep_late, top.view(b * h, n), None,
                                                 None, sums, z_sums, "features", 1.0, 0.0, 64)  # fmt: skip
     del gn, gd, pk_late, v_late
@@ -150,7 +150,7 @@ def _backward(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, tota
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     wg = torch.empty(b * h * n, dtype=torch.float32, device=v.device)
-    cst = _window_settings(q, v, window, None)
+    cst = _window_settings(q, v, window)
     window_backward[(b * h, -(-n // cst["C"]))](
         q, k, v, valid, sink_pos, g, out, total, gamma.contiguous(), _or(ell_arg, top), dq, dk, dv, wg, n, h, window,
         scale, HAS_ELL=ell is not None, **cst,
@@ -170,31 +170,32 @@ def _forward_fake(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, window, 
     sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
     out32 = (0,) if v.dtype == torch.float32 else v.shape
     return (v.new_empty(v.shape), v.new_empty(out32, dtype=torch.float32),
-            v.new_empty(b * h * n, dtype=torch.float32), *(v.new_empty(s, dtype=torch.float32) for s in sums))  # fmt: skip
+            *(v.new_empty(b * h * n, dtype=torch.float32) for _ in range(2)),
+            *(v.new_empty(s, dtype=torch.float32) for s in sums))  # fmt: skip
 
 
-def _backward_fake(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, sums, z_sums, window, scale):
+def _backward_fake(g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, top, sums, z_sums, window,
+                   scale):  # fmt: skip
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, pq, pk, gamma))
     return *grads, (torch.empty_like(ell) if ell is not None else v.new_empty(0, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, window, scale = inputs
-    out, out32, total, sums, z_sums = output
+    out, out32, total, top, sums, z_sums = output
     out = out32 if out32.numel() else out  # out in float32
     ctx.settings = (window, scale)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, sums, z_sums)
+    ctx.save_for_backward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, top, sums, z_sums)
 
 
 @outside_autocast
 def _autograd_backward(ctx, g, *_not_differentiated):
     if g is None:
         return (None,) * 12
-    q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, sums, z_sums = ctx.saved_tensors
-    dq, dk, dv, dpq, dpk, dgamma, dell = _backward_op(
-        g, q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, sums, z_sums, *ctx.settings
-    )
+    saved = ctx.saved_tensors  # q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, out, total, top, sums, z_sums
+    dq, dk, dv, dpq, dpk, dgamma, dell = _backward_op(g, *saved, *ctx.settings)
+    ell = saved[6]
     return dq, dk, dv, dpq, dpk, dgamma, dell if ell is not None else None, None, None, None, None, None
 
 
@@ -217,7 +218,7 @@ def triton_causal_hybrid(q, k, v, phi_q, phi_k, gamma, window, *, valid, linear,
     b = v.shape[0]
     pos = torch.full((b, 16), -1, dtype=torch.int32, device=v.device)
     pos[:, : sink_pos.shape[1]] = sink_pos.to(torch.int32)
-    out, _, _, _, _ = _forward_op(
+    out, *_ = _forward_op(
         q, k, v, phi_q, phi_k, gamma, query_log_scale, valid.float().contiguous(), linear.float().contiguous(), pos,
         int(window), float(scale),
     )  # fmt: skip

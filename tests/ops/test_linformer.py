@@ -18,7 +18,7 @@ from linearformers.ops import linformer as linformer_module
 from linearformers.ops._favor_chunked import half_operands
 from linearformers.ops.linformer import BACKENDS, CAUSAL_BACKENDS, _choose_backend
 from linearformers.ops.reference import causal_linformer_reference, linformer_reference
-from tests.ops.helpers import CountOps, assert_near
+from tests.ops.helpers import LINFORMER_PROJECTIONS, CountOps, assert_near, grads_in_dtype, padding_left_right
 
 
 def _qkv(b=2, h=3, n=32, d=16, seed=0):
@@ -602,39 +602,18 @@ def _qkv_leaves(b=2, h=3, n=30, d=16, seed=0, dtype=torch.float32, device="cpu")
     return tuple(torch.randn(b, h, n, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
 
 
-def _padding(b, n):
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, :7] = False  # left padding
-    mask[1, n - 5 :] = False  # right padding
-    return mask
-
-
-def _grads_in_dtype(out, inputs, seed=3):
-    """Gradients of a weighted sum of out, the weights in out's dtype and on its device."""
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    return torch.autograd.grad((out * weights).sum(), inputs)
-
-
-PROJECTIONS = [
-    ("learned", (8, 64), None),  # shared E, F
-    ("learned", (3, 8, 64), None),  # per head
-    ("pool", None, 4),
-    ("conv", (16, 16, 4), 4),
-]
-
-
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("method,shape,window", PROJECTIONS)
+@pytest.mark.parametrize("method,shape,window", LINFORMER_PROJECTIONS)
 def test_sdpa_backend_equals_the_reference_gradients_included(masked, method, shape, window):
     q, k, v = _qkv_leaves()
     g = torch.Generator().manual_seed(1)
     e, f = (None if shape is None else (torch.randn(shape, generator=g) * 0.3).requires_grad_() for _ in range(2))
-    kwargs = dict(method=method, window=window, key_padding_mask=_padding(2, 30) if masked else None)
+    kwargs = dict(method=method, window=window, key_padding_mask=padding_left_right(2, 30) if masked else None)
     out = linformer_attention(q, k, v, e, f, backend="sdpa", **kwargs)
     ref = linformer_reference(q, k, v, e, f, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     inputs = tuple(x for x in (q, k, v, e, f) if x is not None)
-    for name, a, c in zip("qkvef", _grads_in_dtype(out, inputs), _grads_in_dtype(ref, inputs)):
+    for name, a, c in zip("qkvef", grads_in_dtype(out, inputs), grads_in_dtype(ref, inputs)):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
@@ -654,7 +633,7 @@ def test_sdpa_backend_dropout_gradients_follow_the_forward_mask():
     out = linformer_attention(q, k, v, eye, dropout_p=0.3, backend="sdpa")
     ref = linformer_reference(q, k, v, eye, dropout_multiplier=keep)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for name, a, c in zip("qkv", _grads_in_dtype(out, (q, k, v)), _grads_in_dtype(ref, (q, k, v))):
+    for name, a, c in zip("qkv", grads_in_dtype(out, (q, k, v)), grads_in_dtype(ref, (q, k, v))):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")
     torch.manual_seed(6)
     assert not torch.allclose(linformer_attention(q, k, v, eye, dropout_p=0.3, backend="sdpa"), out)
@@ -668,7 +647,7 @@ def test_sdpa_backend_gives_zeros_for_a_row_of_padding_only():
     out = linformer_attention(q, k, v, e, key_padding_mask=mask, backend="sdpa")
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out[0], linformer_attention(q, k, v, e, key_padding_mask=mask, backend="reference")[0])
-    assert all(bool(x.isfinite().all()) for x in _grads_in_dtype(out, (q, k, v, e)))
+    assert all(bool(x.isfinite().all()) for x in grads_in_dtype(out, (q, k, v, e)))
 
 
 def test_sdpa_backend_masks_slots_no_real_token_wrote():
@@ -704,7 +683,7 @@ def test_sdpa_backend_keeps_bf16_and_follows_float32():
 def test_sdpa_backend_compiles_whole_and_equals_the_reference():
     q, k, v = _qkv_leaves(b=1, h=2, n=32)
     e = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    mask = _padding(2, 32)[1:]  # right padding
+    mask = padding_left_right(2, 32)[1:]  # right padding
 
     def attend(q, k, v, e):
         return linformer_attention(q, k, v, e, key_padding_mask=mask, backend="sdpa")
@@ -712,7 +691,7 @@ def test_sdpa_backend_compiles_whole_and_equals_the_reference():
     out = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, e)  # a graph break raises
     ref = linformer_attention(q, k, v, e, key_padding_mask=mask, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    for a, c in zip(_grads_in_dtype(out, (q, k, v, e)), _grads_in_dtype(ref, (q, k, v, e))):
+    for a, c in zip(grads_in_dtype(out, (q, k, v, e)), grads_in_dtype(ref, (q, k, v, e))):
         torch.testing.assert_close(a, c, rtol=1e-3, atol=1e-3)
 
 
@@ -729,12 +708,12 @@ def test_causal_bf16_operands_follow_the_float32_reference(monkeypatch):
     monkeypatch.setattr(linformer_module, "half_operands", lambda v: torch.bfloat16)
     q, k, v = (x.bfloat16().detach().requires_grad_() for x in _qkv_leaves(n=40))
     e = (torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(1)) * 0.3).requires_grad_()
-    mask = _padding(2, 40)
+    mask = padding_left_right(2, 40)
     out = causal_linformer_attention(q, k, v, e, key_padding_mask=mask, chunk_size=16)
     assert out.dtype == torch.bfloat16
     q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
     ref = causal_linformer_reference(q32, k32, v32, e, e, key_padding_mask=mask)
-    got, want = (out, *_grads_in_dtype(out, (q, k, v, e))), (ref, *_grads_in_dtype(ref, (q32, k32, v32, e)))
+    got, want = (out, *grads_in_dtype(out, (q, k, v, e))), (ref, *grads_in_dtype(ref, (q32, k32, v32, e)))
     for name, a, c in zip(("out", "dq", "dk", "dv", "de"), got, want):
         assert_near(name, a, c, 2e-2)  # bf16 operands: ~2^-8 of each product's scale
 
@@ -754,7 +733,7 @@ def test_causal_rows_before_any_slot_is_written_read_nothing_and_keep_gradients_
     assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
     ref = causal_linformer_reference(q, k, v, e, f)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    for a, c in zip(_grads_in_dtype(out, (q, k, v, e, f)), _grads_in_dtype(ref, (q, k, v, e, f))):
+    for a, c in zip(grads_in_dtype(out, (q, k, v, e, f)), grads_in_dtype(ref, (q, k, v, e, f))):
         assert bool(a.isfinite().all())
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 

@@ -9,7 +9,7 @@ import torch
 from linearformers.ops import linformer_attention, linformer_hybrid_attention
 from linearformers.ops import linformer_hybrid as linformer_hybrid_module
 from linearformers.ops.reference import linformer_hybrid_reference, softmax_reference
-from tests.ops.helpers import assert_near
+from tests.ops.helpers import LINFORMER_PROJECTIONS, assert_near, grads_in_dtype, padding_left_right
 
 WINDOW = 3
 
@@ -193,41 +193,20 @@ def _qkv_leaves(b=2, h=3, n=32, d=16, seed=0):
     return tuple(torch.randn(b, h, n, d, generator=g).requires_grad_() for _ in range(3))
 
 
-def _padding(b, n):
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[0, :7] = False  # left padding
-    mask[1, n - 5 :] = False  # right padding
-    return mask
-
-
-def _grads_in_dtype(out, inputs, seed=3):
-    """Gradients of a weighted sum of out, the weights in out's dtype and on its device."""
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-    return torch.autograd.grad((out * weights).sum(), inputs)
-
-
-PROJECTIONS = [
-    ("learned", (8, 64), None),  # shared E, F
-    ("learned", (3, 8, 64), None),  # per head
-    ("pool", None, 4),
-    ("conv", (16, 16, 4), 4),
-]
-
-
 def _gpu_form(monkeypatch):
     """The hybrid's GPU form on the CPU: batched projections and the GPU's pass budget."""
     monkeypatch.setattr(linformer_hybrid_module, "_gpu_form", lambda device: True)
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("method,shape,window", PROJECTIONS)
+@pytest.mark.parametrize("method,shape,window", LINFORMER_PROJECTIONS)
 def test_hybrid_gpu_form_equals_the_reference_gradients_included(monkeypatch, sinks, method, shape, window):
     _gpu_form(monkeypatch)
     q, k, v = (x.double().detach().requires_grad_() for x in _qkv_leaves(n=32))
     g = torch.Generator().manual_seed(1)
     e, f = (None if shape is None else torch.randn(shape, generator=g).double().requires_grad_() for _ in range(2))
     gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
-    mask = _padding(2, 32)
+    mask = padding_left_right(2, 32)
     kwargs = dict(method=method, window=window, key_padding_mask=mask, sinks=sinks)
     got = linformer_hybrid_attention(q, k, v, e, f, gamma, 4, **kwargs)
     want = linformer_hybrid_reference(q, k, v, e, f, gamma, 4, **kwargs)
@@ -271,15 +250,15 @@ def test_hybrid_bf16_operands_follow_the_float32_op(monkeypatch):
     q, k, v = (x.bfloat16().detach().requires_grad_() for x in _qkv_leaves(n=32))
     e = (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.3).requires_grad_()
     gamma = torch.tensor([0.5, 1.0, 3.0], requires_grad=True)
-    kwargs = dict(key_padding_mask=_padding(2, 32), sinks=1)
+    kwargs = dict(key_padding_mask=padding_left_right(2, 32), sinks=1)
     q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
     want = linformer_hybrid_attention(q32, k32, v32, e, None, gamma, 4, **kwargs)
     monkeypatch.setattr(linformer_hybrid_module, "half_operands", lambda v: torch.bfloat16)
     got = linformer_hybrid_attention(q, k, v, e, None, gamma, 4, **kwargs)
     assert got.dtype == torch.bfloat16
     real = kwargs["key_padding_mask"][:, None, :, None].float()
-    got_all = (got * real, *_grads_in_dtype(got * real, (q, k, v, e, gamma)))
-    want_all = (want * real, *_grads_in_dtype(want * real, (q32, k32, v32, e, gamma)))
+    got_all = (got * real, *grads_in_dtype(got * real, (q, k, v, e, gamma)))
+    want_all = (want * real, *grads_in_dtype(want * real, (q32, k32, v32, e, gamma)))
     for name, a, c in zip(("out", "dq", "dk", "dv", "de", "dgamma"), got_all, want_all):
         assert_near(name, a, c, 2e-2)
     assert not torch.equal(got.float(), want.to(torch.bfloat16).float())  # the casts took effect
