@@ -32,3 +32,47 @@ def test_ops_import_neither_transformers_nor_the_floors_above():
     loaded = _loaded_after("linearformers.ops")
     above = ("linearformers.configuration", "linearformers.modeling", "transformers")
     assert not {name for name in loaded if name.startswith(above)}
+
+
+def _files_entered(run) -> list[str]:
+    """The package's files whose functions ``run`` calls, in the order first entered (sys.setprofile)."""
+    package = str(ROOT / "linearformers") + "/"
+    entered = []
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(package) and name[len(package) :] not in entered:
+            entered.append(name[len(package) :])
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_a_hybrid_performer_training_forward_reads_in_the_model_the_family_the_map_and_the_op():
+    """docs/design.md, "A forward a reader can follow": the shared stack, the family's attention, the feature map
+    and the op, plus the ops' argument checks and autocast guard (and the seed of a redraw that is due); no config
+    code, no Triton module on the CPU."""
+    import torch
+
+    import linearformers as lf
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("performer", is_decoder=True, hybrid_window=4, feature_redraw_interval=1)
+    model = lf.PerformerForCausalLM(config).train()
+    ids = torch.randint(1, 99, (2, 12))
+    model(ids, labels=ids)  # first call: lazy imports
+    entered = _files_entered(lambda: model(ids, labels=ids))
+    assert entered == [
+        "modeling/base.py",
+        "modeling/performer.py",
+        "ops/feature_maps.py",
+        "seeds.py",
+        "ops/_precision.py",
+        "ops/hybrid.py",
+        "ops/_checks.py",
+    ]

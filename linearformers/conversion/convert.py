@@ -36,7 +36,7 @@ from transformers.utils import cached_file
 
 from .. import modeling
 from ..cli import check_writable, raised_by_linearformers
-from ..modeling.layers import new_tensors
+from ..modeling.base import new_tensors
 from ..modeling.registry import FAMILIES, HEADS, Family, Head, get_family
 from .long_context import (
     POSITION_INITS,

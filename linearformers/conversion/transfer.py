@@ -39,8 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from ..modeling.base import LinearAttentionPreTrainedModel
-from ..modeling.layers import LinearAttention, new_tensors
+from ..modeling.base import LinearAttention, LinearAttentionPreTrainedModel, new_tensors
 from ..ops import softmax_attention
 
 FINETUNE_MODES = ("full", "lora")

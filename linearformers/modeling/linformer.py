@@ -1,4 +1,4 @@
-"""Linformer models (Wang et al. 2020): the shared stack (base.py, layers.py) with Linformer attention.
+"""Linformer models (Wang et al. 2020): the shared stack (base.py) with Linformer attention.
 
 Everything Linformer is here, top to bottom: the attention module with its E / F projections, the pretrained base
 (config, attention class, init of E / F), the base model (which owns E = F when ``sharing="layerwise"``), and the
@@ -20,6 +20,7 @@ from ..ops import causal_linformer_attention, causal_linformer_step, linformer_a
 from ..ops.linformer import slot_first_writes
 from ..ops.linformer_hybrid import linformer_hybrid_attention
 from .base import (
+    LinearAttention,
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
     LinearAttentionForMultipleChoice,
@@ -28,9 +29,9 @@ from .base import (
     LinearAttentionForTokenClassification,
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
+    NewTensor,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention, NewTensor
 
 
 class LinformerAttention(LinearAttention):

@@ -1,4 +1,4 @@
-"""Performer models (Choromanski et al. 2021): the shared stack (base.py, layers.py) with FAVOR+ attention.
+"""Performer models (Choromanski et al. 2021): the shared stack (base.py) with FAVOR+ attention.
 
 Everything Performer is here, top to bottom: the attention module and its random features, the schedule that
 redraws them during training, the pretrained base (config, attention class, init), the base model, and the heads.
@@ -32,6 +32,7 @@ from ..ops import (
 from ..ops.feature_maps import favor_exponents
 from ..seeds import mix_seed
 from .base import (
+    LinearAttention,
     LinearAttentionForCausalLM,
     LinearAttentionForMaskedLM,
     LinearAttentionForMultipleChoice,
@@ -40,9 +41,9 @@ from .base import (
     LinearAttentionForTokenClassification,
     LinearAttentionModel,
     LinearAttentionPreTrainedModel,
+    NewTensor,
 )
 from .cache import LinearAttentionCache
-from .layers import LinearAttention, NewTensor
 
 
 class PerformerAttention(LinearAttention):

@@ -8,8 +8,16 @@ use stay in their modules."""
 
 from ._native import available as native_available
 from .backends import BACKENDS, native_walk_enabled, set_native_walk, set_triton_kernels
-from .favor import draw_random_features, favor_attention, favor_backend, favor_features, favor_step
-from .feature_maps import FavorPositive, FeatureMap, HedgehogFeatureMap, ReluFeatures, favor_positive, relu_features
+from .favor import favor_attention, favor_backend, favor_features, favor_step
+from .feature_maps import (
+    FavorPositive,
+    FeatureMap,
+    HedgehogFeatureMap,
+    ReluFeatures,
+    draw_random_features,
+    favor_positive,
+    relu_features,
+)
 from .hybrid import HybridState, hybrid_attention, hybrid_step
 from .linear import linear_attention, linear_backend, linear_step
 from .linformer import causal_linformer_attention, causal_linformer_step, linformer_attention

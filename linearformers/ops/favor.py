@@ -27,7 +27,6 @@ import math
 
 import torch
 
-from ..seeds import mix_seed
 from ._checks import check_mask, check_qkv
 from ._favor_blockwise import BIDIRECTIONAL_BLOCK, FavorBidirectional
 from ._favor_chunked import (
@@ -46,48 +45,6 @@ from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_featur
 from .reference import favor_reference
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
-
-
-def draw_random_features(
-    num_features: int,
-    head_dim: int,
-    *,
-    seed: int,
-    step: int = 0,
-    orthogonal: bool = True,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Draw the FAVOR+ projection W, shaped (num_features, head_dim).
-
-    Orthogonal random features (Choromanski et al. 2021, Section 2.4): the rows come in blocks of
-    ``head_dim`` exactly orthogonal directions. Each block is Q from the QR decomposition of a Gaussian
-    matrix, with the columns' signs corrected by sign(diag(R)) so that Q is Haar (uniformly) distributed.
-    Row norms are then drawn as the norms of independent Gaussian vectors (chi with head_dim degrees of
-    freedom), so every row is marginally N(0, I) and the estimator stays unbiased.
-
-    The draw is a pure function of (seed, step): every process derives the same matrix for the same step
-    with no communication, which keeps DDP ranks in sync across redraws.
-    """
-    if num_features <= 0 or head_dim <= 0:
-        raise ValueError(f"num_features and head_dim must be positive, got {num_features} and {head_dim}")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(mix_seed(int(seed), int(step)))
-    if not orthogonal:
-        w = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
-    else:
-        blocks = []
-        for _ in range(math.ceil(num_features / head_dim)):
-            g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-            q, r = torch.linalg.qr(g)
-            q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # Haar-distributed (Mezzadri 2007)
-            blocks.append(q.T)  # rows are orthonormal directions
-        directions = torch.cat(blocks, dim=0)[:num_features]
-        norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1)
-        w = directions * norms.unsqueeze(1)
-    return w.to(device=device, dtype=dtype)
 
 
 @outside_autocast

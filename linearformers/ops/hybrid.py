@@ -338,7 +338,7 @@ def hybrid_backend(
     """The backend a :func:`hybrid_attention` call takes: "chunked" or "triton" (its ``backend`` argument)."""
     if backend is not None and backend not in HYBRID_BACKENDS:
         raise ValueError(f"backend must be None or one of {HYBRID_BACKENDS} for hybrid attention, got {backend!r}")
-    if backend == "chunked":
+    if backend == "chunked" or (backend is None and v.device.type != "cuda"):
         return "chunked"
     reason = _kernel_refusal(window, sinks, causal, stateful) or triton_refusal(
         v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k)
@@ -347,7 +347,7 @@ def hybrid_backend(
         if reason:
             raise ValueError(f"backend='triton' cannot run this call: {reason}")
         return "triton"
-    return "triton" if v.device.type == "cuda" and reason is None else "chunked"
+    return "chunked" if reason else "triton"
 
 
 @outside_autocast

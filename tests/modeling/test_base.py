@@ -19,6 +19,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import linearformers as lf
+from linearformers.modeling import base
 from tests.conftest import FAMILIES, tiny_config
 
 ENCODER_AUTOS = [
@@ -425,3 +426,37 @@ def test_building_a_model_from_the_other_familys_config_raises_naming_both():
         lf.PerformerForMaskedLM(tiny_config("linformer"))
     with pytest.raises(ValueError, match="model_type 'performer'.*LinformerModel.*'linformer'"):
         lf.LinformerModel(tiny_config("performer"))
+
+
+def test_new_tensors_lists_what_the_modules_declare_and_have_by_state_dict_name():
+    """A Performer hybrid with a learned map and key scale: per layer the map's tensors, the balance and the key
+    scale (no query scale: the module has none), the redraw counter once; nothing the checkpoint would hold."""
+    model = lf.PerformerModel(
+        tiny_config(
+            "performer", kernel="hedgehog", hybrid_window=4, hybrid_key_scale=True, num_local_heads=1, local_window=8
+        )
+    )
+    new = base.new_tensors(model)
+    for i in range(2):
+        own = {name.removeprefix(f"layers.{i}.attention.") for name in new if name.startswith(f"layers.{i}.")}
+        assert own == {
+            "feature_map.weight",
+            "feature_map.bias",
+            "feature_map.key_weight",
+            "feature_map.key_bias",
+            "window_balance",
+            "key_scale_weight",
+            "key_scale_bias",
+        }
+    assert {name for name in new if not name.startswith("layers.")} == {"feature_redraws"}
+    assert set(new) <= set(model.state_dict())
+
+
+def test_new_tensors_names_a_shared_projection_once_under_its_owner():
+    model = lf.LinformerForMaskedLM(
+        tiny_config("linformer", sharing="layerwise", num_local_heads=1, local_window=8, local_relative_bias=True)
+    )
+    new = base.new_tensors(model)
+    assert {name for name, declared in new.items() if declared.projection} == {"model.shared_projection"}
+    assert new["model.shared_projection"].start == "window_means"
+    assert new["model.layers.0.attention.relative_bias"] == base.NewTensor(start="zeros")

@@ -5,7 +5,7 @@ import torch
 import torch._dynamo
 from transformers import AutoModel, AutoModelForCausalLM
 
-import linearformers.modeling.layers as layers
+import linearformers.modeling.base as base
 import linearformers.modeling.linformer as linformer
 import linearformers.modeling.performer as performer
 from tests.conftest import FAMILIES, tiny_config
@@ -37,7 +37,7 @@ def test_model_code_outside_the_kernels_has_no_graph_breaks(family, decoder, mon
     kernels = {
         performer: ("favor_attention",),
         linformer: ("linformer_attention", "causal_linformer_attention"),
-        layers: ("local_attention",),
+        base: ("local_attention",),
     }
     for module, names in kernels.items():
         for name in names:

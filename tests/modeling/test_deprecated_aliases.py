@@ -1,9 +1,12 @@
-"""The deprecated old paths: linearformers.modeling.attention (now linearformers.ops and linearformers.seeds) and
-linearformers.modeling.convert / .transfer (now linearformers.conversion) still import, with a FutureWarning naming
-the version they go away in. Each check runs in a fresh process, so that the warning comes from its own import."""
+"""The deprecated old paths: linearformers.modeling.attention (now linearformers.ops and linearformers.seeds),
+linearformers.modeling.convert / .transfer (now linearformers.conversion) and linearformers.modeling.layers (now
+linearformers.modeling.base) still import, with a FutureWarning naming the version they go away in. The package
+paths are checked in a fresh process each, so that the warning comes from their own import."""
 
 import subprocess
 import sys
+
+import pytest
 
 # the names linearformers.modeling.attention exported before the move
 OLD_NAMES = (
@@ -83,3 +86,21 @@ def test_the_old_conversion_command_still_runs():
     )
     assert done.returncode == 0, done.stderr
     assert "--family" in done.stdout and "is deprecated" in done.stderr
+
+
+def test_the_old_layers_module_gives_the_base_modules_with_a_warning_that_names_its_removal():
+    import linearformers.modeling.base as base
+    import linearformers.modeling.layers as layers
+
+    with pytest.warns(FutureWarning, match=r"modeling\.base\.LinearAttentionBlock.*0\.3\.0"):
+        from linearformers.modeling.layers import LinearAttentionLayer
+    assert LinearAttentionLayer is base.LinearAttentionBlock
+    with pytest.warns(FutureWarning, match=r"modeling\.base\.LinearAttention\b.*0\.3\.0"):
+        assert layers.LinearAttention is base.LinearAttention
+
+
+def test_a_name_the_old_layers_module_never_had_raises_attribute_error():
+    import linearformers.modeling.layers as layers
+
+    with pytest.raises(AttributeError, match="LinearAttentionBlok"):
+        layers.LinearAttentionBlok  # noqa: B018
