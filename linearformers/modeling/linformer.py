@@ -119,8 +119,8 @@ class LinformerAttention(LinearAttention):
                 f,
                 torch.exp(self.window_balance),
                 self.config.hybrid_window,
-                method=self.config.projection,
-                window=self.pool_stride,
+                projection=self.config.projection,
+                pool_stride=self.pool_stride,
                 key_padding_mask=attention_mask,
                 sinks=self.config.hybrid_sinks,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
@@ -132,8 +132,8 @@ class LinformerAttention(LinearAttention):
                 v,
                 e,
                 f,
-                method=self.config.projection,
-                window=self.pool_stride,
+                projection=self.config.projection,
+                pool_stride=self.pool_stride,
                 key_padding_mask=attention_mask,
                 dropout_p=self.config.attention_probs_dropout_prob if self.training else 0.0,
             )
@@ -182,7 +182,7 @@ class LinformerPreTrainedModel(LinearAttentionPreTrainedModel):
             for proj in (module.e_proj, module.f_proj):
                 if proj is None:
                     continue
-                if module.config.projection == "conv":  # (d, d, window): fan-in scaling
+                if module.config.projection == "conv":  # (d, d, pool_stride): fan-in scaling
                     init.normal_(proj, mean=0.0, std=(proj.shape[1] * proj.shape[2]) ** -0.5)
                 else:  # learned E, F (.., k, n): std 1/sqrt(k), as in the reference implementation
                     init.normal_(proj, mean=0.0, std=proj.shape[-2] ** -0.5)

@@ -1,8 +1,16 @@
-"""Argument checks shared by the attention kernels. Errors name the value and the fix."""
+"""Argument checks shared by the attention kernels, and the old names of renamed keywords. Errors name the value and
+the fix."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+F = TypeVar("F", bound=Callable)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = False) -> None:
@@ -62,3 +70,28 @@ def check_window_sinks_gamma(window_name: str, window: object, sinks: object, ga
         raise TypeError(f"gamma must be a floating-point tensor, got {gamma.dtype}")
     if tuple(gamma.shape) != (heads,):
         raise ValueError(f"gamma must be shaped (heads,) = ({heads},), got {tuple(gamma.shape)}")
+
+
+def renamed_keywords(version: str, **renames: str) -> Callable[[F], F]:
+    """Let ``fn`` take each keyword's old name (``old="new"``) until ``version``: an old name raises a FutureWarning
+    that names the new one and the version that drops it, and is passed on under the new name; an old name given
+    with its new name raises TypeError. The signature ``fn`` shows is its own, with the new names only."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__name__}() got both {old}= and {new}=; pass only {new}= (its new name)")
+                    warnings.warn(
+                        f"{fn.__name__}(): {old}= is renamed {new}=; the name {old}= goes away in {version}",
+                        FutureWarning,
+                        stacklevel=2,
+                    )
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

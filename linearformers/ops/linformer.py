@@ -9,7 +9,7 @@ the rest is zeroed. Position s of the projection therefore always meets the s-th
 tokens give the same answer with any amount of left or right padding. A sequence shorter than the maximum
 uses the first n columns of E and F; nothing is padded up to the maximum.
 
-Projection methods (Section 4, "additional efficiency techniques"):
+Projections (Section 4, "additional efficiency techniques"):
   * ``"learned"``: E, F are (k, n_max) or per head (heads, k, n_max) matrices.
   * ``"pool"``: mean pooling with kernel = stride = n_max / k, no parameters.
   * ``"conv"``: a strided convolution along the sequence, kernel = stride = n_max / k, weight (d, d, kernel).
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_qkv, renamed_keywords
 from ._favor_chunked import half_operands
 from ._linformer_autograd import _ROWS, SequenceProjection, SlotAttention
 from ._precision import outside_autocast
@@ -122,9 +122,9 @@ def project_sequence(
     x: torch.Tensor,
     proj: torch.Tensor | None,
     *,
-    method: str,
+    projection: str,
     lengths: torch.Tensor | None,
-    window: int | None = None,
+    pool_stride: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Project x (batch, heads, n, d), already compacted, along the sequence to (batch, heads, k', d).
 
@@ -133,7 +133,7 @@ def project_sequence(
     torch.compile).
     """
     b, h, n, d = x.shape
-    if method == "learned":
+    if projection == "learned":
         proj = proj[..., :n].to(x.dtype)
         k_len = proj.shape[-2]
         if proj.dim() == 2:  # one (k, n) @ (n, b h d) product: no broadcast copy of E per batch and head
@@ -141,34 +141,37 @@ def project_sequence(
             return flat.view(k_len, b, h, d).permute(1, 2, 0, 3), None
         flat = torch.matmul(proj, x.permute(1, 2, 0, 3).reshape(h, n, b * d))  # (h, k, n) @ (h, n, b d)
         return flat.view(h, k_len, b, d).permute(2, 0, 1, 3), None
-    if window is None or window <= 0:
-        raise ValueError(f"the {method!r} projection needs a positive window (kernel = stride), got {window}")
-    pad = (-n) % window
-    slots = (n + pad) // window
+    if pool_stride is None or pool_stride <= 0:
+        raise ValueError(
+            f"the {projection!r} projection needs a positive pool_stride (kernel = stride), got {pool_stride}"
+        )
+    pad = (-n) % pool_stride
+    slots = (n + pad) // pool_stride
     positions = torch.arange(n + pad, device=x.device)
     lengths = torch.full((b,), n, device=x.device) if lengths is None else lengths
-    counts = ((positions[None, :] < lengths[:, None]).view(b, slots, window)).sum(-1)  # (b, slots)
+    counts = ((positions[None, :] < lengths[:, None]).view(b, slots, pool_stride)).sum(-1)  # (b, slots)
     slot_mask = counts > 0
     xp = F.pad(x, (0, 0, 0, pad))
-    if method == "pool":
-        sums = xp.view(b, h, slots, window, d).sum(3)
+    if projection == "pool":
+        sums = xp.view(b, h, slots, pool_stride, d).sum(3)
         out = sums / counts.clamp_min(1)[:, None, :, None].to(x.dtype)
-    elif method == "conv":
-        if proj is None or proj.dim() != 3 or proj.shape != (d, d, window):
+    elif projection == "conv":
+        if proj is None or proj.dim() != 3 or proj.shape != (d, d, pool_stride):
             raise ValueError(
-                f"the conv projection weight must be shaped (head_dim, head_dim, window) = ({d}, {d}, {window}), "
+                f"the conv projection weight must be shaped (head_dim, head_dim, pool_stride) = ({d}, {d}, {pool_stride}), "
                 f"got {None if proj is None else tuple(proj.shape)}"
             )
         flat = xp.reshape(b * h, n + pad, d).transpose(1, 2)  # (b*h, d, n)
-        out = F.conv1d(flat, proj.to(x.dtype), stride=window).transpose(1, 2).reshape(b, h, slots, d)
+        out = F.conv1d(flat, proj.to(x.dtype), stride=pool_stride).transpose(1, 2).reshape(b, h, slots, d)
     else:
-        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+        raise ValueError(f"unknown Linformer projection {projection!r}; choose one of {METHODS}")
     # eagerly, no mask when every slot holds a real token (one host sync); compiled, always the mask (no branch)
     if torch.compiler.is_compiling() or not bool(slot_mask.all()):
         return out, slot_mask[:, None, :]
     return out, None
 
 
+@renamed_keywords("0.3.0", method="projection", window="pool_stride")
 @outside_autocast
 def linformer_attention(
     q: torch.Tensor,
@@ -177,8 +180,8 @@ def linformer_attention(
     e_proj: torch.Tensor | None,
     f_proj: torch.Tensor | None = None,
     *,
-    method: str = "learned",
-    window: int | None = None,
+    projection: str = "learned",
+    pool_stride: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -190,7 +193,8 @@ def linformer_attention(
     Args:
         q, k, v: (batch, heads, n, head_dim).
         e_proj, f_proj: key and value projections (see the module docstring); ``f_proj=None`` shares E.
-        method: "learned", "pool" or "conv". window: kernel = stride for pool / conv.
+        projection: "learned", "pool" or "conv" (see the module docstring). pool_stride: n_max / k, the kernel =
+            stride of "pool" and "conv".
         key_padding_mask: (batch, n), True / 1 for real tokens.
         scale: logit scale, head_dim ** -0.5 when None.
         dropout_p: dropout on the attention probabilities, in [0, 1).
@@ -210,14 +214,14 @@ def linformer_attention(
     check_qkv(q, k, v)
     backend = _choose_backend(backend, q)
     rows = _ROWS if block_size is None else _check_size("block_size", block_size)
-    if method not in METHODS:
-        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
+    if projection not in METHODS:
+        raise ValueError(f"unknown Linformer projection {projection!r}; choose one of {METHODS}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     b, h, n, d = k.shape
     mask = check_mask(key_padding_mask, b, n)
     f_proj = e_proj if f_proj is None else f_proj
-    if method == "learned":
+    if projection == "learned":
         if e_proj is None:
             raise ValueError("the learned projection needs e_proj")
         _check_learned(e_proj, "e_proj", h, n)
@@ -225,22 +229,33 @@ def linformer_attention(
     if backend == "reference":
         if dropout_p > 0:
             raise ValueError(f"backend='reference' has no dropout; got dropout_p={dropout_p} (use the default backend)")
-        if method != "learned":  # the checks project_sequence makes on the kernel's path
-            if window is None or window <= 0:
-                raise ValueError(f"the {method!r} projection needs a positive window (kernel = stride), got {window}")
-            for proj in (e_proj, f_proj) if method == "conv" else ():
-                if proj is None or proj.dim() != 3 or proj.shape != (d, d, window):
+        if projection != "learned":  # the checks project_sequence makes on the kernel's path
+            if pool_stride is None or pool_stride <= 0:
+                raise ValueError(
+                    f"the {projection!r} projection needs a positive pool_stride (kernel = stride), got {pool_stride}"
+                )
+            for proj in (e_proj, f_proj) if projection == "conv" else ():
+                if proj is None or proj.dim() != 3 or proj.shape != (d, d, pool_stride):
                     raise ValueError(
-                        f"the conv projection weight must be shaped (head_dim, head_dim, window) = "
-                        f"({d}, {d}, {window}), got {None if proj is None else tuple(proj.shape)}"
+                        f"the conv projection weight must be shaped (head_dim, head_dim, pool_stride) = "
+                        f"({d}, {d}, {pool_stride}), got {None if proj is None else tuple(proj.shape)}"
                     )
         dtype = _reference_dtype(q.dtype)
         q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
         e_, f_ = (None if p is None else p.to(dtype) for p in (e_proj, f_proj))
-        out = linformer_reference(q_, k_, v_, e_, f_, method=method, window=window, key_padding_mask=mask, scale=scale)
+        out = linformer_reference(
+            q_, k_, v_, e_, f_, projection=projection, pool_stride=pool_stride, key_padding_mask=mask, scale=scale
+        )
         return out.to(q.dtype)
     kp, vp, slot_mask = project_slots(
-        k, v, e_proj, f_proj, method=method, window=window, key_padding_mask=mask, batched=backend == "sdpa"
+        k,
+        v,
+        e_proj,
+        f_proj,
+        projection=projection,
+        pool_stride=pool_stride,
+        key_padding_mask=mask,
+        batched=backend == "sdpa",
     )
     scale = d**-0.5 if scale is None else scale
     if backend == "sdpa":
@@ -304,8 +319,8 @@ def project_slots(
     e_proj: torch.Tensor | None,
     f_proj: torch.Tensor,
     *,
-    method: str,
-    window: int | None,
+    projection: str,
+    pool_stride: int | None,
     key_padding_mask: torch.Tensor | None,
     batched: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -320,10 +335,10 @@ def project_slots(
     if key_padding_mask is not None:
         k, v = compact(k, key_padding_mask), compact(v, key_padding_mask)
         lengths = key_padding_mask.sum(1)
-    if method == "learned":
+    if projection == "learned":
         if batched:  # two launches whatever b and h are, against one product per (batch, head)
-            kp, _ = project_sequence(k, e_proj, method=method, lengths=None)
-            vp, _ = project_sequence(v, f_proj, method=method, lengths=None)
+            kp, _ = project_sequence(k, e_proj, projection=projection, lengths=None)
+            vp, _ = project_sequence(v, f_proj, projection=projection, lengths=None)
         else:  # by hand (see _linformer_autograd): E x per head in place, no permuted copies
             kp, vp = SequenceProjection.apply(k, e_proj), SequenceProjection.apply(v, f_proj)
         # a slot no real token wrote to (possible with a sparse E, e.g. the identity of a converted model, on a
@@ -333,8 +348,8 @@ def project_slots(
         written = first.view(1, -1, first.shape[-1]) < real.view(b, 1, 1)  # (b, 1 or h, k)
         # eagerly, skip the bias when every slot was written (one host sync); compiled, always keep it (no branch)
         return kp, vp, written if torch.compiler.is_compiling() or not bool(written.all()) else None
-    kp, slot_mask = project_sequence(k, e_proj, method=method, lengths=lengths, window=window)
-    vp, _ = project_sequence(v, f_proj, method=method, lengths=lengths, window=window)
+    kp, slot_mask = project_sequence(k, e_proj, projection=projection, lengths=lengths, pool_stride=pool_stride)
+    vp, _ = project_sequence(v, f_proj, projection=projection, lengths=lengths, pool_stride=pool_stride)
     return kp, vp, slot_mask
 
 

@@ -32,19 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import check_mask, check_qkv, check_window_sinks_gamma
+from ._checks import check_mask, check_qkv, check_window_sinks_gamma, renamed_keywords
 from ._favor_chunked import half_operands
 from ._precision import outside_autocast
 from .hybrid import _PASS_BYTES, sink_slots
 from .linformer import METHODS, _check_learned, project_slots
 
 
-def _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout_p):
+def _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, projection, dropout_p):
     check_qkv(q, k, v, same_length=True)
     check_window_sinks_gamma("hybrid_window", hybrid_window, sinks, gamma, q.shape[1])
-    if method not in METHODS:
-        raise ValueError(f"unknown Linformer projection method {method!r}; choose one of {METHODS}")
-    if method == "learned":
+    if projection not in METHODS:
+        raise ValueError(f"unknown Linformer projection {projection!r}; choose one of {METHODS}")
+    if projection == "learned":
         if e_proj is None:
             raise ValueError("the learned projection needs e_proj")
         _check_learned(e_proj, "e_proj", q.shape[1], k.shape[2])
@@ -53,6 +53,7 @@ def _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
+@renamed_keywords("0.3.0", method="projection", window="pool_stride")
 @outside_autocast
 def linformer_hybrid_attention(
     q: torch.Tensor,
@@ -63,8 +64,8 @@ def linformer_hybrid_attention(
     gamma: torch.Tensor,
     hybrid_window: int,
     *,
-    method: str = "learned",
-    window: int | None = None,
+    projection: str = "learned",
+    pool_stride: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     sinks: int = 0,
     scale: float | None = None,
@@ -75,7 +76,8 @@ def linformer_hybrid_attention(
     Args:
         q, k, v: (batch, heads, n, head_dim).
         e_proj, f_proj: Linformer's key and value projections, as :func:`linformer.linformer_attention` takes them
-            (``f_proj=None`` shares E); method, window: its projection method and pool / conv kernel.
+            (``f_proj=None`` shares E); projection, pool_stride: its projection ("learned", "pool" or "conv") and the
+            kernel = stride of "pool" and "conv".
         gamma: (heads,) positive weight of the window's and the sinks' scores against the slots'.
         hybrid_window: w, the window: keys with |s - t| < w.
         key_padding_mask: (batch, n), True / 1 for real tokens. Padded keys take no part; the slots are formed
@@ -87,7 +89,7 @@ def linformer_hybrid_attention(
     Gradients reach q, k, v, e_proj, f_proj and gamma.
     """
     f_proj = e_proj if f_proj is None else f_proj
-    _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, method, dropout_p)
+    _check(q, k, v, e_proj, f_proj, gamma, hybrid_window, sinks, projection, dropout_p)
     b, h, n, d = q.shape
     mask = check_mask(key_padding_mask, b, n)
     dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
@@ -101,7 +103,9 @@ def linformer_hybrid_attention(
 
     # the slots (b, h, k, d), written slots only; the sinks' keys and values (b, h, S, d) and where they lie
     gpu = _gpu_form(q.device)
-    kp, vp, slot_mask = project_slots(k, v, e, f, method=method, window=window, key_padding_mask=mask, batched=gpu)
+    kp, vp, slot_mask = project_slots(
+        k, v, e, f, projection=projection, pool_stride=pool_stride, key_padding_mask=mask, batched=gpu
+    )
     sink_k = sink_v = sink_position = sink_seen = None
     if sinks:
         _, slot = sink_slots(real, sinks)  # (b, S, n): token s is sink j

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ._checks import renamed_keywords
 from .feature_maps import relu_features
 
 
@@ -145,6 +146,7 @@ def _compact(c, x):
     return torch.einsum("brs,bhsd->bhrd", c, x)
 
 
+@renamed_keywords("0.3.0", method="projection", window="pool_stride")
 def linformer_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,8 +154,8 @@ def linformer_reference(
     e: torch.Tensor | None,
     f: torch.Tensor | None = None,
     *,
-    method: str = "learned",
-    window: int | None = None,
+    projection: str = "learned",
+    pool_stride: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     dropout_multiplier: torch.Tensor | None = None,
@@ -164,22 +166,22 @@ def linformer_reference(
     r-th real token meets column r. Sequence projections (``f=None`` shares E):
 
     * ``"learned"``: E, F (k, n_max) or per head (heads, k, n_max); their first n columns are used.
-    * ``"pool"``: slot j is the mean of the real tokens among compacted positions [j w, (j + 1) w), w = window.
+    * ``"pool"``: slot j is the mean of the real tokens among compacted positions [j w, (j + 1) w), w = pool_stride.
     * ``"conv"``: slot j = Σ_t W[:, :, t] x_{j w + t}, W (d, d, w) the Conv1d weight given as e (and f).
 
-    A slot no real token wrote to (its row of E is zero over the sequence's real positions, or its window lies past
+    A slot no real token wrote to (its row of E is zero over the sequence's real positions, or its pool_stride positions lie past
     the sequence's end) takes no part in the softmax. ``dropout_multiplier``: optional (batch, heads, n, k) factor on the probabilities (0 or
     1 / (1 - p)), for checking dropout against a mask drawn elsewhere. Returns (batch, heads, n, d) in q's dtype.
     """
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    kp, vp, allowed = _linformer_slots(q, k, v, e, f, method, window, key_padding_mask)
+    kp, vp, allowed = _linformer_slots(q, k, v, e, f, projection, pool_stride, key_padding_mask)
     probs = _masked_softmax(q @ kp.transpose(-1, -2) * scale, allowed)
     if dropout_multiplier is not None:
         probs = probs * dropout_multiplier
     return (probs @ vp).to(q.dtype)
 
 
-def _linformer_slots(q, k, v, e, f, method, window, key_padding_mask):
+def _linformer_slots(q, k, v, e, f, projection, pool_stride, key_padding_mask):
     """Linformer's k slots of :func:`linformer_reference`: the projected keys and values (b, h, k, d) in q's dtype
     and a (b, 1 | h, 1, k) bool, True for the slots some real token wrote to."""
     b, _, n, _ = k.shape
@@ -188,17 +190,17 @@ def _linformer_slots(q, k, v, e, f, method, window, key_padding_mask):
     kc, vc = _compact(c, k), _compact(c, v)
     lengths = c.sum((1, 2))  # (b,): real tokens per sequence
     real = torch.arange(n, device=q.device)[None, :] < lengths[:, None]  # (b, n): compacted positions in use
-    if method == "learned":
+    if projection == "learned":
         e_n, f_n = e[..., :n].to(q.dtype), f[..., :n].to(q.dtype)
         kp, vp = e_n @ kc, f_n @ vc  # (b, h, k, d)
         written = torch.einsum("...js,bs->b...j", (e_n != 0).to(q.dtype), real.to(q.dtype)) > 0  # (b, [h,] k)
-    elif method in ("pool", "conv"):
-        slots = -(-n // window)
-        pad = slots * window - n
-        kw = torch.nn.functional.pad(kc, (0, 0, 0, pad)).unflatten(2, (slots, window))  # (b, h, slots, w, d)
-        vw = torch.nn.functional.pad(vc, (0, 0, 0, pad)).unflatten(2, (slots, window))
-        counts = torch.nn.functional.pad(real, (0, pad)).view(b, slots, window).sum(-1)  # (b, slots)
-        if method == "pool":
+    elif projection in ("pool", "conv"):
+        slots = -(-n // pool_stride)
+        pad = slots * pool_stride - n
+        kw = torch.nn.functional.pad(kc, (0, 0, 0, pad)).unflatten(2, (slots, pool_stride))  # (b, h, slots, w, d)
+        vw = torch.nn.functional.pad(vc, (0, 0, 0, pad)).unflatten(2, (slots, pool_stride))
+        counts = torch.nn.functional.pad(real, (0, pad)).view(b, slots, pool_stride).sum(-1)  # (b, slots)
+        if projection == "pool":
             kp = kw.sum(3) / counts.clamp_min(1)[:, None, :, None]
             vp = vw.sum(3) / counts.clamp_min(1)[:, None, :, None]
         else:
@@ -206,10 +208,11 @@ def _linformer_slots(q, k, v, e, f, method, window, key_padding_mask):
             vp = torch.einsum("oit,bhjti->bhjo", f.to(q.dtype), vw)
         written = counts > 0
     else:
-        raise ValueError(f"unknown Linformer projection method {method!r}")
+        raise ValueError(f"unknown Linformer projection {projection!r}")
     return kp, vp, written.view(b, -1, 1, written.shape[-1])  # (b, 1 | h, 1, k)
 
 
+@renamed_keywords("0.3.0", method="projection", window="pool_stride")
 def linformer_hybrid_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,8 +222,8 @@ def linformer_hybrid_reference(
     gamma: torch.Tensor,
     hybrid_window: int,
     *,
-    method: str = "learned",
-    window: int | None = None,
+    projection: str = "learned",
+    pool_stride: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     sinks: int = 0,
@@ -235,7 +238,7 @@ def linformer_hybrid_reference(
     A query with no real key and no written slot outputs 0. Computed in q's dtype; returns q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n = q.shape[2]
-    kp, vp, written = _linformer_slots(q, k, v, e, f, method, window, key_padding_mask)
+    kp, vp, written = _linformer_slots(q, k, v, e, f, projection, pool_stride, key_padding_mask)
     i = torch.arange(n, device=q.device)
     real = _key_mask(key_padding_mask, k.shape[0], n, q.device)  # (b, 1, 1, n)
     sink = real & (real.long().cumsum(-1) <= sinks)

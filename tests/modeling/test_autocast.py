@@ -155,21 +155,21 @@ def test_favor_step_under_autocast_matches_float32(key_scale, kernel, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "method, padding",
+    "projection, padding",
     [("learned", None), ("learned", "left"), ("learned", "right"), ("pool", "left"), ("conv", "left")],
 )
-def test_linformer_under_autocast_matches_float32(method, padding, dtype):
+def test_linformer_under_autocast_matches_float32(projection, padding, dtype):
     mask = _mask(padding)
     g = torch.Generator().manual_seed(3)
     params = {
         "learned": (torch.randn(8, 40, generator=g) / 8, torch.randn(8, 40, generator=g) / 8),  # E and F
         "conv": (torch.randn(16, 16, 5, generator=g) / 9,),  # shared by keys and values
         "pool": (),
-    }[method]
+    }[projection]
 
     def op(q, k, v, *proj):
         proj = proj or (None,)
-        return linformer_attention(q, k, v, *proj, method=method, window=5, key_padding_mask=mask)
+        return linformer_attention(q, k, v, *proj, projection=projection, pool_stride=5, key_padding_mask=mask)
 
     _check(op, dtype, _inputs(), params)
 

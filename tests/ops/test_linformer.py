@@ -73,30 +73,51 @@ def test_per_head_projections_apply_per_head():
 
 def test_pool_projection_is_mean_pooling_over_windows():
     q, k, v = _qkv(n=32)
-    out = linformer_attention(q, k, v, None, method="pool", window=4)
-    ref = linformer_reference(q, k, v, None, method="pool", window=4)
+    out = linformer_attention(q, k, v, None, projection="pool", pool_stride=4)
+    ref = linformer_reference(q, k, v, None, projection="pool", pool_stride=4)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_conv_projection_is_a_strided_convolution():
     q, k, v = _qkv(n=32)
     wk, wv = torch.randn(16, 16, 4) * 0.1, torch.randn(16, 16, 4) * 0.1
-    out = linformer_attention(q, k, v, wk, wv, method="conv", window=4)
-    ref = linformer_reference(q, k, v, wk, wv, method="conv", window=4)
+    out = linformer_attention(q, k, v, wk, wv, projection="conv", pool_stride=4)
+    ref = linformer_reference(q, k, v, wk, wv, projection="conv", pool_stride=4)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [linformer_attention, linformer_reference])
+def test_the_old_keywords_method_and_window_still_work_with_a_future_warning_until_0_3_0(op):
+    q, k, v = _qkv(n=32)
+    want = op(q, k, v, None, projection="pool", pool_stride=4)
+    with pytest.warns(FutureWarning, match=r"method= is renamed projection=; .* goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match=r"window= is renamed pool_stride=; .* goes away in 0\.3\.0"):
+            got = op(q, k, v, None, method="pool", window=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", [linformer_attention, linformer_reference])
+@pytest.mark.parametrize(("old", "new"), [("method", "projection"), ("window", "pool_stride")])
+def test_an_old_keyword_beside_its_new_name_is_a_type_error(op, old, new):
+    q, k, v = _qkv(n=32)
+    both = {"projection": "pool", "pool_stride": 4, old: {"method": "pool", "window": 4}[old]}
+    with pytest.raises(TypeError, match=f"got both {old}= and {new}=; pass only {new}="):
+        op(q, k, v, None, **both)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(
-    "method,proj,window",
+    "projection,proj,pool_stride",
     [("learned", torch.randn(8, 64), None), ("pool", None, 4), ("conv", torch.randn(16, 16, 4) * 0.1, 4)],
 )
-def test_padding_changes_nothing_for_real_tokens(side, method, proj, window):
+def test_padding_changes_nothing_for_real_tokens(side, projection, proj, pool_stride):
     q, k, v = _qkv(b=1, n=22)
-    ref = linformer_attention(q, k, v, proj, method=method, window=window)
+    ref = linformer_attention(q, k, v, proj, projection=projection, pool_stride=pool_stride)
     pad = 9
     qp, kp, vp = (_pad(x, pad, side) for x in (q, k, v))
-    out = linformer_attention(qp, kp, vp, proj, method=method, window=window, key_padding_mask=_mask(22, pad, side))
+    out = linformer_attention(
+        qp, kp, vp, proj, projection=projection, pool_stride=pool_stride, key_padding_mask=_mask(22, pad, side)
+    )
     real = out[:, :, pad:] if side == "left" else out[:, :, :22]
     torch.testing.assert_close(real, ref, rtol=1e-4, atol=1e-5)
 
@@ -161,10 +182,10 @@ def test_bad_arguments_raise_clear_errors():
         linformer_attention(q, k, v, torch.randn(4, 32), key_padding_mask=torch.ones(2, 31))
     with pytest.raises(ValueError, match="do not fit"):
         linformer_attention(q, k[:, :2], v[:, :2], torch.randn(4, 32))
-    with pytest.raises(ValueError, match="unknown Linformer projection method"):
-        linformer_attention(q, k, v, None, method="fft")
+    with pytest.raises(ValueError, match="unknown Linformer projection 'fft'"):
+        linformer_attention(q, k, v, None, projection="fft")
     with pytest.raises(ValueError, match="conv projection weight"):
-        linformer_attention(q, k, v, torch.randn(16, 16, 3), method="conv", window=4)
+        linformer_attention(q, k, v, torch.randn(16, 16, 3), projection="conv", pool_stride=4)
     with pytest.raises(ValueError, match="per head"):
         linformer_attention(q, k, v, torch.randn(5, 4, 32))
     with pytest.raises(ValueError, match="past the Linformer's max_seq_length=32"):
@@ -249,10 +270,10 @@ def test_causal_prefill_without_gradients_walks_blocks_with_the_same_result(mask
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize(
-    "method,proj,window",
+    "projection,proj,pool_stride",
     [("learned", torch.randn(3, 8, 64), None), ("pool", None, 4), ("conv", torch.randn(16, 16, 4) * 0.1, 4)],
 )
-def test_reference_backend_equals_the_default(masked, method, proj, window):
+def test_reference_backend_equals_the_default(masked, projection, proj, pool_stride):
     q, k, v = (x.double() for x in _qkv(n=30))
     proj = None if proj is None else proj.double()
     mask = None
@@ -260,7 +281,7 @@ def test_reference_backend_equals_the_default(masked, method, proj, window):
         mask = torch.ones(2, 30, dtype=torch.bool)
         mask[0, :7] = False
         mask[1, 25:] = False
-    kwargs = dict(method=method, window=window, key_padding_mask=mask)
+    kwargs = dict(projection=projection, pool_stride=pool_stride, key_padding_mask=mask)
     ref = linformer_attention(q, k, v, proj, backend="reference", **kwargs)
     assert ref.dtype == torch.float64
     torch.testing.assert_close(ref, linformer_reference(q, k, v, proj, **kwargs), rtol=0, atol=0)
@@ -298,10 +319,10 @@ def test_bad_backend_and_block_size_raise_value_errors():
             linformer_attention(q, k, v, e, block_size=bad)
     with pytest.raises(ValueError, match="backend='reference' has no dropout"):
         linformer_attention(q, k, v, e, dropout_p=0.1, backend="reference")
-    with pytest.raises(ValueError, match="needs a positive window"):
-        linformer_attention(q, k, v, None, method="pool", backend="reference")
+    with pytest.raises(ValueError, match="needs a positive pool_stride"):
+        linformer_attention(q, k, v, None, projection="pool", backend="reference")
     with pytest.raises(ValueError, match="conv projection weight"):
-        linformer_attention(q, k, v, torch.randn(16, 16, 3), method="conv", window=4, backend="reference")
+        linformer_attention(q, k, v, torch.randn(16, 16, 3), projection="conv", pool_stride=4, backend="reference")
 
 
 def test_dropout_under_compile_is_one_graph_and_drops_each_share_with_probability_p():
@@ -314,7 +335,9 @@ def test_dropout_under_compile_is_one_graph_and_drops_each_share_with_probabilit
     mask[1, :40] = False
 
     def attend(q, k, v, mask):
-        return linformer_attention(q, k, v, None, method="pool", window=4, key_padding_mask=mask, dropout_p=0.5)
+        return linformer_attention(
+            q, k, v, None, projection="pool", pool_stride=4, key_padding_mask=mask, dropout_p=0.5
+        )
 
     torch.manual_seed(0)
     out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, mask)
@@ -603,12 +626,14 @@ def _qkv_leaves(b=2, h=3, n=30, d=16, seed=0, dtype=torch.float32, device="cpu")
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("method,shape,window", LINFORMER_PROJECTIONS)
-def test_sdpa_backend_equals_the_reference_gradients_included(masked, method, shape, window):
+@pytest.mark.parametrize("projection,shape,pool_stride", LINFORMER_PROJECTIONS)
+def test_sdpa_backend_equals_the_reference_gradients_included(masked, projection, shape, pool_stride):
     q, k, v = _qkv_leaves()
     g = torch.Generator().manual_seed(1)
     e, f = (None if shape is None else (torch.randn(shape, generator=g) * 0.3).requires_grad_() for _ in range(2))
-    kwargs = dict(method=method, window=window, key_padding_mask=padding_left_right(2, 30) if masked else None)
+    kwargs = dict(
+        projection=projection, pool_stride=pool_stride, key_padding_mask=padding_left_right(2, 30) if masked else None
+    )
     out = linformer_attention(q, k, v, e, f, backend="sdpa", **kwargs)
     ref = linformer_reference(q, k, v, e, f, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -19,17 +19,17 @@ def _qkv(b=2, h=3, n=13, d=4, dtype=torch.float64, seed=0):
     return [torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(3)]
 
 
-def _projections(method, h, n_max, k, d, dtype=torch.float64, per_head=False):
+def _projections(projection, h, n_max, k, d, dtype=torch.float64, per_head=False):
     g = torch.Generator().manual_seed(1)
-    if method == "learned":
+    if projection == "learned":
         shape = (h, k, n_max) if per_head else (k, n_max)
         return torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape, generator=g, dtype=dtype), None
-    if method == "conv":
-        window = n_max // k
+    if projection == "conv":
+        pool_stride = n_max // k
         return (
-            torch.randn(d, d, window, generator=g, dtype=dtype),
-            torch.randn(d, d, window, generator=g, dtype=dtype),
-            window,
+            torch.randn(d, d, pool_stride, generator=g, dtype=dtype),
+            torch.randn(d, d, pool_stride, generator=g, dtype=dtype),
+            pool_stride,
         )
     return None, None, n_max // k
 
@@ -37,16 +37,16 @@ def _projections(method, h, n_max, k, d, dtype=torch.float64, per_head=False):
 @pytest.mark.parametrize("sinks", [0, 1, 2])
 @pytest.mark.parametrize("window", [1, WINDOW, 7, 40])
 @pytest.mark.parametrize(
-    ("method", "per_head"), [("learned", False), ("learned", True), ("pool", False), ("conv", False)],
+    ("projection", "per_head"), [("learned", False), ("learned", True), ("pool", False), ("conv", False)],
     ids=["learned", "learned-per-head", "pool", "conv"],
 )  # fmt: skip
-def test_the_op_equals_the_dense_reference(method, per_head, window, sinks):
+def test_the_op_equals_the_dense_reference(projection, per_head, window, sinks):
     q, k, v = _qkv()
-    e, f, pool = _projections(method, 3, 16, 4, 4, per_head=per_head)
+    e, f, pool = _projections(projection, 3, 16, 4, 4, per_head=per_head)
     gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
     mask = torch.ones(2, 13, dtype=torch.bool)
     mask[1, :4] = False  # row 1 left-padded: its sinks and its slots start at position 4
-    kwargs = dict(method=method, window=pool, key_padding_mask=mask, sinks=sinks)
+    kwargs = dict(projection=projection, pool_stride=pool, key_padding_mask=mask, sinks=sinks)
     got = linformer_hybrid_attention(q, k, v, e, f, gamma, window, **kwargs)
     want = linformer_hybrid_reference(q, k, v, e, f, gamma, window, **kwargs)
     real = mask[:, None, :, None].expand_as(got)
@@ -169,7 +169,7 @@ def test_recomputed_passes_drop_the_same_probabilities_in_backward(monkeypatch):
         ({"gamma": torch.ones(2)}, ValueError, r"gamma must be shaped \(heads,\) = \(3,\)"),
         ({"gamma": [1.0, 1.0, 1.0]}, TypeError, "gamma must be a torch.Tensor"),
         ({"gamma": torch.ones(3, dtype=torch.long)}, TypeError, "gamma must be a floating-point tensor"),
-        ({"method": "mean"}, ValueError, "unknown Linformer projection method 'mean'"),
+        ({"projection": "mean"}, ValueError, "unknown Linformer projection 'mean'"),
         ({"e_proj": None}, ValueError, "the learned projection needs e_proj"),
         ({"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
         ({"key_padding_mask": torch.ones(2, 5)}, ValueError, "key_padding_mask must be shaped"),
@@ -182,6 +182,25 @@ def test_the_op_refuses_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         linformer_hybrid_attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("op", [linformer_hybrid_attention, linformer_hybrid_reference])
+def test_the_old_keywords_method_and_window_still_work_with_a_future_warning_until_0_3_0(op):
+    q, k, v = _qkv(n=16)
+    gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
+    want = op(q, k, v, None, None, gamma, WINDOW, projection="pool", pool_stride=4)
+    with pytest.warns(FutureWarning, match=r"method= is renamed projection=; .* goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match=r"window= is renamed pool_stride=; .* goes away in 0\.3\.0"):
+            got = op(q, k, v, None, None, gamma, WINDOW, method="pool", window=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("old", "new"), [("method", "projection"), ("window", "pool_stride")])
+def test_an_old_keyword_beside_its_new_name_is_a_type_error(old, new):
+    q, k, v = _qkv(n=16)
+    both = {"projection": "pool", "pool_stride": 4, old: {"method": "pool", "window": 4}[old]}
+    with pytest.raises(TypeError, match=f"got both {old}= and {new}=; pass only {new}="):
+        linformer_hybrid_attention(q, k, v, None, None, torch.ones(3, dtype=torch.float64), WINDOW, **both)
 
 
 # -- the GPU form (batched projections, the GPU's pass budget), named on the CPU
@@ -199,15 +218,15 @@ def _gpu_form(monkeypatch):
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("method,shape,window", LINFORMER_PROJECTIONS)
-def test_hybrid_gpu_form_equals_the_reference_gradients_included(monkeypatch, sinks, method, shape, window):
+@pytest.mark.parametrize("projection,shape,pool_stride", LINFORMER_PROJECTIONS)
+def test_hybrid_gpu_form_equals_the_reference_gradients_included(monkeypatch, sinks, projection, shape, pool_stride):
     _gpu_form(monkeypatch)
     q, k, v = (x.double().detach().requires_grad_() for x in _qkv_leaves(n=32))
     g = torch.Generator().manual_seed(1)
     e, f = (None if shape is None else torch.randn(shape, generator=g).double().requires_grad_() for _ in range(2))
     gamma = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
     mask = padding_left_right(2, 32)
-    kwargs = dict(method=method, window=window, key_padding_mask=mask, sinks=sinks)
+    kwargs = dict(projection=projection, pool_stride=pool_stride, key_padding_mask=mask, sinks=sinks)
     got = linformer_hybrid_attention(q, k, v, e, f, gamma, 4, **kwargs)
     want = linformer_hybrid_reference(q, k, v, e, f, gamma, 4, **kwargs)
     real = mask[:, None, :, None].expand_as(got)

@@ -91,11 +91,11 @@ def test_linformer_reference_pool_and_conv_are_pytorch_pooling_and_convolution()
     back = lambda x: x.transpose(1, 2).reshape(2, 2, 3, 8)  # noqa: E731
     kp, vp = back(F.avg_pool1d(flat(k), 4)), back(F.avg_pool1d(flat(v), 4))
     expected = torch.softmax(q @ kp.mT / 8**0.5, -1) @ vp
-    torch.testing.assert_close(linformer_reference(q, k, v, None, method="pool", window=4), expected)
+    torch.testing.assert_close(linformer_reference(q, k, v, None, projection="pool", pool_stride=4), expected)
     wk, wv = (torch.randn(8, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
     kp, vp = back(F.conv1d(flat(k), wk, stride=4)), back(F.conv1d(flat(v), wv, stride=4))
     expected = torch.softmax(q @ kp.mT / 8**0.5, -1) @ vp
-    torch.testing.assert_close(linformer_reference(q, k, v, wk, wv, method="conv", window=4), expected)
+    torch.testing.assert_close(linformer_reference(q, k, v, wk, wv, projection="conv", pool_stride=4), expected)
 
 
 @pytest.mark.parametrize("padding", PADDINGS)
@@ -173,8 +173,8 @@ def test_references_give_real_tokens_the_same_outputs_with_any_padding(padding):
         lambda q, k, v, m: favor_reference(q, k, v, w, key_padding_mask=m),
         lambda q, k, v, m: favor_reference(q, k, v, w, causal=True, key_padding_mask=m, kernel="relu"),
         lambda q, k, v, m: linformer_reference(q, k, v, e, key_padding_mask=m),
-        lambda q, k, v, m: linformer_reference(q, k, v, None, method="pool", window=3, key_padding_mask=m),
-        lambda q, k, v, m: linformer_reference(q, k, v, conv, method="conv", window=3, key_padding_mask=m),
+        lambda q, k, v, m: linformer_reference(q, k, v, None, projection="pool", pool_stride=3, key_padding_mask=m),
+        lambda q, k, v, m: linformer_reference(q, k, v, conv, projection="conv", pool_stride=3, key_padding_mask=m),
         lambda q, k, v, m: causal_linformer_reference(q, k, v, e, key_padding_mask=m),
         lambda q, k, v, m: local_reference(q, k, v, 4, causal=False, key_padding_mask=m),
     ]
@@ -249,12 +249,12 @@ def test_linformer_attention_equals_its_reference(projection, padding):
 
 
 @pytest.mark.parametrize("padding", PADDINGS)
-@pytest.mark.parametrize("method", ["pool", "conv"])
-def test_linformer_pool_and_conv_equal_their_reference(method, padding):
+@pytest.mark.parametrize("projection", ["pool", "conv"])
+def test_linformer_pool_and_conv_equal_their_reference(projection, padding):
     mask = _mask(padding)
     weight = torch.randn(8, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6)) / 3
-    proj = weight if method == "conv" else None
-    kwargs = dict(method=method, window=3, key_padding_mask=mask)  # 11 positions: a short last window
+    proj = weight if projection == "conv" else None
+    kwargs = dict(projection=projection, pool_stride=3, key_padding_mask=mask)  # 11 positions: a short last window
     _agree(
         lambda q, k, v: linformer_attention(q, k, v, proj, **kwargs),
         lambda q, k, v: linformer_reference(q, k, v, proj, **kwargs),
