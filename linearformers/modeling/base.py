@@ -170,11 +170,11 @@ class LinearAttention(nn.Module):
     """Self-attention: q/k/v projections, the family's global kernel on the first heads, optional local
     windowed softmax heads on the last ``num_local_heads``, and the output projection ``o_proj``.
 
-    A family subclasses it and writes ``global_attention``; ``kernel_name`` names that kernel in messages.
+    A family subclasses it and writes ``global_attention``; ``attention_name`` names that attention in messages.
     PEFT LoRA targets: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and ``up_proj``, ``down_proj`` in the MLP).
     """
 
-    kernel_name = "linear attention"
+    attention_name = "linear attention"
     # the tensors this module adds to a converted model (NewTensor); a family's attention extends the table
     new_tensors: ClassVar[dict[str, NewTensor]] = {"relative_bias": NewTensor(start="zeros")}
 
@@ -343,12 +343,12 @@ class MaskedLMHead(nn.Module):
         return self.decoder(self.LayerNorm(self.act(self.dense(hidden_states))))
 
 
-def _family_kernel(model: LinearAttentionPreTrainedModel) -> str:
+def _attention_in_words(model: LinearAttentionPreTrainedModel) -> str:
     """The attention a model builds, in words, for messages."""
-    kernel = model.attention_class.kernel_name
+    words = model.attention_class.attention_name
     if model.config.num_local_heads:
-        kernel += f" with {model.config.num_local_heads} local windowed-softmax head(s)"
-    return kernel
+        words += f" with {model.config.num_local_heads} local windowed-softmax head(s)"
+    return words
 
 
 class LinearAttentionPreTrainedModel(PreTrainedModel):
@@ -394,14 +394,14 @@ class LinearAttentionPreTrainedModel(PreTrainedModel):
         if name not in SOFTMAX_ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation={attn_implementation!r} is not a value {type(self).__name__} accepts: its "
-                f"attention is {_family_kernel(self)}, chosen by the config, not a softmax kernel that "
+                f"attention is {_attention_in_words(self)}, chosen by the config, not a softmax kernel that "
                 f"transformers can swap. Leave attn_implementation out (or pass one of "
                 f"{', '.join(SOFTMAX_ATTN_IMPLEMENTATIONS)}, which are recorded and change nothing)."
             )
         if name != "eager":
             logger.warning_once(
                 f"attn_implementation={attn_implementation!r} is recorded but not used: this model runs "
-                f"{_family_kernel(self)}. Linear attention never forms the n x n softmax attention that "
+                f"{_attention_in_words(self)}. Linear attention never forms the n x n softmax attention that "
                 "sdpa / flash / flex attention compute; outputs, speed and memory are those of the linear kernels."
             )
         return attn_implementation
@@ -983,8 +983,8 @@ class LinearAttentionForCausalLM(LinearAttentionPreTrainedModel, GenerationMixin
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -43,7 +43,7 @@ class LinformerAttention(LinearAttention):
     rest, in one softmax, the window weighted by gamma = exp(``window_balance``), a parameter (global heads,) that
     starts at 0. Without a hybrid_window the layer has no ``window_balance``."""
 
-    kernel_name = "Linformer's E/F projections"
+    attention_name = "Linformer's E/F projections"
     new_tensors = {
         **LinearAttention.new_tensors,
         "e_proj": NewTensor(start="window_means", projection=True),

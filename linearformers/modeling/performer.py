@@ -76,7 +76,7 @@ class PerformerAttention(LinearAttention):
     # (all-MiniLM-L6-v2 after 300 transfer steps: k·a + b within -6.0 .. 6.2, std about 1, on held-out text)
     KEY_SCALE_BOUND = 20.0
 
-    kernel_name = "FAVOR+ (Performer)"
+    attention_name = "FAVOR+ (Performer)"
     # all at the model's initialization: features drawn from the seed, maps as HedgehogFeatureMap starts them,
     # balances and scales at zero
     new_tensors = {

@@ -111,10 +111,10 @@ class _BlockWork:
         return self.works[r]
 
 
-def _row_max(u, keep):
+def _row_max(u, key_weights):
     """Largest exponent of each key row, -inf for padded keys."""
     top = u.amax(dim=-1, keepdim=True)
-    return top if keep is None else top.masked_fill(keep == 0, -math.inf)
+    return top if key_weights is None else top.masked_fill(key_weights == 0, -math.inf)
 
 
 def _finite_or_zero(seen):
@@ -139,11 +139,11 @@ class _RunningMax:
         self.seen = torch.full((1, rows, 1, 1), -math.inf, dtype=torch.float32, device=kv.device)
         self.offset = torch.zeros_like(self.seen)  # taken off by the GEMM: the maximum, or 0 while no real key
 
-    def __call__(self, u, keep):
+    def __call__(self, u, key_weights):
         """u: a block's exponents minus the current offset. Moves the offset when the block changes the maximum
         (on CPU only then: most blocks do not, and the GEMM already took the offset off). The walk hands the new
         offset to each block's work space before its GEMM."""
-        seen = torch.maximum(self.seen, _row_max(u, keep).amax(dim=-2, keepdim=True) + self.offset)
+        seen = torch.maximum(self.seen, _row_max(u, key_weights).amax(dim=-2, keepdim=True) + self.offset)
         offset = _finite_or_zero(seen)
         if u.device.type != "cpu" or bool((offset != self.offset).any()):
             u.sub_(offset - self.offset)
@@ -157,7 +157,7 @@ class FavorBidirectional(torch.autograd.Function):
     extra memory O(rows m) per head instead of O(n m), in buffers reused block after block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, rows):
+    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, rows):
         phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
         m = w.shape[0]
@@ -169,7 +169,7 @@ class FavorBidirectional(torch.autograd.Function):
             wr = work(rows)
             if shift is not None:
                 wr.set_offset(shift.offset)
-            pk, va, _ = wr.keys(phi, k, v, keep, rows, 1, shift)
+            pk, va, _ = wr.keys(phi, k, v, key_weights, rows, 1, shift)
             kv.baddbmm_(pk[0].transpose(1, 2), va[0])
         offset = None if shift is None else shift.offset
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
@@ -180,7 +180,7 @@ class FavorBidirectional(torch.autograd.Function):
             den_r = num[..., -1:].clamp_min(_TINY)
             _from_chunks(den_r, den[:, :, rows])
             _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
-        ctx.save_for_backward(q, k, v, w, keep, kv, out, den, offset)
+        ctx.save_for_backward(q, k, v, w, key_weights, kv, out, den, offset)
         ctx.settings = (kernel, scale, eps, block)
         return out.to(v.dtype)
 
@@ -188,7 +188,7 @@ class FavorBidirectional(torch.autograd.Function):
     @once_differentiable  # backward is hand-written with in-place ops: a second derivative is refused, not wrong
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
-        q, k, v, w, keep, kv, out, den, offset = ctx.saved_tensors
+        q, k, v, w, key_weights, kv, out, den, offset = ctx.saved_tensors
         kernel, scale, eps, block = ctx.settings
         phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
         b, h, n, d = q.shape
@@ -209,9 +209,9 @@ class FavorBidirectional(torch.autograd.Function):
             wr = work(rows)
             if offset is not None:
                 wr.set_offset(offset)
-            pk, va, keep_r = wr.keys(phi, k, v, keep, rows, 1)
+            pk, va, key_weights_r = wr.keys(phi, k, v, key_weights, rows, 1)
             dv_r = torch.matmul(pk, dkv[..., :-1], out=wr.scratch[:1])
-            _from_chunks(dv_r if keep_r is None else dv_r.mul_(keep_r), dv[:, :, rows])
+            _from_chunks(dv_r if key_weights_r is None else dv_r.mul_(key_weights_r), dv[:, :, rows])
             dphi = torch.matmul(va, dkv.transpose(-1, -2), out=wr.dphi[:1])
             dk_r = phi.grad_into(dphi, pk, wr.xk[:1], wr.dx[:1], False)[..., :d]
             _from_chunks(dk_r, dk[:, :, rows])
@@ -265,7 +265,7 @@ class _Work:
         """Take (b h,) key offsets (log2 units) off every key exponent from now on, inside the feature GEMM."""
         self.xk[..., self.d + 2] = offset.view(1, -1, 1)
 
-    def keys(self, phi, k, v, keep, rows, nc, adjust=None):
+    def keys(self, phi, k, v, key_weights, rows, nc, adjust=None):
         """phi(k) (padded keys zeroed), [v, 1] (padded rows zeroed) and the chunk-major mask for one block.
         ``adjust``: see _FeatureMap.into; called as adjust(exponents, mask)."""
         d = self.d
@@ -273,24 +273,24 @@ class _Work:
         if phi.kernel != "relu":
             xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
             xk[..., d : d + 1] *= -0.5 * phi.scale
-        keep_r = None if keep is None else self.chunks(keep, rows, nc)
+        key_weights_r = None if key_weights is None else self.chunks(key_weights, rows, nc)
 
         def exponents(u):
             if adjust is not None:
-                adjust(u, keep_r)
-            if keep_r is not None:  # before exp2: a padded key may sit far above the real keys' offset (inf x 0)
-                u.masked_fill_(keep_r == 0, -math.inf)
+                adjust(u, key_weights_r)
+            if key_weights_r is not None:  # before exp2: a padded key may sit far above the real keys' offset (inf x 0)
+                u.masked_fill_(key_weights_r == 0, -math.inf)
 
         pk = phi.into(xk, self.pk[:nc], False, exponents)
         va = self.load(self.va, v, rows, nc)
-        if keep is not None:
+        if key_weights is not None:
             if phi.kernel == "relu":  # bounded features: zeroed after the map
-                pk.mul_(keep_r)
-            va[..., :d].mul_(keep_r)
-            va[..., d:] = keep_r
+                pk.mul_(key_weights_r)
+            va[..., :d].mul_(key_weights_r)
+            va[..., d:] = key_weights_r
         else:
             va[..., d] = 1
-        return pk, va, keep_r
+        return pk, va, key_weights_r
 
     def queries(self, phi, q, rows, nc):
         return phi.into(self.load(self.xq, q, rows, nc), self.pq[:nc], True)

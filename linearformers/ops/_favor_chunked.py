@@ -50,8 +50,8 @@ Bidirectional (``FavorBidirectionalChunked``): the same parts with one chunk, th
 keep), a fixed number of ops and no data-dependent branch.
 
 Precomputed features (``kernel="features"``): q and k are already phi_q, phi_k (b, h, n, m), nonnegative, and w is
-None (scale and eps are ignored). Forward is the same from the features on (padded keys: phi_k times keep); backward
-returns d(phi_q), d(phi_k), dv and dS_0, with no feature-map chain rule.
+None (scale and eps are ignored). Forward is the same from the features on (padded keys: phi_k times key_weights);
+backward returns d(phi_q), d(phi_k), dv and dS_0, with no feature-map chain rule.
 
 Keys of large norm: at offset 0 their features underflow (as in the native walk), so forward counts the positions whose
 every visible key underflowed (``lost``) and favor_attention redoes such calls with :func:`favor_causal_offsets`:
@@ -82,10 +82,10 @@ DEFAULT_CHUNK = 64  # see the module docstring: per-chunk states n m (d + 1) / C
 _TINY = 1e-30
 
 
-def _features(x, w, scale, kernel, eps, *, is_query, keep=None):
-    """phi(x) (b, h, n, m) in w's dtype: the maps of :mod:`feature_maps`; padded keys (keep == 0) get exponent -inf
-    before the exp (softmax) or features 0 (relu)."""
-    mask = None if keep is None or is_query else keep[:, 0, :, 0] > 0
+def _features(x, w, scale, kernel, eps, *, is_query, key_weights=None):
+    """phi(x) (b, h, n, m) in w's dtype: the maps of :mod:`feature_maps`; padded keys (key_weights == 0) get exponent
+    -inf before the exp (softmax) or features 0 (relu)."""
+    mask = None if key_weights is None or is_query else key_weights[:, 0, :, 0] > 0
     phi = random_features(x, w, is_query=is_query, kernel=kernel, scale=scale, eps=eps, key_padding_mask=mask)
     return phi.to(w.dtype)
 
@@ -99,19 +99,21 @@ def _chunked(x, c):
     return x.unflatten(2, (-1, c))
 
 
-def _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work):
+def _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work):
     """Chunked phi(q), phi(k) (padded keys zeroed) and V = [v, 1] (padded rows 0) in ``work`` (float32, or float64),
     (b, h, nc, c, .). ``kernel="features"``: q and k are the features already."""
     if kernel == "features":
         pq = q.to(work)
-        pk = k.to(work) if keep is None else k.to(work) * keep  # a new tensor: the caller's features stay as given
+        pk = (
+            k.to(work) if key_weights is None else k.to(work) * key_weights
+        )  # a new tensor: the caller's features stay as given
     else:
         pq = _features(q, w, scale, kernel, eps, is_query=True)
-        pk = _features(k, w, scale, kernel, eps, is_query=False, keep=keep)
+        pk = _features(k, w, scale, kernel, eps, is_query=False, key_weights=key_weights)
     vf = v.to(work)
     va = torch.cat([vf, torch.ones_like(vf[..., :1])], -1)
-    if keep is not None:
-        va = va.mul_(keep)
+    if key_weights is not None:
+        va = va.mul_(key_weights)
     return _chunked(_pad(pq, pad), c), _chunked(_pad(pk, pad), c), _chunked(_pad(va, pad), c)
 
 
@@ -123,34 +125,34 @@ def _prefix_states(pk, va, s0, mm=torch.matmul):
     return prefix
 
 
-def _lost_positions(den, keep):
+def _lost_positions(den, key_weights):
     """Positions (over batch and heads) that see a real key yet have a denominator of 0 (every visible key
     underflowed at offset 0). A 0-dim tensor: no host sync here."""
     lost = den <= _TINY
-    if keep is not None:
-        lost = lost & (keep.cumsum(2) > 0)
+    if key_weights is not None:
+        lost = lost & (key_weights.cumsum(2) > 0)
     return lost.sum()
 
 
 class FavorCausalChunked(torch.autograd.Function):
     """Causal FAVOR+ over all chunks at once (see the module docstring). Inputs: q, k, v (b, h, n, d) any float
-    dtype; w (m, d) float32; keep (b, 1, n, 1) float or None; the kernel ("softmax", "relu", or "features": q and k
-    are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored), scale, eps, chunk C;
-    s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
+    dtype; w (m, d) float32; key_weights (b, 1, n, 1) float or None; the kernel ("softmax", "relu", or "features": q
+    and k are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored), scale, eps,
+    chunk C; s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
     S (b, h, m, d), z (b, h, m), lost): the final state at offset 0 and the lost count are not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, s0, operands=None):
+    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, chunk, s0, operands=None):
         n, d = v.shape[2:]
         work = _work_dtype(q, k, v, kernel)
         mm = _Products(operands, work)
         w = w if w is None else w.to(work)
-        keep = None if keep is None else keep.to(work)
+        key_weights = None if key_weights is None else key_weights.to(work)
         ctx.s0_dtype = None if s0 is None else s0.dtype
         s0 = None if s0 is None else s0.to(work)
         c = min(chunk, n)
         pad = (-n) % c
-        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
+        pq, pk, va = _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0, mm)
         scores = mm(pq, pk.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
         num = mm(scores, va)  # (b, h, nc, c, d + 1)
@@ -162,11 +164,11 @@ class FavorCausalChunked(torch.autograd.Function):
         num = num.flatten(2, 3)[:, :, :n]
         den = num[..., d:].clamp_min(_TINY)
         out = num[..., :d] / den
-        lost = _lost_positions(den, keep)
+        lost = _lost_positions(den, key_weights)
         final = prefix[:, :, -1]
         state_s, state_z = final[..., :d].contiguous(), final[..., d].contiguous()
         ctx.settings = (kernel, scale, eps, c, pad, operands)
-        ctx.save_for_backward(q, k, v, w, keep, out, den, s0)
+        ctx.save_for_backward(q, k, v, w, key_weights, out, den, s0)
         ctx.mark_non_differentiable(state_s, state_z, lost)
         return out.to(v.dtype), state_s, state_z, lost
 
@@ -174,12 +176,12 @@ class FavorCausalChunked(torch.autograd.Function):
     @once_differentiable
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
-        q, k, v, w, keep, out, den, s0 = ctx.saved_tensors
+        q, k, v, w, key_weights, out, den, s0 = ctx.saved_tensors
         kernel, scale, eps, c, pad, operands = ctx.settings
         d = v.shape[-1]
         work = out.dtype
         mm = _Products(operands, work)
-        pq, pk, va = _prepare(q, k, v, w, keep, kernel, scale, eps, c, pad, work)
+        pq, pk, va = _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0, mm)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(work) * inv
@@ -207,8 +209,8 @@ class FavorCausalChunked(torch.autograd.Function):
         n = v.shape[2]
         d_pq, d_pk, pq, pk = (x.flatten(2, 3)[:, :, :n] for x in (d_pq, d_pk, pq, pk))
         d_va = d_va.flatten(2, 3)[:, :, :n]
-        dv = d_va[..., :d] if keep is None else d_va[..., :d] * keep
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm)
+        dv = d_va[..., :d] if key_weights is None else d_va[..., :d] * key_weights
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm)
         return dq, dk, dv.to(v.dtype), None, None, None, None, None, None, d_s0, None
 
 
@@ -233,12 +235,12 @@ def half_operands(v: torch.Tensor) -> torch.dtype | None:
     return torch.bfloat16 if v.dtype == torch.bfloat16 and v.device.type == "cuda" else None
 
 
-def _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm=torch.matmul):
+def _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm=torch.matmul):
     """dL/dq, dL/dk from the gradients of the features (overwritten), in q's and k's dtypes. "features": the
-    features were the inputs (padded keys entered as phi_k keep). Through the softmax map phi = exp(u + const),
+    features were the inputs (padded keys entered as phi_k key_weights). Through the softmax map phi = exp(u + const),
     du = dphi phi and dx = s^½ du W, less s x Σ_m du for keys (their -|x'|²/2); relu: du = dphi where u > 0."""
     if kernel == "features":
-        d_pk = d_pk if keep is None else d_pk.mul_(keep)
+        d_pk = d_pk if key_weights is None else d_pk.mul_(key_weights)
         return d_pq.to(q.dtype), d_pk.to(k.dtype)
     if kernel == "relu":  # padded keys have phi = 0 here: no gradient
         du_q, du_k = d_pq.mul_(pq > eps), d_pk.mul_(pk > eps)
@@ -258,29 +260,29 @@ def _work_dtype(q, k, v, kernel):
     return torch.promote_types(work, torch.promote_types(q.dtype, k.dtype)) if kernel == "features" else work
 
 
-def _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, work, top=None):
+def _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, work, top=None):
     """phi(q), phi(k) (padded keys 0) and [v, 1] (padded rows 0) over the whole sequence, and the key offset: for
     the softmax map, keys are taken relative to the largest real key exponent of their (batch, head), a constant
     that cancels in N / D (keys of large norm would underflow at offset 0; no causality to keep here)."""
     if kernel == "features":  # queries and keys may differ in length here: no chunking of either
         pq = q.to(work)
-        pk = k.to(work) if keep is None else k.to(work) * keep
+        pk = k.to(work) if key_weights is None else k.to(work) * key_weights
     elif kernel == "relu":
         pq = _features(q, w, scale, kernel, eps, is_query=True)
-        pk = _features(k, w, scale, kernel, eps, is_query=False, keep=keep)
+        pk = _features(k, w, scale, kernel, eps, is_query=False, key_weights=key_weights)
     else:
         pq = _features(q, w, scale, kernel, eps, is_query=True)
         u = _key_exponents(k, w, scale)
-        if keep is not None:
-            u = u.masked_fill_(keep == 0, -math.inf)
+        if key_weights is not None:
+            u = u.masked_fill_(key_weights == 0, -math.inf)
         if top is None:
             top = u.amax(dim=(-1, -2), keepdim=True)
             top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no real key: offset 0
         pk = u.sub_(top).exp_()
     vf = v.to(work)
     va = torch.cat([vf, torch.ones_like(vf[..., :1])], -1)
-    if keep is not None:
-        va = va.mul_(keep)
+    if key_weights is not None:
+        va = va.mul_(key_weights)
     return pq, pk, va, top
 
 
@@ -293,29 +295,29 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     _favor_blockwise holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, operands=None):
+    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, operands=None):
         d = v.shape[-1]
         work = _work_dtype(q, k, v, kernel)
         mm = _Products(operands, work)
         w = w if w is None else w.to(work)
-        keep = None if keep is None else keep.to(work)
-        pq, pk, va, top = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, work)
+        key_weights = None if key_weights is None else key_weights.to(work)
+        pq, pk, va, top = _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, work)
         num = mm(pq, mm(pk.transpose(-1, -2), va))
         den = num[..., d:].clamp_min(_TINY)
         out = num[..., :d] / den
         ctx.settings = (kernel, scale, eps, operands)
-        ctx.save_for_backward(q, k, v, w, keep, out, den, top)
+        ctx.save_for_backward(q, k, v, w, key_weights, out, den, top)
         return out.to(v.dtype)
 
     @staticmethod
     @once_differentiable
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
-        q, k, v, w, keep, out, den, top = ctx.saved_tensors
+        q, k, v, w, key_weights, out, den, top = ctx.saved_tensors
         kernel, scale, eps, operands = ctx.settings
         d = v.shape[-1]
         mm = _Products(operands, out.dtype)
-        pq, pk, va, _ = _bidirectional_features(q, k, v, w, keep, kernel, scale, eps, out.dtype, top)
+        pq, pk, va, _ = _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, out.dtype, top)
         kv = mm(pk.transpose(-1, -2), va)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(out.dtype) * inv
@@ -324,8 +326,8 @@ class FavorBidirectionalChunked(torch.autograd.Function):
         d_pq = mm(ga, kv.transpose(-1, -2))
         d_pk = mm(va, d_kv.transpose(-1, -2))
         dv = mm(pk, d_kv[..., :d])
-        dv = dv if keep is None else dv.mul_(keep)
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, keep, kernel, scale, eps, mm)
+        dv = dv if key_weights is None else dv.mul_(key_weights)
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm)
         return dq, dk, dv.to(v.dtype), None, None, None, None, None, None
 
 
@@ -364,16 +366,17 @@ def _decay(levels):
     return (levels[..., None, :] - levels[..., :, None]).masked_fill_(upper, -math.inf).exp_()
 
 
-def favor_causal_offsets(q, k, v, w, keep, scale, chunk=None, initial_state=None):
+def favor_causal_offsets(q, k, v, w, key_weights, scale, chunk=None, initial_state=None):
     """Causal FAVOR+ (softmax kernel) with each position's keys taken relative to the prefix maximum M_t of the key
     exponents, for keys of large norm whose features underflow at offset 0 and for continued prefills: the math of
     favor._causal_stabilized, batched over all chunks (see the module docstring), so the number of dispatched ops
     does not depend on n. Every factor exp(.) taken is at most 1, and M_t reads nothing past t.
 
-    Args: q, k, v (b, h, n, d) of one float dtype; w (m, d) the projection; keep (b, 1, n, 1) float (1 real, 0
-    padded) or None; scale; chunk C (None: DEFAULT_CHUNK), raised by :func:`offsets_chunk` so there are at most 128
-    chunks; initial_state (S (b, h, m, d), z (b, h, m), M (b, h)) or None: the true sums are exp(M) S and exp(M) z;
-    it enters at its level log max z + M (an empty state, z = 0, counts as none), which every M_t is then at least.
+    Args: q, k, v (b, h, n, d) of one float dtype; w (m, d) the random features; key_weights (b, 1, n, 1) float
+    (1 real, 0 padded) or None; scale; chunk C (None: DEFAULT_CHUNK), raised by :func:`offsets_chunk` so there are at
+    most 128 chunks; initial_state (S (b, h, m, d), z (b, h, m), M (b, h)) or None: the true sums are exp(M) S and
+    exp(M) z; it enters at its level log max z + M (an empty state, z = 0, counts as none), which every M_t is then at
+    least.
 
     Computes in float32 (float64 for float64 v), plain autograd: gradients reach q, k, v and S, z (and M) of the
     initial state. A position that sees no real key (and no state) outputs 0 and passes no gradient. Returns
@@ -389,10 +392,10 @@ def favor_causal_offsets(q, k, v, w, keep, scale, chunk=None, initial_state=None
 
     u = _key_exponents(k, w, scale)  # (b, h, n, m), <= 0
     va = torch.cat([v.to(work), torch.ones_like(v[..., :1], dtype=work)], -1)  # [v, 1]: N and D from one product
-    if keep is not None:
-        keep = keep.to(work)
-        u = u.masked_fill(keep == 0, -math.inf)  # before the exp: a padded key may sit far above the real ones
-        va = va * keep
+    if key_weights is not None:
+        key_weights = key_weights.to(work)
+        u = u.masked_fill(key_weights == 0, -math.inf)  # before the exp: a padded key may sit far above the real ones
+        va = va * key_weights
     top = torch.cummax(u.detach().amax(-1), dim=-1).values  # M_t (b, h, n), -inf before the first real key
     if initial_state is None:
         start = top.new_full((b, h), _NOTHING)

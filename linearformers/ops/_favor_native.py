@@ -23,15 +23,15 @@ class FavorCausalNative(torch.autograd.Function):
     queries whose every visible key underflowed at offset 0), the last three not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, keep, kernel, scale, eps, chunk, block_chunks=None):
+    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, chunk, block_chunks=None):
         n = v.shape[2]
         pad = (-n) % chunk
-        qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+        qf, kf, vf, key_weights_2d = _native_inputs(q, k, v, key_weights, pad)
         out, den, starts, zstarts, s_final, z_final, lost, per_block = native_forward(
-            qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, n, block_chunks
+            qf, kf, vf, w.float(), key_weights_2d, kernel, scale, eps, chunk, n, block_chunks
         )
         ctx.settings = (kernel, scale, eps, chunk, pad, per_block)
-        ctx.save_for_backward(q, k, v, w, keep, out, den, starts, zstarts)
+        ctx.save_for_backward(q, k, v, w, key_weights, out, den, starts, zstarts)
         ctx.mark_non_differentiable(s_final, z_final, lost)
         return out[:, :, :n].to(v.dtype), s_final, z_final, lost
 
@@ -39,25 +39,27 @@ class FavorCausalNative(torch.autograd.Function):
     @once_differentiable  # backward is hand-written: a second derivative is refused, not wrong
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
-        q, k, v, w, keep, out, den, starts, zstarts = ctx.saved_tensors
+        q, k, v, w, key_weights, out, den, starts, zstarts = ctx.saved_tensors
         kernel, scale, eps, chunk, pad, per_block = ctx.settings
         n = v.shape[2]
-        qf, kf, vf, keep2 = _native_inputs(q, k, v, keep, pad)
+        qf, kf, vf, key_weights_2d = _native_inputs(q, k, v, key_weights, pad)
         gf = _pad_rows(g.float(), pad).contiguous()
         dq, dk, dv = native_backward(
-            qf, kf, vf, w.float(), keep2, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
+            qf, kf, vf, w.float(), key_weights_2d, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
         )
         grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _native_inputs(q, k, v, keep, pad):
-    """float32, contiguous, padded to a whole number of chunks; keep as (b, n) floats, None when all real."""
+def _native_inputs(q, k, v, key_weights, pad):
+    """float32, contiguous, padded to a whole number of chunks; key_weights as (b, n) floats, None when all real."""
     qf, kf, vf = (_pad_rows(t.float(), pad).contiguous() for t in (q, k, v))
-    if pad and keep is None:
-        keep = torch.ones(v.shape[0], 1, v.shape[2], 1, device=v.device)
-    keep2 = None if keep is None else torch.nn.functional.pad(keep[:, 0, :, 0].float(), (0, pad)).contiguous()
-    return qf, kf, vf, keep2
+    if pad and key_weights is None:
+        key_weights = torch.ones(v.shape[0], 1, v.shape[2], 1, device=v.device)
+    key_weights_2d = (
+        None if key_weights is None else torch.nn.functional.pad(key_weights[:, 0, :, 0].float(), (0, pad)).contiguous()
+    )
+    return qf, kf, vf, key_weights_2d
 
 
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ def _block_logits(q_rows, kp, bias, scale):
     return logits
 
 
-def _dropout_keep(shape, p, seed, block, device):
+def _dropout_multiplier(shape, p, seed, block, device):
     """The dropout multiplier (0 or 1 / (1 - p)) of one query block, regenerated identically in backward."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed + block)
@@ -65,7 +65,7 @@ class SlotAttention(torch.autograd.Function):
             probs = logits.sub_(top).exp_()
             total = probs.sum(-1, keepdim=True).clamp_min_(1e-30)
             if dropout_p > 0:
-                probs.mul_(_dropout_keep(probs.shape, dropout_p, seed, index, q.device))
+                probs.mul_(_dropout_multiplier(probs.shape, dropout_p, seed, index, q.device))
             out[:, :, block] = torch.matmul(probs, vp).div_(total)
             lse[:, :, block] = total.log_().add_(top)
         ctx.save_for_backward(q, kp, vp, bias, out, lse)
@@ -87,9 +87,9 @@ class SlotAttention(torch.autograd.Function):
             probs = _block_logits(q_rows, kp, bias, scale).sub_(lse[:, :, block]).exp_()
             dprobs = torch.matmul(g_rows, vp.transpose(-1, -2))
             if dropout_p > 0:
-                keep = _dropout_keep(probs.shape, dropout_p, seed, index, q.device)
-                dvp.add_(torch.matmul((probs * keep).transpose(-1, -2), g_rows))
-                dprobs.mul_(keep)
+                multiplier = _dropout_multiplier(probs.shape, dropout_p, seed, index, q.device)
+                dvp.add_(torch.matmul((probs * multiplier).transpose(-1, -2), g_rows))
+                dprobs.mul_(multiplier)
             else:
                 dvp.add_(torch.matmul(probs.transpose(-1, -2), g_rows))
             # rowsum(P ⊙ dP) = rowsum(g ⊙ out), dropout included

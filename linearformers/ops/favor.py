@@ -19,6 +19,11 @@ norm the recurrent decoding state needs no rescaling. Keys of large norm (|k| sc
 features underflow float32 at this offset, are taken relative to a maximum of earlier key exponents instead:
 a running one (bidirectional), a prefix one per position (causal; rare calls only), and the decoding state's
 offset M (see favor_step).
+
+The random features. Every function here takes them as ``projection``: the matrix W (num_features m, head_dim)
+drawn by :func:`feature_maps.draw_random_features`, whose rows w_i are the random directions above (a Performer
+keeps it as its ``random_features`` buffer). The code calls it ``w`` once it is in the compute dtype. It is a
+fixed draw: the ops do not differentiate through it.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def favor_features(
     phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
     ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
     :func:`feature_maps.relu_features`), the same map for queries and keys; x' = x * scale**0.5.
+    ``projection``: the random features W (num_features, head_dim) drawn by :func:`draw_random_features`.
     """
     features = random_features(x, projection, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps)
     return features.to(compute_dtype(x))
@@ -82,8 +88,8 @@ def _masked_inputs(
     v = v.to(phi_k.dtype)
     if key_padding_mask is None:
         return phi_k, v
-    keep = key_padding_mask[:, None, :, None]
-    return phi_k * keep, v * keep
+    key_weights = key_padding_mask[:, None, :, None]
+    return phi_k * key_weights, v * key_weights
 
 
 def _check_favor_args(q, k, v, projection, key_padding_mask, kernel, *, causal: bool) -> torch.Tensor | None:
@@ -113,7 +119,8 @@ def favor_backend(
 ) -> str:
     """The backend :func:`favor_attention` runs for these arguments, one of ``backends.BACKENDS``: the name it
     dispatches on, so asking this is how a test, a benchmark or a user learns which code a call takes. A named
-    backend that cannot run the call raises the ValueError the call would.
+    backend that cannot run the call raises the ValueError the call would. ``projection``: the random features
+    (num_features, head_dim) drawn by :func:`draw_random_features`, as :func:`favor_attention` takes them.
 
     Continued prefills (``initial_state``) run "chunked" whatever is named: the state's offset M needs the chunked
     form with per-position offsets. One choice depends on the data and shows only after the call: a causal
@@ -161,7 +168,8 @@ def favor_attention(
 
     Args:
         q, k, v: (batch, heads, length, head_dim).
-        projection: (num_features, head_dim) random features from :func:`draw_random_features`.
+        projection: the random features W (num_features, head_dim) drawn by :func:`draw_random_features` (a
+            Performer's ``random_features`` buffer): a fixed draw, not differentiated through.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
         chunk_size: causal chunk C; None: 64 for the chunked backend (see _favor_chunked) and the Triton kernels, 32
@@ -210,18 +218,20 @@ def favor_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = projection.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
-    keep = None if mask is None else mask[:, None, :, None].float()
+    key_weights = None if mask is None else mask[:, None, :, None].float()
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
-        return FavorBidirectional.apply(q, k, v, w, keep, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK)
+        return FavorBidirectional.apply(
+            q, k, v, w, key_weights, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK
+        )
     if not causal and chosen == "triton":  # both products with the feature maps computed inside the kernels
         mask_f = None if mask is None else mask.float()
         return triton_bidirectional_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk_size or TRITON_CHUNK)
     if not causal:
-        return FavorBidirectionalChunked.apply(q, k, v, w, keep, kernel, scale, kernel_eps, half_operands(v))
+        return FavorBidirectionalChunked.apply(q, k, v, w, key_weights, kernel, scale, kernel_eps, half_operands(v))
     if state_in:
         initial_state = _unpack_state(initial_state, q, v, w)
         if kernel == "softmax":  # offsets per position, continuing from the state's own
-            out, state = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size, initial_state)
+            out, state = favor_causal_offsets(q, k, v, w, key_weights, scale, chunk_size, initial_state)
         else:  # ReLU features need no offset: the chunked backend takes the state as true sums (offset 0)
             s0, z0 = _at_offset_zero(initial_state)
             out, s, z, _ = FavorCausalChunked.apply(
@@ -229,7 +239,7 @@ def favor_attention(
                 k,
                 v,
                 w,
-                keep,
+                key_weights,
                 kernel,
                 scale,
                 kernel_eps,
@@ -242,18 +252,20 @@ def favor_attention(
     if chosen == "native":
         chunk = chunk_size or NATIVE_CHUNK
         block_chunks = None if block_size is None else max(1, block_size // chunk)
-        out, s, z, lost = FavorCausalNative.apply(q, k, v, w, keep, kernel, scale, kernel_eps, chunk, block_chunks)
+        out, s, z, lost = FavorCausalNative.apply(
+            q, k, v, w, key_weights, kernel, scale, kernel_eps, chunk, block_chunks
+        )
     elif chosen == "triton":  # the feature maps computed inside the kernels
         mask_f = None if mask is None else mask.float()
         chunk = chunk_size or TRITON_CHUNK
         out, s, z, lost = triton_causal_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk, None, None)
     else:
         out, s, z, lost = FavorCausalChunked.apply(
-            q, k, v, w, keep, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)
+            q, k, v, w, key_weights, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)
         )
     state = (s, z, s.new_zeros(s.shape[:2]))  # both run at offset M = 0
     if kernel == "softmax":
-        out, state = _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size)
+        out, state = _redone_if_lost(lost, out, state, q, k, v, w, key_weights, scale, chunk_size)
     return (out, state) if return_state else out
 
 
@@ -270,7 +282,7 @@ class _DenseGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size):
+def _redone_if_lost(lost, out, state, q, k, v, w, key_weights, scale, chunk_size):
     """(out, state) of a causal softmax call, redone with per-position offsets (favor_causal_offsets) when it lost
     positions: keys of large norm whose every feature underflowed at offset 0. Eagerly, one host sync per call reads
     the count; under torch.compile the choice is a ``torch.cond`` on the device, so the graph does not break and
@@ -278,7 +290,7 @@ def _redone_if_lost(lost, out, state, q, k, v, w, keep, scale, chunk_size):
 
     def redo(q, k, v, w, *_):
         q, k, v = (_DenseGrad.apply(t) for t in (q, k, v))
-        redone, (s, z, m) = favor_causal_offsets(q, k, v, w, keep, scale, chunk_size)
+        redone, (s, z, m) = favor_causal_offsets(q, k, v, w, key_weights, scale, chunk_size)
         # dense and alias-free, as torch.cond wants its branches' outputs
         return redone.contiguous(), *(t.detach().contiguous().clone() for t in (s, z, m))
 
@@ -367,8 +379,9 @@ def favor_step(
     exp(M) z; a (S, z) state means M = 0. Key features are at most 1 at offset 0 and keys of moderate norm leave
     M at 0. A key whose features would underflow there (|k| scale^½ beyond ~15) or pass 1 moves M, rescaling S and
     z by the same factor, which cancels in out_t, so such keys count in decoding as they do in
-    :func:`favor_attention`. ``key_padding_mask`` (batch, 1) drops a padded new token from the state. Returns
-    (out, (S, z, M)).
+    :func:`favor_attention`. ``projection``: the random features (num_features, head_dim) drawn by
+    :func:`draw_random_features`, the same draw as the prefill's. ``key_padding_mask`` (batch, 1) drops a padded
+    new token from the state. Returns (out, (S, z, M)).
     """
     mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=True)
     if q.shape[2] != 1:

@@ -54,7 +54,7 @@ def draw_random_features(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Draw the FAVOR+ projection W, shaped (num_features, head_dim).
+    """Draw the FAVOR+ random features W, shaped (num_features, head_dim): the ``projection`` the FAVOR+ ops take.
 
     Orthogonal random features (Choromanski et al. 2021, Section 2.4): the rows come in blocks of
     ``head_dim`` exactly orthogonal directions. Each block is Q from the QR decomposition of a Gaussian

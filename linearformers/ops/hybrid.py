@@ -255,8 +255,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     nb = (n + pad_end) // blk
     frame = 2 * blk if causal else 3 * blk
     after = blk + pad_end if not causal else pad_end
-    keep = linear[:, None, :, None].to(pk.dtype)
-    pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
+    linear_keys = linear[:, None, :, None].to(pk.dtype)
+    pk = pk * linear_keys  # padded keys and sinks leave the linear sums (and the frame scores)
     vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
     e = d + 1
     step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
@@ -457,20 +457,22 @@ def hybrid_attention(
         return out
     # the state: keys before the last w - 1 positions join (S, z); the last w - 1 stay (invalid places in front
     # when fewer came)
-    keep = window - 1
+    num_window_keys = window - 1
     total = kc.shape[2]
-    leaving = max(total - keep, 0)
+    leaving = max(total - num_window_keys, 0)
     pk_out = pkc[:, :, :leaving] * linear[:, None, :leaving, None].to(dtype)
     s_new = pk_out.transpose(-1, -2) @ vc[:, :, :leaving]
     z_new = pk_out.sum(2)
     if past is not None:
         s_new, z_new = s_new + past.s, z_new + past.z
-    k_all = torch.cat([k.new_zeros(b, h, keep, d), past.k if past else k.new_zeros(b, h, 0, d), k], 2)
-    v_all = torch.cat([v.new_zeros(b, h, keep, dv), past.v if past else v.new_zeros(b, h, 0, dv), v], 2)
+    k_all = torch.cat([k.new_zeros(b, h, num_window_keys, d), past.k if past else k.new_zeros(b, h, 0, d), k], 2)
+    v_all = torch.cat([v.new_zeros(b, h, num_window_keys, dv), past.v if past else v.new_zeros(b, h, 0, dv), v], 2)
     phi_k = phi_k * ~is_sink[:, None, :, None]  # a sink's features stay out of the linear part when it leaves
-    f_all = torch.cat([phi_k.new_zeros(b, h, keep, m), past.phi_k if past else phi_k.new_zeros(b, h, 0, m), phi_k], 2)
-    valid_all = torch.cat([valid.new_zeros(b, keep), valid], 1)
-    last = slice(valid_all.shape[1] - keep, None)
+    f_all = torch.cat(
+        [phi_k.new_zeros(b, h, num_window_keys, m), past.phi_k if past else phi_k.new_zeros(b, h, 0, m), phi_k], 2
+    )
+    valid_all = torch.cat([valid.new_zeros(b, num_window_keys), valid], 1)
+    last = slice(valid_all.shape[1] - num_window_keys, None)
     if sink is None:
         sinks_out = (k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, dv), valid.new_zeros(b, 0))
         distance = torch.zeros(b, 0, dtype=torch.long, device=q.device)

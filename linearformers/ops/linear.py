@@ -71,7 +71,7 @@ def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _keep(mask):
+def _key_weights(mask):
     """The Triton kernels' key mask: (b, n) float, 1 for real keys, or None."""
     return None if mask is None else mask.float()
 
@@ -150,29 +150,31 @@ def linear_attention(
     chosen = _chosen_backend(phi_q, phi_k, v, causal, chunk_size, initial_state, return_state, backend)
     if chosen == "reference":
         return linear_reference(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
-    keep = None if mask is None else mask[:, None, :, None].float()
+    key_weights = None if mask is None else mask[:, None, :, None].float()
     if not causal and chosen == "triton":  # named only
         return triton_bidirectional_linear(
-            phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK
+            phi_q, phi_k, v, None, _key_weights(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK
         )
     if not causal:
-        return FavorBidirectionalChunked.apply(phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, half_operands(v))
+        return FavorBidirectionalChunked.apply(
+            phi_q, phi_k, v, None, key_weights, "features", 1.0, 0.0, half_operands(v)
+        )
     if chosen == "native":
-        out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, keep, chunk_size or NATIVE_CHUNK, None)
+        out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, key_weights, chunk_size or NATIVE_CHUNK, None)
         return (out, (s, z)) if return_state else out
     s_in = z_in = None
     if initial_state is not None:
         s_in, z_in = _state(initial_state, b, h, m, d, v.device, _work_dtype(phi_q, phi_k, v))
     if chosen == "triton":
         out, s, z, _ = triton_causal_linear(
-            phi_q, phi_k, v, None, _keep(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK, s_in, z_in
+            phi_q, phi_k, v, None, _key_weights(mask), "features", 1.0, 0.0, chunk_size or TRITON_CHUNK, s_in, z_in
         )
         return (out, (s, z)) if return_state else out
     s0 = None
     if initial_state is not None:
         s0 = torch.cat([s_in, z_in[..., None]], -1)
     out, s, z, _ = FavorCausalChunked.apply(
-        phi_q, phi_k, v, None, keep, "features", 1.0, 0.0, chunk_size or DEFAULT_CHUNK, s0, half_operands(v)
+        phi_q, phi_k, v, None, key_weights, "features", 1.0, 0.0, chunk_size or DEFAULT_CHUNK, s0, half_operands(v)
     )
     return (out, (s, z)) if return_state else out
 
@@ -201,8 +203,8 @@ def linear_step(
     s0, z0 = _state(state, b, h, m, v.shape[-1], v.device, work)
     pk, vf = phi_k.to(work), v.to(work)
     if mask is not None:
-        keep = mask[:, None, :, None].to(work)
-        pk, vf = pk * keep, vf * keep
+        key_weights = mask[:, None, :, None].to(work)
+        pk, vf = pk * key_weights, vf * key_weights
     s = s0 + pk.transpose(-1, -2) @ vf
     z = z0 + pk[:, :, 0]
     pq = phi_q.to(work)

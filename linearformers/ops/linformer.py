@@ -158,8 +158,8 @@ def project_sequence(
     elif projection == "conv":
         if proj is None or proj.dim() != 3 or proj.shape != (d, d, pool_stride):
             raise ValueError(
-                f"the conv projection weight must be shaped (head_dim, head_dim, pool_stride) = ({d}, {d}, {pool_stride}), "
-                f"got {None if proj is None else tuple(proj.shape)}"
+                f"the conv projection weight must be shaped (head_dim, head_dim, pool_stride) = "
+                f"({d}, {d}, {pool_stride}), got {None if proj is None else tuple(proj.shape)}"
             )
         flat = xp.reshape(b * h, n + pad, d).transpose(1, 2)  # (b*h, d, n)
         out = F.conv1d(flat, proj.to(x.dtype), stride=pool_stride).transpose(1, 2).reshape(b, h, slots, d)

@@ -169,9 +169,10 @@ def linformer_reference(
     * ``"pool"``: slot j is the mean of the real tokens among compacted positions [j w, (j + 1) w), w = pool_stride.
     * ``"conv"``: slot j = Σ_t W[:, :, t] x_{j w + t}, W (d, d, w) the Conv1d weight given as e (and f).
 
-    A slot no real token wrote to (its row of E is zero over the sequence's real positions, or its pool_stride positions lie past
-    the sequence's end) takes no part in the softmax. ``dropout_multiplier``: optional (batch, heads, n, k) factor on the probabilities (0 or
-    1 / (1 - p)), for checking dropout against a mask drawn elsewhere. Returns (batch, heads, n, d) in q's dtype.
+    A slot no real token wrote to (its row of E is zero over the sequence's real positions, or its pool_stride
+    positions lie past the sequence's end) takes no part in the softmax. ``dropout_multiplier``: optional
+    (batch, heads, n, k) factor on the probabilities (0 or 1 / (1 - p)), for checking dropout against a mask drawn
+    elsewhere. Returns (batch, heads, n, d) in q's dtype.
     """
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     kp, vp, allowed = _linformer_slots(q, k, v, e, f, projection, pool_stride, key_padding_mask)

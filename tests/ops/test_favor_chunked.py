@@ -269,16 +269,16 @@ def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
     operands = torch.bfloat16
     q, k, v = _qkv(n=70)
     w = draw_random_features(32, 16, seed=1)
-    keep = torch.ones(2, 1, 70, 1)
-    keep[1, :, :9] = 0
+    key_weights = torch.ones(2, 1, 70, 1)
+    key_weights[1, :, :9] = 0
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
 
     def run(half):
         x = tuple(t.to(operands).detach().requires_grad_() for t in (q, k, v))
         if causal:
-            out = FavorCausalChunked.apply(*x, w, keep, "softmax", 0.25, 1e-3, 16, None, half)[0]
+            out = FavorCausalChunked.apply(*x, w, key_weights, "softmax", 0.25, 1e-3, 16, None, half)[0]
         else:
-            out = FavorBidirectionalChunked.apply(*x, w, keep, "softmax", 0.25, 1e-3, half)
+            out = FavorBidirectionalChunked.apply(*x, w, key_weights, "softmax", 0.25, 1e-3, half)
         return (out, *torch.autograd.grad(out, x, g.to(operands)))
 
     assert half_operands(q) is None and half_operands(q.to(operands)) is None  # CPU: float32 products
@@ -325,7 +325,7 @@ def test_float32_kernels_refuse_float64_inputs(backend, causal):
 # -- favor_causal_offsets: per-position offsets for keys of large norm and continued prefills
 
 
-def _keep(mask):
+def _key_weights(mask):
     return None if mask is None else mask[:, None, :, None].float()
 
 
@@ -353,9 +353,11 @@ def test_offsets_match_the_quadratic_formula(padding, large):
         out, state = fn(*x)
         return (out, *torch.autograd.grad(out, x, g)), state
 
-    chunked, state = run(lambda q, k, v: favor_causal_offsets(q, k, v, w, _keep(mask), SCALE, 8))
+    chunked, state = run(lambda q, k, v: favor_causal_offsets(q, k, v, w, _key_weights(mask), SCALE, 8))
     wide, wide_state = run(  # the same function in float64: float32 loses nothing that matters
-        lambda q, k, v: favor_causal_offsets(q.double(), k.double(), v.double(), w.double(), _keep(mask), SCALE, 8)
+        lambda q, k, v: favor_causal_offsets(
+            q.double(), k.double(), v.double(), w.double(), _key_weights(mask), SCALE, 8
+        )
     )
     for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, wide):
         assert torch.isfinite(a).all(), name
@@ -379,7 +381,7 @@ def test_offsets_in_float64_equal_the_reference(padding):
     k = _large(k)
     w = draw_random_features(M, D, seed=1, dtype=torch.float64)
     mask = _mask(B, N, padding)
-    out, (s, z, offset) = favor_causal_offsets(q, k, v, w, _keep(mask), SCALE, 8)
+    out, (s, z, offset) = favor_causal_offsets(q, k, v, w, _key_weights(mask), SCALE, 8)
     assert out.dtype == s.dtype == torch.float64
     exact = favor_reference(q, k, v, w, causal=True, key_padding_mask=mask)
     rows = _rows(padding)
@@ -416,14 +418,14 @@ def test_continued_prefill_equals_the_whole(large, shift):
     k = _large(k) if large else k
     w = draw_random_features(M, D, seed=1, dtype=torch.float64)
     mask = _mask(B, N, "left")
-    keep = _keep(mask)
-    whole, (s, z, offset) = favor_causal_offsets(q, k, v, w, keep, SCALE, 8)
+    key_weights = _key_weights(mask)
+    whole, (s, z, offset) = favor_causal_offsets(q, k, v, w, key_weights, SCALE, 8)
     cut = 13
-    head, (s1, z1, m1) = favor_causal_offsets(*(x[:, :, :cut] for x in (q, k, v)), w, keep[:, :, :cut], SCALE, 8)
+    head, (s1, z1, m1) = favor_causal_offsets(*(x[:, :, :cut] for x in (q, k, v)), w, key_weights[:, :, :cut], SCALE, 8)
     factor = math.exp(-shift)
     mid = (s1 * factor, z1 * factor, m1 + shift)
     tail, (s2, z2, m2) = favor_causal_offsets(
-        *(x[:, :, cut:] for x in (q, k, v)), w, keep[:, :, cut:], SCALE, 8, initial_state=mid
+        *(x[:, :, cut:] for x in (q, k, v)), w, key_weights[:, :, cut:], SCALE, 8, initial_state=mid
     )
     if large:
         assert (offset < -100).all()
@@ -440,14 +442,14 @@ def test_empty_initial_state_is_no_state():
     w = draw_random_features(M, D, seed=1)
     mask = _mask(B, N, "left")
     empty = (torch.zeros(B, H, M, D), torch.zeros(B, H, M), torch.full((B, H), 5.0))
-    a, sa = favor_causal_offsets(q, k, v, w, _keep(mask), SCALE, 8, initial_state=empty)
-    b, sb = favor_causal_offsets(q, k, v, w, _keep(mask), SCALE, 8)
+    a, sa = favor_causal_offsets(q, k, v, w, _key_weights(mask), SCALE, 8, initial_state=empty)
+    b, sb = favor_causal_offsets(q, k, v, w, _key_weights(mask), SCALE, 8)
     torch.testing.assert_close(a, b)
     for x, y in zip(sa, sb):
         torch.testing.assert_close(x, y)
     # nothing seen at all: output 0, an empty state at offset 0
     none = torch.zeros(B, N, dtype=torch.bool)
-    out, (s, z, offset) = favor_causal_offsets(q, k, v, w, _keep(none), SCALE, 8)
+    out, (s, z, offset) = favor_causal_offsets(q, k, v, w, _key_weights(none), SCALE, 8)
     assert (out == 0).all() and (s == 0).all() and (z == 0).all() and (offset == 0).all()
 
 
@@ -469,11 +471,16 @@ def test_gradients_of_the_initial_state(large):
         loss = (out * g).sum() + (s * 0.1).sum() + z.sum() * 0.01  # the final state is differentiable too
         return (out, *torch.autograd.grad(loss, x))
 
-    chunked = grads(lambda q, k, v, s, z: favor_causal_offsets(q, k, v, w, _keep(mask), SCALE, 8, (s, z, m0)))
+    chunked = grads(lambda q, k, v, s, z: favor_causal_offsets(q, k, v, w, _key_weights(mask), SCALE, 8, (s, z, m0)))
     # the same in float64 (checked by gradcheck below and against the reference above): float32 keeps up
     wide = grads(
         lambda q, k, v, s, z: favor_causal_offsets(
-            *(x.double() for x in (q, k, v)), w.double(), _keep(mask), SCALE, 8, (s.double(), z.double(), m0.double())
+            *(x.double() for x in (q, k, v)),
+            w.double(),
+            _key_weights(mask),
+            SCALE,
+            8,
+            (s.double(), z.double(), m0.double()),
         )
     )
     for name, a, b in zip(("out", "dq", "dk", "dv", "dS", "dz"), chunked, wide):
@@ -486,14 +493,14 @@ def test_gradients_of_the_initial_state(large):
 def test_offsets_gradcheck_in_float64():
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=11, d=4, dtype=torch.float64))
     w = draw_random_features(8, 4, seed=2, dtype=torch.float64)
-    keep = torch.ones(1, 1, 11, 1, dtype=torch.float64)
-    keep[0, 0, 1] = 0
+    key_weights = torch.ones(1, 1, 11, 1, dtype=torch.float64)
+    key_weights[0, 0, 1] = 0
     s0 = torch.rand(1, 1, 8, 4, dtype=torch.float64, requires_grad=True)
     z0 = (torch.rand(1, 1, 8, dtype=torch.float64) + 0.5).requires_grad_()
     m0 = torch.tensor([[2.0]], dtype=torch.float64)
 
     def op(q, k, v, s0, z0):
-        out, (s, z, offset) = favor_causal_offsets(q, k * 3.0, v, w, keep, 0.5, 4, (s0, z0, m0))
+        out, (s, z, offset) = favor_causal_offsets(q, k * 3.0, v, w, key_weights, 0.5, 4, (s0, z0, m0))
         # the true sums: (S, z) alone are relative to an offset that moves with max z0 (not differentiated)
         factor = torch.exp(offset)
         return out, s * factor[..., None, None], z * factor[..., None]
@@ -516,13 +523,13 @@ def test_the_chunk_is_an_argument():
 def _offsets_ops(n, state):
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=n))
     w = draw_random_features(32, 16, seed=0)
-    keep = torch.ones(1, 1, n, 1)
-    keep[..., :5, :] = 0
+    key_weights = torch.ones(1, 1, n, 1)
+    key_weights[..., :5, :] = 0
     initial = None
     if state:
         initial = (torch.rand(1, 1, 32, 16, requires_grad=True), torch.rand(1, 1, 32) + 1, torch.zeros(1, 1))
     with CountOps() as counter:
-        out, _ = favor_causal_offsets(q, _large(k.detach()).requires_grad_(), v, w, keep, SCALE, 64, initial)
+        out, _ = favor_causal_offsets(q, _large(k.detach()).requires_grad_(), v, w, key_weights, SCALE, 64, initial)
         out.sum().backward()
     return counter.count
 
@@ -590,7 +597,7 @@ def test_features_mode_matches_the_formula(padding, with_state, dtype):
     inputs = [pq, pk, v] + ([s0] if with_state else [])
     x = [t.to(dtype).requires_grad_() for t in inputs]
     out, s, z, lost = FavorCausalChunked.apply(
-        x[0], x[1], x[2], None, _keep(mask), "features", 123.0, 7.0, 8, x[3] if with_state else None
+        x[0], x[1], x[2], None, _key_weights(mask), "features", 123.0, 7.0, 8, x[3] if with_state else None
     )
     assert out.dtype == dtype and not s.requires_grad and not z.requires_grad
     grads = torch.autograd.grad(out, x, g.to(dtype))

@@ -196,8 +196,8 @@ def test_known_maps_equal_favor_attention(kernel, causal):
 
 
 def _real_sums(phi_k, v, mask):
-    keep = torch.ones(phi_k.shape[0], 1, phi_k.shape[2], 1) if mask is None else mask[:, None, :, None].float()
-    pk = phi_k.double() * keep.double()
+    key_weights = torch.ones(phi_k.shape[0], 1, phi_k.shape[2], 1) if mask is None else mask[:, None, :, None].float()
+    pk = phi_k.double() * key_weights.double()
     return pk.transpose(-1, -2) @ v.double(), pk.sum(2)
 
 

@@ -34,12 +34,12 @@ def _mask(padding, b=2, n=37):
     return mask
 
 
-def _keep(mask):
+def _key_weights(mask):
     return None if mask is None else mask[:, None, :, None].float()
 
 
 def _native_run(phi_q, phi_k, v, mask, chunk=16, block_chunks=None):
-    out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, _keep(mask), chunk, block_chunks)
+    out, s, z = LinearCausalNative.apply(phi_q, phi_k, v, _key_weights(mask), chunk, block_chunks)
     grads = torch.autograd.grad(out, (phi_q, phi_k, v), _cotangent(out))
     return out, s, z, grads
 
@@ -53,8 +53,10 @@ def _reference_run(phi_q, phi_k, v, mask):
     x = [t.detach().double().requires_grad_() for t in (phi_q, phi_k, v)]
     out = linear_reference(*x, causal=True, key_padding_mask=mask)
     grads = torch.autograd.grad(out, x, _cotangent(out))
-    keep = torch.ones(v.shape[0], 1, v.shape[2], 1, dtype=torch.float64) if mask is None else _keep(mask).double()
-    pk = x[1].detach() * keep
+    key_weights = (
+        torch.ones(v.shape[0], 1, v.shape[2], 1, dtype=torch.float64) if mask is None else _key_weights(mask).double()
+    )
+    pk = x[1].detach() * key_weights
     return out.detach(), pk.transpose(-1, -2) @ x[2].detach(), pk.sum(2), grads
 
 

@@ -216,15 +216,15 @@ def test_hand_written_backward_with_dropout_regenerates_the_forward_mask():
     torch.manual_seed(123)
     seed = int(torch.randint(0, 2**62, (1,)).item())
     b, h, n = q.shape[:3]
-    keep = torch.cat(
+    multiplier = torch.cat(
         [
-            _linformer_autograd._dropout_keep((b, h, min(16, n - i), 8), 0.3, seed, j, "cpu")
+            _linformer_autograd._dropout_multiplier((b, h, min(16, n - i), 8), 0.3, seed, j, "cpu")
             for j, i in enumerate(range(0, n, 16))
         ],
         dim=2,
     )
-    assert 0.1 < (keep == 0).float().mean() < 0.5  # dropout really drops
-    ref = linformer_reference(q, k, v, e, dropout_multiplier=keep)
+    assert 0.1 < (multiplier == 0).float().mean() < 0.5  # dropout really drops
+    ref = linformer_reference(q, k, v, e, dropout_multiplier=multiplier)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     weights = torch.randn_like(out)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v, e))
@@ -652,11 +652,11 @@ def test_sdpa_backend_dropout_gradients_follow_the_forward_mask():
     probe[..., :n] = eye
     torch.manual_seed(5)
     shown = linformer_attention(q, k, probe, eye, dropout_p=0.3, backend="sdpa")
-    keep = (shown[..., :n] != 0).float() / 0.7
-    assert 0.1 < (keep == 0).float().mean() < 0.5  # dropout really drops
+    multiplier = (shown[..., :n] != 0).float() / 0.7
+    assert 0.1 < (multiplier == 0).float().mean() < 0.5  # dropout really drops
     torch.manual_seed(5)
     out = linformer_attention(q, k, v, eye, dropout_p=0.3, backend="sdpa")
-    ref = linformer_reference(q, k, v, eye, dropout_multiplier=keep)
+    ref = linformer_reference(q, k, v, eye, dropout_multiplier=multiplier)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for name, a, c in zip("qkv", grads_in_dtype(out, (q, k, v)), grads_in_dtype(ref, (q, k, v))):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -41,14 +41,14 @@ _STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool":
 # default chunks per saved state (512 positions at chunk 32): forward keeps the state at each block start until
 # backward ends, so fewer, wider blocks keep less memory, and backward rebuilds a block's states from its start
 _BLOCK_CHUNKS = 16
-# the kernel codes of favor_causal.cpp: the feature map fused into its tiles, or "features" given precomputed
-KERNELS = {"softmax": 0, "relu": 1, "features": 2}
+# favor_causal.cpp's codes for the feature map fused into its tiles, or "features" given precomputed
+MAP_CODES = {"softmax": 0, "relu": 1, "features": 2}
 
 
-def _kernel_code(kernel: str) -> int:
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown native kernel {kernel!r}; choose one of {sorted(KERNELS)}")
-    return KERNELS[kernel]
+def _map_code(kernel: str) -> int:
+    if kernel not in MAP_CODES:
+        raise ValueError(f"unknown native kernel {kernel!r}; choose one of {sorted(MAP_CODES)}")
+    return MAP_CODES[kernel]
 
 
 def _check_features(q, k, v) -> None:
@@ -252,36 +252,52 @@ def _geometry(q, k, v, w, kernel):
     return b, h, n, v.shape[-1], w.shape[0], w.contiguous()
 
 
-def forward(q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None):
-    """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; keep: float32 (b, n) or None.
+def forward(
+    q, k, v, w, key_weights, kernel: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None
+):
+    """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; key_weights: float32 (b, n) or None.
     kernel "features": q, k are phi(q), phi(k) (b, h, n, m), m = q.shape[-1], and w is None (scale, eps unused).
     block_chunks: chunks per saved state, None for ``_BLOCK_CHUNKS``.
     Returns out (b, h, n, d), den (b, h, n, 1), starts (b h, blocks, m, d), zstarts (b h, blocks, m),
     S (b, h, m, d), z (b, h, m), the lost count (0-dim) and the spacing of the saved states in chunks, for
     backward."""
-    code, per_block = _kernel_code(kernel), _block_chunks(block_chunks)
+    code, per_block = _map_code(kernel), _block_chunks(block_chunks)
     b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
     blocks = -(-(n // chunk) // per_block)
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
     out, den = new(b, h, n, d), new(b, h, n, 1)
     starts, zstarts, s_final, z_final = new(b * h, blocks, m, d), new(b * h, blocks, m), new(b, h, m, d), new(b, h, m)
     lost = torch.zeros(b * h, dtype=torch.int64)
-    tensors = (q, k, v, keep, w, out, den, starts, zstarts, s_final, z_final)
+    tensors = (q, k, v, key_weights, w, out, den, starts, zstarts, s_final, z_final)
     settings = (h, n, n_valid, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_forward", tensors, b * h, settings, counts=lost)
     return out, den, starts, zstarts, s_final, z_final, lost.sum(), per_block
 
 
 def backward(
-    q, k, v, w, keep, kernel: str, scale: float, eps: float, chunk: int, g, out, den, starts, zstarts, per_block: int
+    q,
+    k,
+    v,
+    w,
+    key_weights,
+    kernel: str,
+    scale: float,
+    eps: float,
+    chunk: int,
+    g,
+    out,
+    den,
+    starts,
+    zstarts,
+    per_block: int,
 ):
     """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out.
     kernel "features": dq, dk are d phi(q), d phi(k) (b, h, n, m) (0 for padded keys), w is None."""
-    code, per_block = _kernel_code(kernel), _block_chunks(per_block)
+    code, per_block = _map_code(kernel), _block_chunks(per_block)
     b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
     dq, dk = (torch.empty(q.shape, dtype=torch.float32) for _ in range(2))
     dv = torch.empty(b, h, n, d, dtype=torch.float32)
-    tensors = (q, k, v, keep, w, g, out, den, starts, zstarts, dq, dk, dv)
+    tensors = (q, k, v, key_weights, w, g, out, den, starts, zstarts, dq, dk, dv)
     settings = (h, n, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_backward", tensors, b * h, settings)
     return dq, dk, dv
