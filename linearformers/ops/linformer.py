@@ -9,10 +9,11 @@ the rest is zeroed. Position s of the projection therefore always meets the s-th
 tokens give the same answer with any amount of left or right padding. A sequence shorter than the maximum
 uses the first n columns of E and F; nothing is padded up to the maximum.
 
-Projections (Section 4, "additional efficiency techniques"):
+Projections, the ops' ``projection`` argument (Section 4, "additional efficiency techniques"):
   * ``"learned"``: E, F are (k, n_max) or per head (heads, k, n_max) matrices.
-  * ``"pool"``: mean pooling with kernel = stride = n_max / k, no parameters.
-  * ``"conv"``: a strided convolution along the sequence, kernel = stride = n_max / k, weight (d, d, kernel).
+  * ``"pool"``: mean pooling with kernel = stride = ``pool_stride`` = n_max / k, no parameters.
+  * ``"conv"``: a strided convolution along the sequence, kernel = stride = ``pool_stride`` = n_max / k, weight
+    (d, d, pool_stride).
 Sharing (per head, shared key-value, shared across layers) decides which tensors are passed as E and F; the
 math is the same.
 
