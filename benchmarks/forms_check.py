@@ -24,10 +24,10 @@ def case(form, warps, d, m, n, kernel, dtype):
     for be, dt in (("triton", dtype), ("chunked", torch.float32)):
         x = [t.detach().to(dt).clone().requires_grad_() for t in (q, k, v)]
         if kernel == "features":
-            from linearformers.ops.feature_maps import random_features
+            from linearformers.ops.feature_maps import random_feature_map
 
-            pq = random_features(x[0], w.to(dt), is_query=True)
-            pk = random_features(x[1], w.to(dt), is_query=False)
+            pq = random_feature_map(x[0], w.to(dt), is_query=True)
+            pk = random_feature_map(x[1], w.to(dt), is_query=False)
             out = linear_attention(pq, pk, x[2], causal=True, backend=be)
         else:
             out = favor_attention(*x, w, causal=True, kernel=kernel, backend=be)

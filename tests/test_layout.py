@@ -67,7 +67,7 @@ def test_a_hybrid_performer_training_forward_reads_in_the_model_the_family_the_m
     ids = torch.randint(1, 99, (2, 12))
     model(ids, labels=ids)  # first call: lazy imports
     entered = _files_entered(lambda: model(ids, labels=ids))
-    assert entered == [
+    assert set(entered) == {
         "modeling/base.py",
         "modeling/performer.py",
         "ops/feature_maps.py",
@@ -75,4 +75,6 @@ def test_a_hybrid_performer_training_forward_reads_in_the_model_the_family_the_m
         "ops/_precision.py",
         "ops/hybrid.py",
         "ops/_checks.py",
-    ]
+    }
+    path = [name for name in entered if name in ("modeling/base.py", "modeling/performer.py", "ops/hybrid.py")]
+    assert path == ["modeling/base.py", "modeling/performer.py", "ops/hybrid.py"]

@@ -76,7 +76,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._precision import outside_autocast
-from .feature_maps import favor_exponents, random_features
+from .feature_maps import favor_exponents, random_feature_map
 
 DEFAULT_CHUNK = 64  # see the module docstring: per-chunk states n m (d + 1) / C ≈ n m at C = 64, d = 64
 _TINY = 1e-30
@@ -86,7 +86,7 @@ def _features(x, w, scale, kernel, eps, *, is_query, key_weights=None):
     """phi(x) (b, h, n, m) in w's dtype: the maps of :mod:`feature_maps`; padded keys (key_weights == 0) get exponent
     -inf before the exp (softmax) or features 0 (relu)."""
     mask = None if key_weights is None or is_query else key_weights[:, 0, :, 0] > 0
-    phi = random_features(x, w, is_query=is_query, kernel=kernel, scale=scale, eps=eps, key_padding_mask=mask)
+    phi = random_feature_map(x, w, is_query=is_query, kernel=kernel, scale=scale, eps=eps, key_padding_mask=mask)
     return phi.to(w.dtype)
 
 

@@ -20,7 +20,7 @@ features underflow float32 at this offset, are taken relative to a maximum of ea
 a running one (bidirectional), a prefix one per position (causal; rare calls only), and the decoding state's
 offset M (see favor_step).
 
-The random features. Every function here takes them as ``projection``: the matrix W (num_features m, head_dim)
+The random features. Every function here takes them as ``random_features``: the matrix W (num_features m, head_dim)
 drawn by :func:`feature_maps.draw_random_features`, whose rows w_i are the random directions above (a Performer
 keeps it as its ``random_features`` buffer). The code calls it ``w`` once it is in the compute dtype. It is a
 fixed draw: the ops do not differentiate through it.
@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ._checks import check_mask, check_qkv
+from ._checks import check_mask, check_qkv, renamed_keywords
 from ._favor_blockwise import BIDIRECTIONAL_BLOCK, FavorBidirectional
 from ._favor_chunked import (
     DEFAULT_CHUNK,
@@ -46,16 +46,17 @@ from ._precision import outside_autocast
 from ._triton_bidirectional import triton_bidirectional_linear
 from ._triton_causal import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
-from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_features
+from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_feature_map
 from .reference import favor_reference
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 @outside_autocast
 def favor_features(
     x: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     is_query: bool,
     kernel: str = "softmax",
@@ -69,9 +70,9 @@ def favor_features(
     phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
     ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
     :func:`feature_maps.relu_features`), the same map for queries and keys; x' = x * scale**0.5.
-    ``projection``: the random features W (num_features, head_dim) drawn by :func:`draw_random_features`.
+    ``random_features``: the random features W (num_features, head_dim) drawn by :func:`draw_random_features`.
     """
-    features = random_features(x, projection, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps)
+    features = random_feature_map(x, random_features, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps)
     return features.to(compute_dtype(x))
 
 
@@ -92,24 +93,25 @@ def _masked_inputs(
     return phi_k * key_weights, v * key_weights
 
 
-def _check_favor_args(q, k, v, projection, key_padding_mask, kernel, *, causal: bool) -> torch.Tensor | None:
+def _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, *, causal: bool) -> torch.Tensor | None:
     check_qkv(q, k, v, same_length=causal)
-    if not isinstance(projection, torch.Tensor):
-        raise TypeError(f"projection must be a torch.Tensor, got {type(projection).__name__}")
+    if not isinstance(random_features, torch.Tensor):
+        raise TypeError(f"random_features must be a torch.Tensor, got {type(random_features).__name__}")
     if kernel not in KERNELS:
         raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
-    if projection.dim() != 2 or projection.shape[1] != q.shape[-1]:
+    if random_features.dim() != 2 or random_features.shape[1] != q.shape[-1]:
         raise ValueError(
-            f"projection must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(projection.shape)}"
+            f"random_features must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(random_features.shape)}"
         )
     return check_mask(key_padding_mask, k.shape[0], k.shape[2])
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 def favor_backend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     causal: bool = False,
     chunk_size: int | None = None,
@@ -119,7 +121,7 @@ def favor_backend(
 ) -> str:
     """The backend :func:`favor_attention` runs for these arguments, one of ``backends.BACKENDS``: the name it
     dispatches on, so asking this is how a test, a benchmark or a user learns which code a call takes. A named
-    backend that cannot run the call raises the ValueError the call would. ``projection``: the random features
+    backend that cannot run the call raises the ValueError the call would. ``random_features``: the random features
     (num_features, head_dim) drawn by :func:`draw_random_features`, as :func:`favor_attention` takes them.
 
     Continued prefills (``initial_state``) run "chunked" whatever is named: the state's offset M needs the chunked
@@ -127,16 +129,16 @@ def favor_backend(
     softmax call whose keys are of large norm (a position lost every key at offset 0) is redone in that form too,
     and then the state it returns (``return_state=True``) has M < 0 (the prefix maximum of the key exponents),
     where the backend's own pass hands over M = 0."""
-    _check_favor_args(q, k, v, projection, None, "softmax", causal=causal)
-    return _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend)
+    _check_favor_args(q, k, v, random_features, None, "softmax", causal=causal)
+    return _chosen_backend(q, k, v, random_features, causal, chunk_size, initial_state, return_state, backend)
 
 
-def _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend) -> str:
+def _chosen_backend(q, k, v, random_features, causal, chunk_size, initial_state, return_state, backend) -> str:
     state_in = initial_state is not None
     chosen = choose_backend(
         backend,
         v,
-        projection.shape[0],
+        random_features.shape[0],
         chunk_size,
         causal=causal,
         state_in=state_in,
@@ -146,12 +148,13 @@ def _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, retu
     return "chunked" if state_in else chosen
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 @outside_autocast
 def favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
@@ -168,7 +171,7 @@ def favor_attention(
 
     Args:
         q, k, v: (batch, heads, length, head_dim).
-        projection: the random features W (num_features, head_dim) drawn by :func:`draw_random_features` (a
+        random_features: the random features W (num_features, head_dim) drawn by :func:`draw_random_features` (a
             Performer's ``random_features`` buffer): a fixed draw, not differentiated through.
         causal: position t attends to keys <= t, through chunked prefix sums (Section 2.6).
         key_padding_mask: (batch, length), True / 1 for real tokens; padded keys leave both sums.
@@ -197,7 +200,7 @@ def favor_attention(
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
     """
-    mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=causal)
+    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, causal=causal)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
     for name, value in (("chunk_size", chunk_size), ("block_size", block_size)):
@@ -205,19 +208,27 @@ def favor_attention(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"favor_attention needs v's head_dim equal to q's, got {v.shape[-1]} and {q.shape[-1]}")
-    if projection.requires_grad and torch.is_grad_enabled():
+    if random_features.requires_grad and torch.is_grad_enabled():
         raise ValueError(
-            "projection is a fixed draw of random features, not a parameter: favor_attention does not "
-            "differentiate through it; pass projection.detach() (models keep it as a buffer)"
+            "random_features is a fixed draw of random features, not a parameter: favor_attention does not "
+            "differentiate through it; pass random_features.detach() (models keep it as a buffer)"
         )
     state_in = initial_state is not None
-    chosen = _chosen_backend(q, k, v, projection, causal, chunk_size, initial_state, return_state, backend)
+    chosen = _chosen_backend(q, k, v, random_features, causal, chunk_size, initial_state, return_state, backend)
     if chosen == "reference":
         return favor_reference(
-            q, k, v, projection, causal=causal, key_padding_mask=mask, kernel=kernel, scale=scale, kernel_eps=kernel_eps
+            q,
+            k,
+            v,
+            random_features,
+            causal=causal,
+            key_padding_mask=mask,
+            kernel=kernel,
+            scale=scale,
+            kernel_eps=kernel_eps,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    w = projection.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
+    w = random_features.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     key_weights = None if mask is None else mask[:, None, :, None].float()
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(
@@ -357,12 +368,13 @@ def _moved_offset(offset, top, level):
     return torch.where(move, target, offset)
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 @outside_autocast
 def favor_step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     state: tuple[torch.Tensor, ...] | None,
     *,
     key_padding_mask: torch.Tensor | None = None,
@@ -379,18 +391,18 @@ def favor_step(
     exp(M) z; a (S, z) state means M = 0. Key features are at most 1 at offset 0 and keys of moderate norm leave
     M at 0. A key whose features would underflow there (|k| scale^½ beyond ~15) or pass 1 moves M, rescaling S and
     z by the same factor, which cancels in out_t, so such keys count in decoding as they do in
-    :func:`favor_attention`. ``projection``: the random features (num_features, head_dim) drawn by
+    :func:`favor_attention`. ``random_features``: the random features (num_features, head_dim) drawn by
     :func:`draw_random_features`, the same draw as the prefill's. ``key_padding_mask`` (batch, 1) drops a padded
     new token from the state. Returns (out, (S, z, M)).
     """
-    mask = _check_favor_args(q, k, v, projection, key_padding_mask, kernel, causal=True)
+    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, causal=True)
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
-    w = projection.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
+    w = random_features.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     s0, z0, offset = _unpack_state(state, q, v, w)
-    phi_q = favor_features(q, projection, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_q = favor_features(q, random_features, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
     if kernel == "relu":  # bounded features: the state stays at offset 0
-        phi_k = favor_features(k, projection, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+        phi_k = favor_features(k, random_features, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
         (s0, z0), offset = _at_offset_zero((s0, z0, offset)), torch.zeros_like(offset)
     else:
         u = _exponents(k, w, q.shape[-1] ** -0.5 if scale is None else scale, is_query=False)  # (b, h, 1, m)

@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..seeds import mix_seed
+from ._checks import renamed_keywords
 from ._precision import outside_autocast
 
 KERNELS = ("softmax", "relu")  # the random-feature kernels of favor_attention
@@ -54,7 +55,7 @@ def draw_random_features(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Draw the FAVOR+ random features W, shaped (num_features, head_dim): the ``projection`` the FAVOR+ ops take.
+    """Draw the FAVOR+ random features W, shaped (num_features, head_dim): the ``random_features`` the FAVOR+ ops take.
 
     Orthogonal random features (Choromanski et al. 2021, Section 2.4): the rows come in blocks of
     ``head_dim`` exactly orthogonal directions. Each block is Q from the QR decomposition of a Gaussian
@@ -104,18 +105,18 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _check_projection(x: torch.Tensor, projection: torch.Tensor) -> None:
-    if not isinstance(projection, torch.Tensor):
-        raise TypeError(f"projection must be a torch.Tensor, got {type(projection).__name__}")
-    if projection.dim() != 2 or projection.shape[1] != x.shape[-1]:
+def _check_random_features(x: torch.Tensor, random_features: torch.Tensor) -> None:
+    if not isinstance(random_features, torch.Tensor):
+        raise TypeError(f"random_features must be a torch.Tensor, got {type(random_features).__name__}")
+    if random_features.dim() != 2 or random_features.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"projection must be shaped (num_features, head_dim={x.shape[-1]}), got {tuple(projection.shape)}"
+            f"random_features must be shaped (num_features, head_dim={x.shape[-1]}), got {tuple(random_features.shape)}"
         )
 
 
 @outside_autocast
 def favor_exponents(
-    x: torch.Tensor, projection: torch.Tensor, *, is_query: bool, scale: float | None = None
+    x: torch.Tensor, random_features: torch.Tensor, *, is_query: bool, scale: float | None = None
 ) -> torch.Tensor:
     """The exponents of the FAVOR+ positive features, (b, h, n, m) in float32 (float64 for float64 x):
 
@@ -124,19 +125,20 @@ def favor_exponents(
 
     with x' = x · scale^½ (scale defaults to head_dim^-½). Paths that keep their own offsets (the large-key
     fallback, the decoding step) start from these."""
-    _check_projection(x, projection)
+    _check_random_features(x, random_features)
     scale = x.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(x)
-    w = projection.to(device=x.device, dtype=dtype)
+    w = random_features.to(device=x.device, dtype=dtype)
     xs = x.to(dtype) * math.sqrt(scale)
     u = torch.matmul(xs, w.T) - 0.5 * xs.pow(2).sum(-1, keepdim=True)
     half_w_sq = 0.5 * w.pow(2).sum(-1)
     return u + half_w_sq if is_query else u - half_w_sq
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 def favor_positive(
     x: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     is_query: bool,
     scale: float | None = None,
@@ -148,7 +150,7 @@ def favor_positive(
     :func:`favor_exponents`, in (0, 1]; ``key_padding_mask`` (b, n), True for real keys, sets padded keys'
     exponents to -inf before the exp (a padded key of large norm would otherwise give inf x 0 = NaN later), so
     their features are 0. Queries: the row maximum is taken off (detached: it cancels in the normalization)."""
-    u = favor_exponents(x, projection, is_query=is_query, scale=scale)
+    u = favor_exponents(x, random_features, is_query=is_query, scale=scale)
     if is_query:
         return torch.exp(u - u.amax(dim=-1, keepdim=True).detach())
     if key_padding_mask is not None:
@@ -156,10 +158,11 @@ def favor_positive(
     return torch.exp(u)
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 @outside_autocast
 def relu_features(
     x: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     scale: float | None = None,
     eps: float = 1e-3,
@@ -167,19 +170,19 @@ def relu_features(
 ) -> torch.Tensor:
     """ReLU(W x') + eps (Section 2.2), float32; the same map for queries and keys. ``key_padding_mask`` (b, n)
     zeroes padded keys' features."""
-    _check_projection(x, projection)
+    _check_random_features(x, random_features)
     scale = x.shape[-1] ** -0.5 if scale is None else scale
     dtype = compute_dtype(x)
-    phi = torch.relu(torch.matmul(x.to(dtype) * math.sqrt(scale), projection.to(device=x.device, dtype=dtype).T))
+    phi = torch.relu(torch.matmul(x.to(dtype) * math.sqrt(scale), random_features.to(device=x.device, dtype=dtype).T))
     phi = phi + eps
     if key_padding_mask is not None:
         phi = phi * key_padding_mask[:, None, :, None].to(phi.dtype)
     return phi
 
 
-def random_features(
+def random_feature_map(
     x: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     is_query: bool,
     kernel: str = "softmax",
@@ -189,33 +192,35 @@ def random_features(
 ) -> torch.Tensor:
     """The FAVOR+ map named by ``kernel`` ("softmax": :func:`favor_positive`, "relu": :func:`relu_features`)."""
     if kernel == "softmax":
-        return favor_positive(x, projection, is_query=is_query, scale=scale, key_padding_mask=key_padding_mask)
+        return favor_positive(x, random_features, is_query=is_query, scale=scale, key_padding_mask=key_padding_mask)
     if kernel == "relu":
         mask = None if is_query else key_padding_mask
-        return relu_features(x, projection, scale=scale, eps=eps, key_padding_mask=mask)
+        return relu_features(x, random_features, scale=scale, eps=eps, key_padding_mask=mask)
     raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
 
 
 class FavorPositive:
-    """:func:`favor_positive` as a :class:`FeatureMap` over a fixed draw ``projection`` (m, head_dim)."""
+    """:func:`favor_positive` as a :class:`FeatureMap` over a fixed draw ``random_features`` (m, head_dim)."""
 
-    def __init__(self, projection: torch.Tensor, scale: float | None = None):
-        self.projection, self.scale = projection, scale
-        self.num_features = projection.shape[0]
+    @renamed_keywords("0.3.0", projection="random_features")
+    def __init__(self, random_features: torch.Tensor, scale: float | None = None):
+        self.random_features, self.scale = random_features, scale
+        self.num_features = random_features.shape[0]
 
     def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        return favor_positive(x, self.projection, is_query=is_query, scale=self.scale)
+        return favor_positive(x, self.random_features, is_query=is_query, scale=self.scale)
 
 
 class ReluFeatures:
-    """:func:`relu_features` as a :class:`FeatureMap` over a fixed draw ``projection`` (m, head_dim)."""
+    """:func:`relu_features` as a :class:`FeatureMap` over a fixed draw ``random_features`` (m, head_dim)."""
 
-    def __init__(self, projection: torch.Tensor, scale: float | None = None, eps: float = 1e-3):
-        self.projection, self.scale, self.eps = projection, scale, eps
-        self.num_features = projection.shape[0]
+    @renamed_keywords("0.3.0", projection="random_features")
+    def __init__(self, random_features: torch.Tensor, scale: float | None = None, eps: float = 1e-3):
+        self.random_features, self.scale, self.eps = random_features, scale, eps
+        self.num_features = random_features.shape[0]
 
     def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
-        return relu_features(x, self.projection, scale=self.scale, eps=self.eps)
+        return relu_features(x, self.random_features, scale=self.scale, eps=self.eps)
 
 
 class _SoftmaxPair(torch.autograd.Function):

@@ -59,11 +59,12 @@ def softmax_reference(
     return _attend(q @ k.transpose(-1, -2) * scale, allowed, v)
 
 
+@renamed_keywords("0.3.0", projection="random_features")
 def favor_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    projection: torch.Tensor,
+    random_features: torch.Tensor,
     *,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
@@ -74,7 +75,7 @@ def favor_reference(
     """FAVOR+ as the (n x n) matrix A = phi(Q) phi(K)ᵀ, row-normalized:  out = D⁻¹ A V,  D = diag(A 1)
     (Choromanski et al. 2021, Eq. 7-9), with A lower-triangular when causal and padded keys' columns removed.
 
-    x' = x · scale^½ and w_i the rows of ``projection`` (m of them).
+    x' = x · scale^½ and w_i the rows of ``random_features`` (m of them).
 
     * ``kernel="softmax"``: the positive random features of Lemma 1, phi(x)_i = exp(w_i·x' - |x'|²/2) / √m, whose
       product estimates exp(q'·k'). Factors that depend on the query alone (exp(-|q'|²/2) / m, and any
@@ -89,7 +90,7 @@ def favor_reference(
     Returns (batch, heads, n_q, head_dim) in v's dtype.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    w = projection.to(device=q.device, dtype=q.dtype)
+    w = random_features.to(device=q.device, dtype=q.dtype)
     qs, ks = q * math.sqrt(scale), k * math.sqrt(scale)
     if kernel == "softmax":
         u_q = qs @ w.T  # (b, h, n_q, m)

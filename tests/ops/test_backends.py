@@ -110,7 +110,7 @@ def test_linear_backend_refuses_native_for_a_v_width_the_walk_cannot_tile():
 
 def test_the_backend_questions_check_their_arguments():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="projection must be shaped"):
+    with pytest.raises(ValueError, match="random_features must be shaped"):
         favor_backend(q, k, v, torch.zeros(32, 8))
     with pytest.raises(ValueError, match="the same number of features"):
         linear_backend(q, k[..., :8], v)

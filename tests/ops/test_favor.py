@@ -177,7 +177,7 @@ def test_bad_arguments_raise_clear_errors():
     w = draw_random_features(32, 16, seed=0)
     with pytest.raises(ValueError, match="do not fit"):
         favor_attention(q, k[:1], v[:1], w)
-    with pytest.raises(ValueError, match="projection must be shaped"):
+    with pytest.raises(ValueError, match="random_features must be shaped"):
         favor_attention(q, k, v, torch.randn(32, 8))
     with pytest.raises(ValueError, match="key_padding_mask must be shaped"):
         favor_attention(q, k, v, w, key_padding_mask=torch.ones(2, 39))
@@ -348,7 +348,7 @@ def test_more_bad_arguments_raise_clear_errors():
         favor_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], w, causal=True)
     with pytest.raises(ValueError, match="v's head_dim equal to q's"):
         favor_attention(q, k, v[..., :8], w)
-    with pytest.raises(ValueError, match="projection is a fixed draw"):
+    with pytest.raises(ValueError, match="random_features is a fixed draw"):
         favor_attention(q, k, v, w.clone().requires_grad_())
     e = torch.randn(4, 12)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
@@ -515,3 +515,21 @@ def test_decoding_step_drops_a_padded_key_above_the_state_offset():
     phi_q = favor_features(one[0][1], w, is_query=True)  # the padded sequence's query reads the old state
     expected = (phi_q @ state[0][1]) / (phi_q @ state[1][1][..., None])
     torch.testing.assert_close(out[1], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", [favor_attention, favor_reference])
+def test_the_old_keyword_projection_still_works_with_a_future_warning_until_0_3_0(op):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    w = draw_random_features(16, 8, seed=0)
+    want = op(q, k, v, random_features=w, causal=True)
+    with pytest.warns(FutureWarning, match=r"projection= is renamed random_features=; .* goes away in 0\.3\.0"):
+        got = op(q, k, v, projection=w, causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_old_keyword_projection_beside_random_features_is_a_type_error():
+    q = torch.randn(1, 2, 12, 8)
+    w = draw_random_features(16, 8, seed=0)
+    with pytest.raises(TypeError, match="got both projection= and random_features="):
+        favor_attention(q, q, q, projection=w, random_features=w)

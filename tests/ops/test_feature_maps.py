@@ -238,3 +238,17 @@ def test_bad_inputs():
         phi(x, is_query=1)
     with pytest.raises(TypeError):
         phi(x)  # is_query is required, keyword-only
+
+
+def test_the_random_maps_take_the_old_keyword_projection_with_a_future_warning_until_0_3_0():
+    from linearformers.ops import FavorPositive, draw_random_features, favor_positive, relu_features
+
+    x = torch.randn(1, 2, 6, 8)
+    w = draw_random_features(16, 8, seed=0)
+    for fn in (favor_positive, relu_features):
+        want = fn(x, random_features=w, is_query=True) if fn is favor_positive else fn(x, random_features=w)
+        with pytest.warns(FutureWarning, match=r"projection= is renamed random_features=.*0\.3\.0"):
+            got = fn(x, projection=w, is_query=True) if fn is favor_positive else fn(x, projection=w)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.warns(FutureWarning, match=r"projection= is renamed random_features="):
+        assert FavorPositive(projection=w).random_features is w

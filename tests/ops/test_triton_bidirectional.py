@@ -21,7 +21,7 @@ from linearformers.ops import (
     set_triton_kernels,
 )
 from linearformers.ops.backends import choose_backend
-from linearformers.ops.feature_maps import random_features
+from linearformers.ops.feature_maps import random_feature_map
 from linearformers.ops.reference import favor_reference, linear_reference
 from tests.ops._triton_cases import (
     CUDA,
@@ -175,7 +175,7 @@ def test_matches_float64_features_on_cuda(dtype):
     got = run_with_grads(lambda *x: favor_attention(*x, w, key_padding_mask=mask, backend="triton"), inputs, grad)
 
     def reference(q, k, v):
-        pq, pk = (random_features(x, w.double(), is_query=t) for x, t in ((q, True), (k, False)))
+        pq, pk = (random_feature_map(x, w.double(), is_query=t) for x, t in ((q, True), (k, False)))
         return linear_reference(pq, pk, v, key_padding_mask=mask)
 
     expected = run_with_grads(reference, [t.double() for t in inputs], grad)

@@ -27,7 +27,7 @@ from linearformers.ops import (
 )
 from linearformers.ops._triton_causal import triton_causal_linear
 from linearformers.ops.backends import choose_backend
-from linearformers.ops.feature_maps import random_features
+from linearformers.ops.feature_maps import random_feature_map
 from linearformers.ops.reference import favor_reference, linear_reference
 from tests.ops._triton_cases import (
     CUDA,
@@ -108,7 +108,7 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
         if device == "cpu":
             return favor_reference(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask)
         # the same attention through float64 features (the log-space reference holds n² m values)
-        pq, pk = (random_features(x, w.double(), is_query=t, kernel=kernel) for x, t in ((q, True), (k, False)))
+        pq, pk = (random_feature_map(x, w.double(), is_query=t, kernel=kernel) for x, t in ((q, True), (k, False)))
         return linear_reference(pq, pk, v, causal=True, key_padding_mask=mask)
 
     expected = run_with_grads(reference, [t.double() for t in inputs], grad)
@@ -184,7 +184,7 @@ def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel):
     q, k, v = (randn(b, h, n, d, device=device, seed=s) for s in (1, 2, 3))
     w = draw_random_features(m, d, seed=4, device=device)
     if kernel == "features":
-        q, k, w = random_features(q, w, is_query=True), random_features(k, w, is_query=False), None
+        q, k, w = random_feature_map(q, w, is_query=True), random_feature_map(k, w, is_query=False), None
     keep = padding_mask(b, n, device).float()
     scale = d**-0.5 if w is not None else 1.0
     # the initial state: a prefix's, on the scale of what the chunks add (keys' features at offset 0 are small)
