@@ -57,8 +57,8 @@ class TransferArguments:
         learning_rate: AdamW learning rate of feature maps, window balances and local-head biases, both stages
             (default 1e-2, as LoLCATs).
         projection_learning_rate: AdamW learning rate of Linformer's E / F, both stages (default 1e-3): they start
-            as window means of size k / n, and at 1e-2 the transfer raised all-MiniLM-L6-v2's per-layer error
-            at k = 64 (0.68 -> 0.75) where 1e-3 lowered it (0.68 -> 0.58), benchmarks/conversion.py.
+            as window means of size k / n, which the rate of the maps (1e-2) moves too far: it raised a converted
+            BERT's per-layer error where 1e-3 lowered it (docs/conversion.md).
         batch_size: blocks per step, both stages (default 8).
         max_length: tokens per block when texts are tokenized for you (convert_bert / convert_gpt2, the CLI);
             None: the model's longest input, at most 512 (default None).
@@ -70,9 +70,8 @@ class TransferArguments:
         finetune_learning_rate: AdamW learning rate of stage 2 for every pretrained weight (or LoRA weight)
             (default 1e-4).
         finetune_new_learning_rate: AdamW learning rate of the new attention parameters in stage 2; None keeps
-            their stage-1 rates (default None; e.g. 3e-3). On all-MiniLM-L6-v2 after a stage 1 at 3e-2, stage 2
-            with the maps at 3e-2 raised the held-out distillation loss (0.0123 -> 0.0128), at 3e-3 lowered it
-            (0.0123 -> 0.0119).
+            their stage-1 rates (default None; e.g. 3e-3: after a stage 1 at 3e-2, maps kept at 3e-2 in stage 2
+            raised a converted BERT's held-out distillation loss, where 3e-3 lowered it; docs/conversion.md).
         lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
         choose_local_heads: before stage 1, reorder each layer's heads so that its ``num_local_heads`` local heads
             are those whose original attention stays most inside ``local_window`` (:func:`choose_local_heads`, on
@@ -420,9 +419,8 @@ def choose_local_heads(
     most inside ``local_window`` (:func:`local_head_shares` on ``input_ids``), in place: heads move with their
     q / k / v rows and o columns, the other heads keep their order in front and the chosen ones theirs behind.
 
-    A conversion makes the last heads local whatever they attend to; which heads they are matters: on
-    all-MiniLM-L6-v2, a Linformer k = 64 with 6 of 12 heads local (window 128) lost less of the original with the
-    most local heads chosen. Call it on a fresh conversion, before attention transfer: the new per-head parameters
+    A conversion makes the last heads local whatever they attend to; which heads they are matters: a converted
+    model loses less of the original when its local heads are the original's most local ones (docs/conversion.md). Call it on a fresh conversion, before attention transfer: the new per-head parameters
     (feature maps, balances, Linformer's E / F, relative biases) start alike for every head and stay in place.
     Returns, per layer, the original head numbers that became the local heads, in their order."""
     _check_pair(model, source)
