@@ -206,28 +206,16 @@ def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: in
     return max(1, min(nb, _PASS_BYTES // per_block))
 
 
-def _window_pass(qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, c0, frame, window, causal, scale):
-    """One pass of the core over the nq query blocks qb (b, h, nq, blk, d) from block c0 on: their window, sink and
-    in-frame linear scores against the frame keys, plus the linear part of the keys outside the frame through state
-    (b, h, nq, m, d + 1). Returns the accumulated [numerator, denominator] (b, h, nq, blk, d + 1)."""
-    nq, blk, dev = qb.shape[2], qb.shape[3], qb.device
-    c1 = c0 + nq
-    t = torch.arange(c0 * blk, c1 * blk, device=dev).view(nq, blk, 1)
-    s = (torch.arange(c0, c1, device=dev) * blk - blk).view(nq, 1, 1) + torch.arange(frame, device=dev)
-    dist = t - s  # (nq, blk, frame): t - s
-    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
-    seen = (dist >= 0) if causal else torch.ones_like(in_window)
-    win = in_window & real
-    lin = seen & ~in_window & real
-
-    logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
+def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal):
+    """One pass of the core over the nq query blocks qb (b, h, nq, blk, d), already times the logit scale: their
+    window, sink and in-frame linear scores against the frame keys, plus the linear part of the keys outside the
+    frame through state (b, h, nq, m, d + 1). win, lin (b, 1, nq, blk, frame) bool: the frame keys in each query's
+    window, and its in-frame linear keys; t (nq, blk, 1) the queries' positions. Returns the accumulated
+    [numerator, denominator] (b, h, nq, blk, d + 1)."""
+    logits = (qb @ kf.transpose(-1, -2)).masked_fill(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
-        sink_k, sink_v, sink_pos, sink_valid = sink
-        sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
-        near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
-        sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
-        sink_logits = (qb @ sink_k[:, :, None].transpose(-1, -2) * scale).masked_fill(~sees[:, None], float("-inf"))
+        sink_logits = _sink_logits(qb, t, sink, window, causal)
         c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
     if ell is not None:
@@ -238,10 +226,46 @@ def _window_pass(qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, c0, frame,
     scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
     acc = scores @ vf  # (b, h, nq, blk, d + 1)
     if sink is not None:
-        sink_vaug = torch.cat([sink_v, torch.ones_like(sink_v[..., :1])], -1)
-        acc = acc + (g * torch.exp(sink_logits - c)) @ sink_vaug[:, :, None]
-
+        acc = acc + (g * torch.exp(sink_logits - c)) @ _with_ones(sink[1])[:, :, None]
     return acc + pqb @ state
+
+
+def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal):
+    """:func:`_window_pass` where autograd records nothing (inference): the same sums with the scores made and
+    combined in place, a few passes over them fewer. gamma goes into the stabilizer (g exp(x - c) = exp(x - c +
+    log g)), and lin is taken as the in-frame linear keys' pattern alone: the window scores are zero outside the
+    window, and the in-frame linear scores of padded keys and sinks are already zero (their features are)."""
+    logits = torch.matmul(qb, kf.transpose(-1, -2)).masked_fill_(~win, float("-inf"))
+    c = logits.amax(-1, keepdim=True)
+    if sink is not None:
+        sink_logits = _sink_logits(qb, t, sink, window, causal)
+        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    if ell is not None:
+        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
+        pqb = pqb * torch.exp(ell - c)
+    c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
+    scores = logits.sub_(c_window).exp_()
+    scores = torch.where(lin, torch.matmul(pqb, pkf.transpose(-1, -2)), scores, out=scores)
+    acc = torch.matmul(scores, vf)
+    if sink is not None:
+        acc += torch.exp(sink_logits.sub_(c_window)) @ _with_ones(sink[1])[:, :, None]
+    acc += torch.matmul(pqb, state)
+    return acc
+
+
+def _with_ones(x: torch.Tensor) -> torch.Tensor:
+    """[x, 1] along the last dimension: values whose products give the numerator and the denominator together."""
+    return torch.cat([x, torch.ones_like(x[..., :1])], -1)
+
+
+def _sink_logits(qb, t, sink, window, causal):
+    """The queries' (b, h, nq, blk, S) logits against the sinks they see outside their window, -inf elsewhere."""
+    sink_k, _, sink_pos, sink_valid = sink
+    sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
+    near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
+    sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
+    return (qb @ sink_k[:, :, None].transpose(-1, -2)).masked_fill(~sees[:, None], float("-inf"))
 
 
 def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
@@ -257,7 +281,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     after = blk + pad_end if not causal else pad_end
     keep = linear[:, None, :, None].to(pk.dtype)
     pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
-    vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
+    vaug = _with_ones(v)  # [v, 1]: numerator and denominator together
     e = d + 1
     step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
 
@@ -273,7 +297,12 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         return passes((F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1]))
 
     kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
-    qbs, pqbs, pkbs, vbs = blocks(q), blocks(pq), blocks(pk), blocks(vaug)
+    qbs, pqbs, pkbs, vbs = blocks(q * scale), blocks(pq), blocks(pk), blocks(vaug)  # the scale on n x d, not the scores
+    # query t = c blk + i against frame key s = (c - 1) blk + j lies t - s = blk + i - j from it in every block c:
+    # one (blk, frame) pattern of window and in-frame linear keys, and per pass which frame keys are real
+    dist = blk + torch.arange(blk, device=q.device)[:, None] - torch.arange(frame, device=q.device)
+    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
+    outside = (dist >= window) if causal else ~in_window  # the keys it may see outside its window
     reals = passes(F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :])
     ells = [None] * len(qbs) if log_scale is None else blocks(log_scale[..., None])
 
@@ -287,12 +316,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             after_pass.insert(0, after_pass[0] + totals[-i])
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
-    recompute = (
-        len(qbs) > 1
-        and scores_bytes > _RECOMPUTE_BYTES
-        and torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base))
+    tracked = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
     )
+    recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
     outs = []
     for i, qb in enumerate(qbs):
         nq = qb.shape[2]
@@ -311,11 +338,16 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
                 state = state + torch.cat([full, short[:, :, None]], 2)
         if base is not None:
             state = state + base[:, :, None]
-        args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], reals[i], ells[i], state, gamma, sink)
-        args = (*args, i * step, frame, window, causal, scale)
-        # in passes under autograd, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence
-        # tensors and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
-        outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
+        t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
+        if tracked:
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside & reals[i], t, ells[i])
+            args = (*args, state, gamma, sink, window, causal)
+            # in passes, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence tensors
+            # and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
+            outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
+        else:
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside, t, ells[i], state, gamma)
+            outs.append(_window_pass_untracked(*args, sink, window, causal))
 
     acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]
