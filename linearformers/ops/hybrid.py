@@ -82,6 +82,10 @@ _PASS_BYTES = 16 * 2**20
 # one layer forward + backward, m = 128); hence a threshold between the two
 _RECOMPUTE_BYTES = 64 * 2**20
 
+# L, the query blocks on each side of a block that hold keys of its window: blocks of B = w // L queries (w // 2 or
+# w // 2 + 1 = ceil(w / 2) keys from... see the module docstring); a frame of (2 L + 1) B keys against 3 w at L = 1
+_SIDE_BLOCKS = 2
+
 
 class HybridState(NamedTuple):
     """Decoding state after a causal pass. ``s`` (b, h, m, d) and ``z`` (b, h, m): Σ phi_k vᵀ and Σ phi_k over the
@@ -226,16 +230,20 @@ def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, win
     scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
     acc = scores @ vf  # (b, h, nq, blk, d + 1)
     if sink is not None:
-        acc = acc + (g * torch.exp(sink_logits - c)) @ _with_ones(sink[1])[:, :, None]
+        acc = acc + ((g * torch.exp(sink_logits - c)).flatten(2, 3) @ _with_ones(sink[1])).view_as(acc)
     return acc + pqb @ state
 
 
-def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal):
-    """:func:`_window_pass` where autograd records nothing (inference): the same sums with the scores made and
-    combined in place, a few passes over them fewer. gamma goes into the stabilizer (g exp(x - c) = exp(x - c +
-    log g)), and lin is taken as the in-frame linear keys' pattern alone: the window scores are zero outside the
-    window, and the in-frame linear scores of padded keys and sinks are already zero (their features are)."""
-    logits = torch.matmul(qb, kf.transpose(-1, -2)).masked_fill_(~win, float("-inf"))
+def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal, out):
+    """:func:`_window_pass` where autograd records nothing (inference), into out (b, h, nq, blk, d + 1): the same
+    sums, with the scores made and combined in place, a few passes over them fewer. gamma goes into the stabilizer
+    (g exp(x - c) = exp(x - c + log g)). The in-frame linear keys lie in the frame's first block (and,
+    bidirectional, its last) alone, so their scores are made there, masked by lin (blk, frame), their pattern
+    alone: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
+    already zero (their features are)."""
+    b, h, nq, blk, _ = qb.shape
+    logits = _bmm_rows(qb, kf.transpose(-1, -2), qb.new_empty(b, h, nq, blk, kf.shape[-2]))
+    logits.masked_fill_(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     if sink is not None:
         sink_logits = _sink_logits(qb, t, sink, window, causal)
@@ -246,12 +254,31 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
         pqb = pqb * torch.exp(ell - c)
     c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
     scores = logits.sub_(c_window).exp_()
-    scores = torch.where(lin, torch.matmul(pqb, pkf.transpose(-1, -2)), scores, out=scores)
-    acc = torch.matmul(scores, vf)
+    edge = qb.new_empty(b, h, nq, blk, blk)
+    for cols in (slice(0, blk),) if causal else (slice(0, blk), slice(-blk, None)):
+        _bmm_rows(pqb, pkf[..., cols, :].transpose(-1, -2), edge)
+        scores[..., cols] += edge.masked_fill_(~lin[:, cols], 0.0)
+    _bmm_rows(scores, vf, out)
     if sink is not None:
-        acc += torch.exp(sink_logits.sub_(c_window)) @ _with_ones(sink[1])[:, :, None]
-    acc += torch.matmul(pqb, state)
-    return acc
+        out += (torch.exp(sink_logits.sub_(c_window)).flatten(2, 3) @ _with_ones(sink[1])).view_as(out)
+    for x, y, o in _rows(pqb, state, out):
+        o.baddbmm_(x, y)
+    return out
+
+
+def _rows(*tensors: torch.Tensor):
+    """The (batch, head) rows of 5-d tensors, each a 3-d view."""
+    b, h = tensors[0].shape[:2]
+    return ((*(x[i, j] for x in tensors),) for i in range(b) for j in range(h))
+
+
+def _bmm_rows(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ y for 5-d (b, h, blocks, ·, ·) tensors, one bmm per (batch, head) row: a row of a frame view is a
+    3-d tensor whose matrices overlap in memory, which bmm reads in place, while matmul over all rows would copy
+    the frames out first (the rows' strides do not merge). Returns out."""
+    for xr, yr, o in _rows(x, y, out):
+        torch.bmm(xr, yr, out=o)
+    return out
 
 
 def _with_ones(x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +292,8 @@ def _sink_logits(qb, t, sink, window, causal):
     sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
     near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
     sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
-    return (qb @ sink_k[:, :, None].transpose(-1, -2)).masked_fill(~sees[:, None], float("-inf"))
+    logits = (qb.flatten(2, 3) @ sink_k.transpose(-1, -2)).view(*qb.shape[:4], -1)
+    return logits.masked_fill(~sees[:, None], float("-inf"))
 
 
 def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
@@ -274,15 +302,16 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     (b, h, n), the queries' ℓ, or None; sink: None, or (keys (b, h, S, d), values (b, h, S, d), positions (b, S)
     int64 in this call's frame of positions (negative: before it), validity (b, S) bool). Returns (b, h, n, d)."""
     b, h, n, d = q.shape
-    blk = window
+    side = _SIDE_BLOCKS if window >= _SIDE_BLOCKS else 1
+    blk = window // side
     pad_end = (-n) % blk
     nb = (n + pad_end) // blk
-    frame = 2 * blk if causal else 3 * blk
-    after = blk + pad_end if not causal else pad_end
+    lead = side * blk  # the frame's keys before its query block
+    frame = (side + 1) * blk if causal else (2 * side + 1) * blk
+    after = pad_end if causal else lead + pad_end
     keep = linear[:, None, :, None].to(pk.dtype)
     pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
     vaug = _with_ones(v)  # [v, 1]: numerator and denominator together
-    e = d + 1
     step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
 
     # every pass's pieces are split off views of whole-sequence tensors, so the backward puts each input's gradient
@@ -290,54 +319,52 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     def passes(x):  # one pass: the tensor itself, with no split (whose backward would copy the gradient)
         return (x,) if step >= nb else x.split(step, 2)
 
-    def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [(c - 1) blk, (c - 1) blk + frame)
-        return passes(F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2))
+    def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
+        return passes(F.pad(x, (0, 0, lead, after)).unfold(2, frame, blk).transpose(-1, -2))
 
-    def blocks(x):  # (b, h, n, e) -> per pass (b, h, nq, blk, e); views of x when n fills its blocks (F.pad copies)
-        return passes((F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1]))
+    def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e); a view of x when n fills its blocks (F.pad copies)
+        return (F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1])
 
     kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
-    qbs, pqbs, pkbs, vbs = blocks(q * scale), blocks(pq), blocks(pk), blocks(vaug)  # the scale on n x d, not the scores
-    # query t = c blk + i against frame key s = (c - 1) blk + j lies t - s = blk + i - j from it in every block c:
+    qbs, pqbs = passes(blocks(q * scale)), passes(blocks(pq))  # the scale on n x d, not on the scores
+    # query t = c blk + i against frame key s = c blk - lead + j lies t - s = lead + i - j from it in every block c:
     # one (blk, frame) pattern of window and in-frame linear keys, and per pass which frame keys are real
-    dist = blk + torch.arange(blk, device=q.device)[:, None] - torch.arange(frame, device=q.device)
+    dist = lead + torch.arange(blk, device=q.device)[:, None] - torch.arange(frame, device=q.device)
     in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
     outside = (dist >= window) if causal else ~in_window  # the keys it may see outside its window
-    reals = passes(F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :])
-    ells = [None] * len(qbs) if log_scale is None else blocks(log_scale[..., None])
+    reals = passes(F.pad(valid, (lead, after)).unfold(1, frame, blk)[:, None, :, None, :])
+    ells = [None] * len(qbs) if log_scale is None else passes(blocks(log_scale[..., None]))
 
-    sums = [pk_b.transpose(-1, -2) @ v_b for pk_b, v_b in zip(pkbs, vbs)]  # per-block phi_kᵀ [v, 1], (b, h, nq, m, e)
-    totals = [x.sum(2) for x in sums]  # (b, h, m, e) per pass
-    # Σ of the passes before pass i (and, bidirectional, after it), each summed from its own end: no subtraction
-    before, after_pass = [torch.zeros_like(totals[0])], [torch.zeros_like(totals[0])]
-    for i in range(1, len(totals)):
-        before.append(before[-1] + totals[i - 1])
-        if not causal:
-            after_pass.insert(0, after_pass[0] + totals[-i])
+    sums = blocks(pk).transpose(-1, -2) @ blocks(vaug)  # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1)
+    # the passes' first blocks c0 and, bidirectional, the sums of the blocks from c1 + side on, summed from the right
+    starts = list(range(0, nb, step))
+    rights = [None] * len(starts)
+    if not causal:
+        right = torch.zeros_like(sums[:, :, 0])
+        for i in reversed(range(len(starts))):
+            rights[i] = right
+            right = right + sums[:, :, starts[i] + side : (starts[i + 1] if i + 1 < len(starts) else nb) + side].sum(2)
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
     )
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
-    outs = []
+    outs, acc = [], None if tracked else q.new_empty(b, h, nb, blk, d + 1)
+    left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before c0 - side
     for i, qb in enumerate(qbs):
         nq = qb.shape[2]
-        # block c's linear state: the blocks up to c - 2 (and from c + 2, bidirectional): this pass's own by a
-        # cumsum over its blocks, the other passes' as carries (for the pass's blocks c0 .. c1 - 1: block c0 sees
-        # up to c0 - 2, the others up to c0 - 1; block c1 - 1 sees from c1 + 1, the others from c1)
-        state = F.pad(sums[i].cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nq]
-        if i:
-            short = before[i - 1] + sums[i - 1][:, :, :-1].sum(2)
-            state = state + torch.cat([short[:, :, None], before[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)], 2)
-        if not causal:
-            state = state + F.pad(sums[i].flip(2).cumsum(2).flip(2), (0, 0, 0, 0, 0, 2))[:, :, 2:]
-            if i + 1 < len(qbs):
-                short = after_pass[i + 1] + sums[i + 1][:, :, 1:].sum(2)
-                full = after_pass[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)
-                state = state + torch.cat([full, short[:, :, None]], 2)
-        if base is not None:
-            state = state + base[:, :, None]
+        c0 = starts[i]
+        # block c's linear state: the blocks up to c - side - 1 (and from c + side + 1, bidirectional): the carries
+        # from the passes' ends, and the blocks c0 - side .. c1 + side - 1 that exist picked by one product with a
+        # 0 / 1 matrix (faster than cumsums over these (m, d + 1) blocks): only sums, so no cancellation
+        lo, hi = max(c0 - side, 0), min(c0 + nq + side, nb)
+        near = torch.arange(lo, hi, device=q.device) - torch.arange(c0, c0 + nq, device=q.device)[:, None]
+        pick = (near < -side) if causal else (near.abs() > side)  # (nq, hi - lo): j - c
+        state = (pick.to(sums.dtype) @ sums[:, :, lo:hi].flatten(3)).view(b, h, nq, *sums.shape[3:])
+        carry = left if causal else left + rights[i]
+        state = state + (carry if base is None else carry + base)[:, :, None]
+        left = left + sums[:, :, lo : max(c0 + nq - side, lo)].sum(2)
         t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
         if tracked:
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside & reals[i], t, ells[i])
@@ -346,10 +373,13 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             # and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
             outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
         else:
-            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside, t, ells[i], state, gamma)
-            outs.append(_window_pass_untracked(*args, sink, window, causal))
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside, t, ells[i], state)
+            _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
+    if not tracked:
+        num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
+        return (num / den).masked_fill_(den <= 0, 0.0)  # 0/0 where a query has no real key: output 0
 
-    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
+    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, d + 1)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return torch.where(den > 0, num / safe, torch.zeros_like(num))

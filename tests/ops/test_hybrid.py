@@ -471,3 +471,23 @@ def test_empty_inputs_give_empty_outputs(shape, causal):
     q, phi = torch.randn(b, h, 8, 4), torch.rand(b, h, 8, 3)
     out = hybrid_attention(q, q, q, phi, phi, torch.ones(h), 4, causal=causal)
     assert out.shape == (b, h, 8, 4)
+
+
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_inference_equals_the_path_autograd_records(causal, padding, sinks):
+    """Where autograd records nothing the core takes its in-place pass (scores combined in place, gamma in the
+    stabilizer, one product per head over the frame views); it gives the recorded path's outputs, float32."""
+    n, window = 37, 6  # blocks of 3 queries, a partial last block
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    phi_q, phi_k = (torch.rand(B, H, n, M, generator=g) for _ in range(2))
+    ell = torch.randn(B, H, n, generator=g)
+    gamma = torch.tensor([0.3, 1.0, 2.5])
+    kwargs = dict(causal=causal, key_padding_mask=_mask(n, padding), query_log_scale=ell, sinks=sinks)
+    with torch.no_grad():
+        untracked = hybrid_attention(q, k, v, phi_q, phi_k, gamma, window, **kwargs)
+    tracked = hybrid_attention(q.requires_grad_(), k, v, phi_q, phi_k, gamma, window, **kwargs)
+    assert tracked.requires_grad
+    torch.testing.assert_close(untracked, tracked.detach(), rtol=1e-5, atol=1e-6)
