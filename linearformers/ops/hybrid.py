@@ -237,13 +237,18 @@ def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, win
 def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal, out):
     """:func:`_window_pass` where autograd records nothing (inference), into out (b, h, nq, blk, d + 1): the same
     sums, with the scores made and combined in place, a few passes over them fewer. gamma goes into the stabilizer
-    (g exp(x - c) = exp(x - c + log g)). The in-frame linear keys lie in the frame's first block (and,
+    (g exp(x - c) = exp(x - c + log g)). win: (b, 1, nq, blk, frame) as there, or the (blk, frame) window
+    pattern alone where every frame key is real. The in-frame linear keys lie in the frame's first block (and,
     bidirectional, its last) alone, so their scores are made there, masked by lin (blk, frame), their pattern
     alone: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
     already zero (their features are)."""
     b, h, nq, blk, _ = qb.shape
     logits = _bmm_rows(qb, kf.transpose(-1, -2), qb.new_empty(b, h, nq, blk, kf.shape[-2]))
-    logits.masked_fill_(~win, float("-inf"))
+    if win.dim() == 2:  # every frame key real: win is the (blk, frame) pattern, which is all True but at the edges
+        for cols in (slice(0, blk), slice(-blk, None)):
+            logits[..., cols].masked_fill_(~win[:, cols], float("-inf"))
+    else:
+        logits.masked_fill_(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     if sink is not None:
         sink_logits = _sink_logits(qb, t, sink, window, causal)
@@ -373,7 +378,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             # and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
             outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
         else:
-            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside, t, ells[i], state)
+            win = in_window if bool(reals[i].all()) else in_window & reals[i]
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside, t, ells[i], state)
             _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
     if not tracked:
         num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
