@@ -246,8 +246,8 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
     sums, with the scores made and combined in place, a few passes over them fewer. gamma goes into the stabilizer
     (g exp(x - c) = exp(x - c + log g)). win: (b, 1, nq, blk, frame) as there, or the (blk, frame) window
     pattern alone where every frame key is real. The in-frame linear keys lie in the frame's first block (and,
-    bidirectional, its last) alone, so their scores are made there, masked by lin (blk, frame), their pattern
-    alone: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
+    bidirectional, its last) alone, so their scores are made there, times lin (blk, frame), their pattern alone
+    as 0 / 1: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
     already zero (their features are)."""
     b, h, nq, blk, _ = qb.shape
     logits = _bmm_rows(qb, kf.transpose(-1, -2), qb.new_empty(b, h, nq, blk, kf.shape[-2]))
@@ -268,14 +268,23 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
     scores = logits.sub_(c_window).exp_()
     edge = qb.new_empty(b, h, nq, blk, blk)
     for cols in (slice(0, blk),) if causal else (slice(0, blk), slice(-blk, None)):
-        _bmm_rows(pqb, pkf[..., cols, :].transpose(-1, -2), edge)
-        scores[..., cols] += edge.masked_fill_(~lin[:, cols], 0.0)
+        scores[..., cols].addcmul_(_bmm_rows(pqb, pkf[..., cols, :].transpose(-1, -2), edge), lin[:, cols])
     _bmm_rows(scores, vf, out)
     if sink is not None:
         out += (torch.exp(sink_logits.sub_(c_window)).flatten(2, 3) @ _with_ones(sink[1])).view_as(out)
     for x, y, o in _rows(pqb, state, out):
         o.baddbmm_(x, y)
     return out
+
+
+def _pad_buffer(x: torch.Tensor, lead: int, after: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (b, h, lead + n + after, width) buffer of x's dtype and device whose first lead and last after rows are
+    zero, and the view of its n rows between, for the caller to fill."""
+    b, h, n, _ = x.shape
+    buf = x.new_empty(b, h, lead + n + after, width)
+    buf[:, :, :lead].zero_()
+    buf[:, :, lead + n :].zero_()
+    return buf, buf[:, :, lead : lead + n]
 
 
 def _rows(*tensors: torch.Tensor):
@@ -321,9 +330,22 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     lead = side * blk  # the frame's keys before its query block
     frame = (side + 1) * blk if causal else (2 * side + 1) * blk
     after = pad_end if causal else lead + pad_end
-    keep = linear[:, None, :, None].to(pk.dtype)
-    pk = pk * keep  # padded keys and sinks leave the linear sums (and the frame scores)
-    vaug = _with_ones(v)  # [v, 1]: numerator and denominator together
+    keep = linear[:, None, :, None].to(pk.dtype)  # padded keys and sinks leave the linear sums (and frame scores)
+    tracked = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
+    )
+    # k, [v, 1] (numerator and denominator together) and pk with lead zero rows before and after - lead after them,
+    # the frames' margins; without autograd each written once, straight into its buffer
+    if tracked:
+        k_pad, v_pad, pk_pad = (F.pad(x, (0, 0, lead, after)) for x in (k, _with_ones(v), pk * keep))
+    else:
+        k_pad, rows = _pad_buffer(k, lead, after, d)
+        rows.copy_(k)
+        v_pad, rows = _pad_buffer(v, lead, after, d + 1)
+        rows[..., :d].copy_(v)
+        rows[..., d].fill_(1.0)
+        pk_pad, rows = _pad_buffer(pk, lead, after, pk.shape[-1])
+        torch.mul(pk, keep, out=rows)
     step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
 
     # every pass's pieces are split off views of whole-sequence tensors, so the backward puts each input's gradient
@@ -331,13 +353,15 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     def passes(x):  # one pass: the tensor itself, with no split (whose backward would copy the gradient)
         return (x,) if step >= nb else x.split(step, 2)
 
-    def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
-        return passes(F.pad(x, (0, 0, lead, after)).unfold(2, frame, blk).transpose(-1, -2))
+    def frames(
+        x_pad,
+    ):  # padded (b, h, ·, e) -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
+        return passes(x_pad.unfold(2, frame, blk).transpose(-1, -2))
 
     def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e); a view of x when n fills its blocks (F.pad copies)
         return (F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1])
 
-    kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
+    kfs, vfs, pkfs = frames(k_pad), frames(v_pad), frames(pk_pad)
     qbs, pqbs = passes(blocks(q * scale)), passes(blocks(pq))  # the scale on n x d, not on the scores
     # query t = c blk + i against frame key s = c blk - lead + j lies t - s = lead + i - j from it in every block c:
     # one (blk, frame) pattern of window and in-frame linear keys, and per pass which frame keys are real
@@ -347,7 +371,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     reals = passes(F.pad(valid, (lead, after)).unfold(1, frame, blk)[:, None, :, None, :])
     ells = [None] * len(qbs) if log_scale is None else passes(blocks(log_scale[..., None]))
 
-    sums = blocks(pk).transpose(-1, -2) @ blocks(vaug)  # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1)
+    pk_blocks, v_blocks = (x[:, :, lead : lead + nb * blk].unflatten(2, (nb, blk)) for x in (pk_pad, v_pad))
+    sums = pk_blocks.transpose(-1, -2) @ v_blocks  # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1)
     # the passes' first blocks c0 and, bidirectional, the sums of the blocks from c1 + side on, summed from the right
     starts = list(range(0, nb, step))
     rights = [None] * len(starts)
@@ -358,9 +383,6 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             right = right + sums[:, :, starts[i] + side : (starts[i + 1] if i + 1 < len(starts) else nb) + side].sum(2)
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
-    tracked = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
-    )
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
     outs, acc = [], None if tracked else q.new_empty(b, h, nb, blk, d + 1)
     left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before c0 - side
@@ -386,7 +408,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
         else:
             win = in_window if bool(reals[i].all()) else in_window & reals[i]
-            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside, t, ells[i], state)
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside.to(q.dtype), t, ells[i], state)
             _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
     if not tracked:
         num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
@@ -505,10 +527,15 @@ def hybrid_attention(
     if sinks:
         seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
         is_sink, slot = sink_slots(new_valid, sinks, seen_before)
-        pick = slot.to(dtype)  # (b, S, n): new token -> its sink slot
-        sink_k, sink_v = pick[:, None] @ kc[:, :, p:], pick[:, None] @ vc[:, :, p:]
         sink_valid = slot.any(-1)
-        sink_pos = (slot.long() * torch.arange(n, device=q.device)).sum(-1) + p
+        where = (slot.long() * torch.arange(n, device=q.device)).sum(-1)  # (b, S): each sink's place, 0 if none yet
+
+        def pick(x):  # (b, h, S, ·): the sinks' rows of x, zero in the slots not filled
+            rows = x[:, :, p:].gather(2, where[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+            return torch.where(sink_valid[:, None, :, None], rows, 0.0)
+
+        sink_k, sink_v = pick(kc), pick(vc)
+        sink_pos = where + p
         if past is not None:  # slots filled before keep their sink
             old = past.sink_valid
             sink_k = torch.where(old[:, None, :, None], past.sink_k.to(dtype), sink_k)
