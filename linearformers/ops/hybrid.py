@@ -372,7 +372,13 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     ells = [None] * len(qbs) if log_scale is None else passes(blocks(log_scale[..., None]))
 
     pk_blocks, v_blocks = (x[:, :, lead : lead + nb * blk].unflatten(2, (nb, blk)) for x in (pk_pad, v_pad))
-    sums = pk_blocks.transpose(-1, -2) @ v_blocks  # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1)
+    # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1); the blocks are views of the padded buffers, read in place
+    # without autograd (one product per head), copied by matmul with it
+    pk_blocks = pk_blocks.transpose(-1, -2)
+    if tracked:
+        sums = pk_blocks @ v_blocks
+    else:
+        sums = _bmm_rows(pk_blocks, v_blocks, q.new_empty(b, h, nb, pk.shape[-1], d + 1))
     # the passes' first blocks c0 and, bidirectional, the sums of the blocks from c1 + side on, summed from the right
     starts = list(range(0, nb, step))
     rights = [None] * len(starts)
