@@ -334,9 +334,12 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
     )
+    # the in-place pass wherever autograd records nothing, but in a compiled graph, which fuses the general form
+    # itself and would break at the in-place pass's per-pass check of the padding
+    general = tracked or torch.compiler.is_compiling()
     # k, [v, 1] (numerator and denominator together) and pk with lead zero rows before and after - lead after them,
     # the frames' margins; without autograd each written once, straight into its buffer
-    if tracked:
+    if general:
         k_pad, v_pad, pk_pad = (F.pad(x, (0, 0, lead, after)) for x in (k, _with_ones(v), pk * keep))
     else:
         k_pad, rows = _pad_buffer(k, lead, after, d)
@@ -375,7 +378,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1); the blocks are views of the padded buffers, read in place
     # without autograd (one product per head), copied by matmul with it
     pk_blocks = pk_blocks.transpose(-1, -2)
-    if tracked:
+    if general:
         sums = pk_blocks @ v_blocks
     else:
         sums = _bmm_rows(pk_blocks, v_blocks, q.new_empty(b, h, nb, pk.shape[-1], d + 1))
@@ -390,7 +393,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
-    outs, acc = [], None if tracked else q.new_empty(b, h, nb, blk, d + 1)
+    outs, acc = [], None if general else q.new_empty(b, h, nb, blk, d + 1)
     left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before c0 - side
     for i, qb in enumerate(qbs):
         nq = qb.shape[2]
@@ -406,7 +409,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         state = state + (carry if base is None else carry + base)[:, :, None]
         left = left + sums[:, :, lo : max(c0 + nq - side, lo)].sum(2)
         t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
-        if tracked:
+        if general:
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside & reals[i], t, ells[i])
             args = (*args, state, gamma, sink, window, causal)
             # in passes, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence tensors
@@ -416,7 +419,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             win = in_window if bool(reals[i].all()) else in_window & reals[i]
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside.to(q.dtype), t, ells[i], state)
             _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
-    if not tracked:
+    if not general:
         num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
         return (num / den).masked_fill_(den <= 0, 0.0)  # 0/0 where a query has no real key: output 0
 

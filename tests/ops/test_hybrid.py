@@ -491,3 +491,18 @@ def test_inference_equals_the_path_autograd_records(causal, padding, sinks):
     tracked = hybrid_attention(q.requires_grad_(), k, v, phi_q, phi_k, gamma, window, **kwargs)
     assert tracked.requires_grad
     torch.testing.assert_close(untracked, tracked.detach(), rtol=1e-5, atol=1e-6)
+
+
+@REAL_SPLIT
+def test_inference_compiles_without_graph_breaks():
+    """Under torch.compile the core keeps its general form where autograd records nothing too: the in-place pass
+    asks each pass whether its frame keys are all real, which would break the graph."""
+    q, k, v, phi_q, phi_k, gamma = _inputs(12, dtype=torch.float32)
+
+    def attend(*x):
+        return hybrid_attention(*x, 4, causal=False, key_padding_mask=_mask(12, "right"), sinks=1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(attend)(q, k, v, phi_q, phi_k, gamma)
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
