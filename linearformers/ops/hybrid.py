@@ -43,8 +43,9 @@ after c + L, bidirectional), summed, never subtracted, so no cancellation. The s
 query's S scores against the S sink keys, masked where the sink lies in its window (counted there) or, causal,
 ahead of it; their features are zeroed before any linear sum. Time O(n (w (m + d) + m d + S d)), memory
 O(n (w + S) + (n / w) m d), m features, d head_dim. On the CPU the query blocks go through in passes whose window
-scores stay within 16 MB (_PASS_BYTES says why), each pass's states the sums carried from the passes before and
-after it plus one product of a 0 / 1 matrix with its neighbourhood's block sums; elsewhere in one pass. Where
+scores stay within 16 MB (_PASS_BYTES says why); elsewhere in one pass. The block states come by pieces of at most
+64 blocks: sums carried from the pieces before and after, plus one product of a 0 / 1 matrix with the block sums
+around the piece. Where
 autograd records nothing (inference) a pass makes its scores in place, one batched product per head over views of
 the frames (no copy of them), and the in-frame linear scores on the edge blocks alone.
 
@@ -92,6 +93,9 @@ _RECOMPUTE_BYTES = 64 * 2**20
 # layer's 12 heads at 8K, window 64, 64 features, no_grad, one thread: 186 ms of CPU time against 215, medians of
 # 12 in turn on a loaded machine); more blocks add states and calls for little
 _SIDE_BLOCKS = 2
+
+# the most query blocks whose states one 0 / 1 product makes (_block_states): its cost per block grows with them
+_STATE_BLOCKS = 64
 
 
 class HybridState(NamedTuple):
@@ -317,6 +321,43 @@ def _sink_logits(qb, t, sink, window, causal):
     return logits.masked_fill(~sees[:, None], float("-inf"))
 
 
+def _block_states(sums, step, side, causal, base):
+    """Per pass of ``step`` query blocks, the linear state of each of its blocks c (b, h, nq, m, d + 1): the sums
+    (b, h, nb, m, d + 1) of the blocks up to c - side - 1 (and from c + side + 1, bidirectional), plus base (b, h,
+    m, d + 1) or None. Made by pieces of at most _STATE_BLOCKS blocks (each pass's split evenly): the carries from
+    the pieces' ends, summed from the left and from the right, and the blocks a piece's own and side blocks around
+    it hold, picked by one product with a 0 / 1 matrix (on the CPU faster than cumsums over these (m, d + 1)
+    blocks; the pieces bound its cost per block). Only sums, so no cancellation."""
+    b, h, nb = sums.shape[:3]
+    pieces = []  # (first block, blocks) of every piece, passes in order
+    for c0 in range(0, nb, step):
+        nq = min(step, nb - c0)
+        size = -(-nq // -(-nq // _STATE_BLOCKS))
+        pieces.append([(a, min(size, c0 + nq - a)) for a in range(c0, c0 + nq, size)])
+    flat = [piece for pass_pieces in pieces for piece in pass_pieces]
+    rights = [None] * len(flat)  # each piece's sums of the blocks from its end + side on
+    if not causal:
+        right = torch.zeros_like(sums[:, :, 0])
+        for j in reversed(range(len(flat))):
+            rights[j] = right
+            a, size = flat[j]
+            right = right + sums[:, :, a + side : a + size + side].sum(2)
+    left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before the piece's first - side
+    j = 0
+    for pass_pieces in pieces:
+        parts = []
+        for a, size in pass_pieces:
+            lo, hi = max(a - side, 0), min(a + size + side, nb)
+            near = torch.arange(lo, hi, device=sums.device) - torch.arange(a, a + size, device=sums.device)[:, None]
+            pick = (near < -side) if causal else (near.abs() > side)  # (size, hi - lo): j - c
+            part = (pick.to(sums.dtype) @ sums[:, :, lo:hi].flatten(3)).view(b, h, size, *sums.shape[3:])
+            carry = left if causal else left + rights[j]
+            parts.append(part + (carry if base is None else carry + base)[:, :, None])
+            left = left + sums[:, :, lo : max(a + size - side, lo)].sum(2)
+            j += 1
+        yield parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
 def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
     """All inputs in the compute dtype; valid (b, n) bool: real keys; linear (b, n) bool: the real keys that may
     join the linear part (sinks do not); base (b, h, m, d + 1) added to every block's state, or None; log_scale
@@ -383,31 +424,13 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     else:
         sums = _bmm_rows(pk_blocks, v_blocks, q.new_empty(b, h, nb, pk.shape[-1], d + 1))
     # the passes' first blocks c0 and, bidirectional, the sums of the blocks from c1 + side on, summed from the right
-    starts = list(range(0, nb, step))
-    rights = [None] * len(starts)
-    if not causal:
-        right = torch.zeros_like(sums[:, :, 0])
-        for i in reversed(range(len(starts))):
-            rights[i] = right
-            right = right + sums[:, :, starts[i] + side : (starts[i + 1] if i + 1 < len(starts) else nb) + side].sum(2)
+    states = _block_states(sums, step, side, causal, base)
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
     outs, acc = [], None if general else q.new_empty(b, h, nb, blk, d + 1)
-    left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before c0 - side
-    for i, qb in enumerate(qbs):
-        nq = qb.shape[2]
-        c0 = starts[i]
-        # block c's linear state: the blocks up to c - side - 1 (and from c + side + 1, bidirectional): the carries
-        # from the passes' ends, and the blocks c0 - side .. c1 + side - 1 that exist picked by one product with a
-        # 0 / 1 matrix (faster than cumsums over these (m, d + 1) blocks): only sums, so no cancellation
-        lo, hi = max(c0 - side, 0), min(c0 + nq + side, nb)
-        near = torch.arange(lo, hi, device=q.device) - torch.arange(c0, c0 + nq, device=q.device)[:, None]
-        pick = (near < -side) if causal else (near.abs() > side)  # (nq, hi - lo): j - c
-        state = (pick.to(sums.dtype) @ sums[:, :, lo:hi].flatten(3)).view(b, h, nq, *sums.shape[3:])
-        carry = left if causal else left + rights[i]
-        state = state + (carry if base is None else carry + base)[:, :, None]
-        left = left + sums[:, :, lo : max(c0 + nq - side, lo)].sum(2)
+    for i, (qb, state) in enumerate(zip(qbs, states)):
+        nq, c0 = qb.shape[2], i * step
         t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
         if general:
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside & reals[i], t, ells[i])

@@ -506,3 +506,22 @@ def test_inference_compiles_without_graph_breaks():
     with torch.no_grad():
         explained = torch._dynamo.explain(attend)(q, k, v, phi_q, phi_k, gamma)
     assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_states_made_in_pieces_equal_the_reference(causal, padding, monkeypatch):
+    """A pass's block states come from pieces of at most _STATE_BLOCKS blocks, carried from piece to piece: pieces
+    of 2 blocks (here 5 of them per pass in one pass) give the reference's outputs and gradients."""
+    monkeypatch.setattr(hybrid_module, "_STATE_BLOCKS", 2)
+    n = 29  # blocks of 2 queries at window 4: 15 blocks, the last one partial
+    x = [t.requires_grad_() for t in _inputs(n)]
+    mask = _mask(n, padding)
+    out = hybrid_attention(*x, 4, causal=causal, key_padding_mask=mask, sinks=1)
+    ref = hybrid_reference(*x, 4, causal=causal, key_padding_mask=mask, sinks=1)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    cot = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, x, cot), torch.autograd.grad(ref, x, cot)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid_attention(*x, 4, causal=causal, key_padding_mask=mask, sinks=1), ref)
