@@ -45,9 +45,9 @@ ahead of it; their features are zeroed before any linear sum. Time O(n (w (m + d
 O(n (w + S) + (n / w) m d), m features, d head_dim. On the CPU the query blocks go through in passes whose window
 scores stay within 16 MB (_PASS_BYTES says why); elsewhere in one pass. The block states come by pieces of at most
 64 blocks: sums carried from the pieces before and after, plus one product of a 0 / 1 matrix with the block sums
-around the piece. Where
-autograd records nothing (inference) a pass makes its scores in place, one batched product per head over views of
-the frames (no copy of them), and the in-frame linear scores on the edge blocks alone.
+around the piece. Where autograd records nothing (inference) on the CPU, a pass makes its scores in place, one
+batched product per head over views of the frames (no copy of them), and the in-frame linear scores on the edge
+blocks alone.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
@@ -375,9 +375,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
     )
-    # the in-place pass wherever autograd records nothing, but in a compiled graph, which fuses the general form
-    # itself and would break at the in-place pass's per-pass check of the padding
-    general = tracked or torch.compiler.is_compiling()
+    # the in-place pass where autograd records nothing on the CPU; not in a compiled graph, which fuses the general
+    # form itself and would break at the in-place pass's per-pass check of the padding, nor on a GPU, where its
+    # products per (batch, head) row would be one kernel launch each
+    general = tracked or torch.compiler.is_compiling() or q.device.type != "cpu"
     # k, [v, 1] (numerator and denominator together) and pk with lead zero rows before and after - lead after them,
     # the frames' margins; without autograd each written once, straight into its buffer
     if general:
