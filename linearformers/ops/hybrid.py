@@ -379,8 +379,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     # form itself and would break at the in-place pass's per-pass check of the padding, nor on a GPU, where its
     # products per (batch, head) row would be one kernel launch each
     general = tracked or torch.compiler.is_compiling() or q.device.type != "cpu"
-    # k, [v, 1] (numerator and denominator together) and pk with lead zero rows before and after - lead after them,
-    # the frames' margins; without autograd each written once, straight into its buffer
+    # k, [v, 1] (numerator and denominator together) and the kept pk between zero rows, lead before and after after
+    # them: the frames' margins; where the in-place pass runs, each written once, straight into its buffer
     if general:
         k_pad, v_pad, pk_pad = (F.pad(x, (0, 0, lead, after)) for x in (k, _with_ones(v), pk * keep))
     else:
@@ -398,9 +398,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     def passes(x):  # one pass: the tensor itself, with no split (whose backward would copy the gradient)
         return (x,) if step >= nb else x.split(step, 2)
 
-    def frames(
-        x_pad,
-    ):  # padded (b, h, ·, e) -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
+    def frames(x_pad):  # padded -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
         return passes(x_pad.unfold(2, frame, blk).transpose(-1, -2))
 
     def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e); a view of x when n fills its blocks (F.pad copies)
@@ -424,8 +422,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         sums = pk_blocks @ v_blocks
     else:
         sums = _bmm_rows(pk_blocks, v_blocks, q.new_empty(b, h, nb, pk.shape[-1], d + 1))
-    # the passes' first blocks c0 and, bidirectional, the sums of the blocks from c1 + side on, summed from the right
-    states = _block_states(sums, step, side, causal, base)
+    states = _block_states(sums, step, side, causal, base)  # each pass's (b, h, nq, m, d + 1)
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
