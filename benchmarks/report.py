@@ -531,6 +531,23 @@ def section_long_documents(path: Path) -> list[str]:
     ]
 
 
+def section_long_document_speed(path: Path) -> list[str]:
+    data = _read(path)
+    settings = data["settings"]
+    body = [
+        [row["method"], f"{row['seconds']:.3f}", ", ".join(f"{t:.3f}" for t in row["times"])] for row in data["rows"]
+    ]
+    return [
+        f"{settings['threads']} thread(s), chunks in batches of {settings['batch_size']}; load average (1, 5, 15 min) "
+        f"{', '.join(f'{x:.2f}' for x in data['load_before'])} before the timed pairs, "
+        f"{', '.join(f'{x:.2f}' for x in data['load_after'])} after.",
+        "",
+        *_table([f"embed one {settings['length']}-token document", "median seconds", "each pair's"], body),
+        "",
+        "Run: " + stamp_line(data.get("header")),
+    ]
+
+
 # -------------------------------------------------------------------------------------------------------- the page
 SECTIONS = [
     (
@@ -693,6 +710,14 @@ SECTIONS = [
         "of the repeats after a warm-up) in a fresh process per method, 2 threads; its peak RSS is the whole "
         "process's, with both models loaded, so it does not tell the methods apart.",
         section_long_documents,
+    ),
+    (
+        "long_documents_speed.json",
+        "Conversion: long documents, paired timing",
+        "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
+        "original over 512-token chunks in turn, in one process, after a warm-up of each; without `--model_dir` the "
+        "original converted by the documented settings, no transfer (the time does not depend on the weights).",
+        section_long_document_speed,
     ),
     (
         "conversion_gpt2.json",

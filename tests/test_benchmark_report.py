@@ -105,6 +105,24 @@ def test_stamp_command_is_the_script_and_its_arguments(monkeypatch):
     assert stamp.command() == "python benchmarks/training.py --lengths 512 'a b'"
 
 
+def test_long_document_speed_table_has_each_method_its_median_its_times_and_the_load(tmp_path):
+    data = {
+        "header": STAMP,
+        "settings": {"batch_size": 16, "repeats": 2, "threads": 2, "length": 8192, "model_dir": None},
+        "load_before": [1.5, 1.25, 1.0],
+        "load_after": [2.0, 1.5, 1.0],
+        "rows": [
+            {"method": "converted", "length": 8192, "seconds": 1.25, "times": [1.0, 1.5]},
+            {"method": "original-chunked", "length": 8192, "seconds": 1.5, "times": [1.5, 1.5]},
+        ],
+    }
+    (tmp_path / "long_documents_speed.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| converted | 1.250 | 1.000, 1.500 |" in page
+    assert "| original-chunked | 1.500 | 1.500, 1.500 |" in page
+    assert "1.50, 1.25, 1.00 before the timed pairs, 2.00, 1.50, 1.00 after." in page
+
+
 def test_long_documents_table_has_each_length_and_method_the_fidelity_and_the_timing(tmp_path):
     row = {"length": 8192, "method": "converted", "passage": {"top1": 0.5, "mrr": 0.625}, "seconds": 9.0}
     data = {

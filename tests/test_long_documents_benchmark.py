@@ -35,6 +35,17 @@ def test_long_documents_smoke_scores_every_method_at_every_length_and_times_both
     assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
+def test_speed_mode_times_both_methods_in_turn_and_writes_their_medians(tmp_path):
+    out = tmp_path / "speed.json"
+    done = run_script(SCRIPT, "--smoke", "--speed", "--threads", "1", "--repeats", "3", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["method"] for row in result["rows"]] == ["converted", "original-chunked"]
+    for row in result["rows"]:
+        assert row["length"] == 256 and len(row["times"]) == 3 and row["seconds"] == sorted(row["times"])[1]
+    assert len(result["load_before"]) == len(result["load_after"]) == 3 and "command" in result["header"]
+    assert "embed one 256-token document, converted: median" in done.stdout
+
+
 def test_original_chunked_weights_each_chunk_by_its_tokens():
     """A document of one full chunk and a 2-token tail embeds as the mean of every token state of both chunks, not
     as the mean of the two chunk embeddings (which would give the tail half the weight)."""

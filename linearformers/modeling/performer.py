@@ -327,7 +327,9 @@ class PerformerAttention(LinearAttention):
             phi_k = favor_positive(k, self.random_features, is_query=False, key_padding_mask=attention_mask)
             log_scale = top.squeeze(-1) - math.log(self.random_features.shape[0])
         if self.key_scale_weight is not None:
-            phi_k = phi_k * torch.exp(self.key_log_scale(k))[..., None]
+            key_scale = torch.exp(self.key_log_scale(k))[..., None]
+            # in place where autograd records nothing: phi_k is this call's own tensor
+            phi_k = phi_k * key_scale if torch.is_grad_enabled() else phi_k.mul_(key_scale)
         if query_scale and self.query_scale_weight is not None:
             learned = _per_head_dot(q, self.query_scale_weight) + self.query_scale_bias.float()[None, :, None]
             log_scale = learned if log_scale is None else log_scale + learned

@@ -33,15 +33,21 @@ most gamma_h and the linear factor at most e^R (5e21), so nothing overflows howe
 logits, while the window part underflows only where ℓ_t passes them by more than R + 87 (float32's smallest
 normal is e^-87). Where ℓ_t - c_t <= R, this is exactly the definition above.
 
-Computed by blocks of B = w queries. In the frame of keys [(c - 1) B, (c + 1) B) (causal) or [(c - 1) B, (c + 2) B)
-(bidirectional) around query block c, every key is either in the query's window or a linear key, and all keys
-outside the frame are linear keys: they come in through block states, the per-block sums phi_kᵀ [v, 1] summed over
-the blocks before c - 1 (and after c + 1, bidirectional) by a cumsum over blocks — no subtraction, so no
-cancellation. The sinks come in beside the frame: each query's S scores against the S sink keys, masked where the
-sink lies in its window (counted there) or, causal, ahead of it; their features are zeroed before any linear sum.
-Time O(n (w (m + d) + m d + S d)), memory O(n (w + S) + (n / w) m d), m features, d head_dim. On the CPU the
-query blocks go through in passes whose window scores stay within 16 MB (_PASS_BYTES says why), the block states
-carried from pass to pass as sums from the left and from the right (again no subtraction); elsewhere in one pass.
+Computed by blocks of B = w // L queries, L = 2 (L = 1 for w = 1): L B is w or w - 1, so around query block c the
+frame of keys [(c - L) B, (c + 1) B) (causal) or [(c - L) B, (c + L + 1) B) (bidirectional) holds every key of its
+queries' windows, every key outside the frame is a linear key, and the frame's keys are all in the window but in
+its first block (and, bidirectional, its last), where the window and the in-frame linear keys meet: a frame of 2.5 w
+keys rather than 3 w at L = 1, and linear scores on 2 blocks of w / 2 keys rather than on the frame. The keys
+outside the frame come in through block states: the per-block sums phi_kᵀ [v, 1] of the blocks before c - L (and
+after c + L, bidirectional), summed, never subtracted, so no cancellation. The sinks come in beside the frame: each
+query's S scores against the S sink keys, masked where the sink lies in its window (counted there) or, causal,
+ahead of it; their features are zeroed before any linear sum. Time O(n (w (m + d) + m d + S d)), memory
+O(n (w + S) + (n / w) m d), m features, d head_dim. On the CPU the query blocks go through in passes whose window
+scores stay within 16 MB (_PASS_BYTES says why); elsewhere in one pass. The block states come by pieces of at most
+64 blocks: sums carried from the pieces before and after, plus one product of a 0 / 1 matrix with the block sums
+around the piece. Where autograd records nothing (inference) on the CPU, a pass makes its scores in place, one
+batched product per head over views of the frames (no copy of them), and the in-frame linear scores on the edge
+blocks alone.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
@@ -81,6 +87,15 @@ _PASS_BYTES = 16 * 2**20
 # in about the same time, while at a few thousand positions it costs time for little memory (measured on the CPU,
 # one layer forward + backward, m = 128); hence a threshold between the two
 _RECOMPUTE_BYTES = 64 * 2**20
+
+# L of the module docstring: the blocks on each side of a query block that hold keys of its window. 2 against 1:
+# frames of 2.5 w keys and linear scores on w of them, not 3 w and 3 w, at twice the block states (on the CPU, one
+# layer's 12 heads at 8K, window 64, 64 features, no_grad, one thread: 186 ms of CPU time against 215, medians of
+# 12 in turn on a loaded machine); more blocks add states and calls for little
+_SIDE_BLOCKS = 2
+
+# the most query blocks whose states one 0 / 1 product makes (_block_states): its cost per block grows with them
+_STATE_BLOCKS = 64
 
 
 class HybridState(NamedTuple):
@@ -206,28 +221,16 @@ def _blocks_per_pass(b: int, h: int, blk: int, frame: int, nb: int, itemsize: in
     return max(1, min(nb, _PASS_BYTES // per_block))
 
 
-def _window_pass(qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, c0, frame, window, causal, scale):
-    """One pass of the core over the nq query blocks qb (b, h, nq, blk, d) from block c0 on: their window, sink and
-    in-frame linear scores against the frame keys, plus the linear part of the keys outside the frame through state
-    (b, h, nq, m, d + 1). Returns the accumulated [numerator, denominator] (b, h, nq, blk, d + 1)."""
-    nq, blk, dev = qb.shape[2], qb.shape[3], qb.device
-    c1 = c0 + nq
-    t = torch.arange(c0 * blk, c1 * blk, device=dev).view(nq, blk, 1)
-    s = (torch.arange(c0, c1, device=dev) * blk - blk).view(nq, 1, 1) + torch.arange(frame, device=dev)
-    dist = t - s  # (nq, blk, frame): t - s
-    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
-    seen = (dist >= 0) if causal else torch.ones_like(in_window)
-    win = in_window & real
-    lin = seen & ~in_window & real
-
-    logits = (qb @ kf.transpose(-1, -2) * scale).masked_fill(~win, float("-inf"))
+def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal):
+    """One pass of the core over the nq query blocks qb (b, h, nq, blk, d), already times the logit scale: their
+    window, sink and in-frame linear scores against the frame keys, plus the linear part of the keys outside the
+    frame through state (b, h, nq, m, d + 1). win, lin (b, 1, nq, blk, frame) bool: the frame keys in each query's
+    window, and its in-frame linear keys; t (nq, blk, 1) the queries' positions. Returns the accumulated
+    [numerator, denominator] (b, h, nq, blk, d + 1)."""
+    logits = (qb @ kf.transpose(-1, -2)).masked_fill(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
-        sink_k, sink_v, sink_pos, sink_valid = sink
-        sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
-        near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
-        sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
-        sink_logits = (qb @ sink_k[:, :, None].transpose(-1, -2) * scale).masked_fill(~sees[:, None], float("-inf"))
+        sink_logits = _sink_logits(qb, t, sink, window, causal)
         c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
     if ell is not None:
@@ -238,10 +241,121 @@ def _window_pass(qb, pqb, kf, vf, pkf, real, ell, state, gamma, sink, c0, frame,
     scores = scores + (pqb @ pkf.transpose(-1, -2)) * lin
     acc = scores @ vf  # (b, h, nq, blk, d + 1)
     if sink is not None:
-        sink_vaug = torch.cat([sink_v, torch.ones_like(sink_v[..., :1])], -1)
-        acc = acc + (g * torch.exp(sink_logits - c)) @ sink_vaug[:, :, None]
-
+        acc = acc + ((g * torch.exp(sink_logits - c)).flatten(2, 3) @ _with_ones(sink[1])).view_as(acc)
     return acc + pqb @ state
+
+
+def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal, out):
+    """:func:`_window_pass` where autograd records nothing (inference), into out (b, h, nq, blk, d + 1): the same
+    sums, with the scores made and combined in place, a few passes over them fewer. gamma goes into the stabilizer
+    (g exp(x - c) = exp(x - c + log g)). win: (b, 1, nq, blk, frame) as there, or the (blk, frame) window
+    pattern alone where every frame key is real. The in-frame linear keys lie in the frame's first block (and,
+    bidirectional, its last) alone, so their scores are made there, times lin (blk, frame), their pattern alone
+    as 0 / 1: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
+    already zero (their features are)."""
+    b, h, nq, blk, _ = qb.shape
+    logits = _bmm_rows(qb, kf.transpose(-1, -2), qb.new_empty(b, h, nq, blk, kf.shape[-2]))
+    if win.dim() == 2:  # every frame key real: win is the (blk, frame) pattern, which is all True but at the edges
+        for cols in (slice(0, blk), slice(-blk, None)):
+            logits[..., cols].masked_fill_(~win[:, cols], float("-inf"))
+    else:
+        logits.masked_fill_(~win, float("-inf"))
+    c = logits.amax(-1, keepdim=True)
+    if sink is not None:
+        sink_logits = _sink_logits(qb, t, sink, window, causal)
+        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    if ell is not None:
+        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
+        pqb = pqb * torch.exp(ell - c)
+    c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
+    scores = logits.sub_(c_window).exp_()
+    edge = qb.new_empty(b, h, nq, blk, blk)
+    for cols in (slice(0, blk),) if causal else (slice(0, blk), slice(-blk, None)):
+        scores[..., cols].addcmul_(_bmm_rows(pqb, pkf[..., cols, :].transpose(-1, -2), edge), lin[:, cols])
+    _bmm_rows(scores, vf, out)
+    if sink is not None:
+        out += (torch.exp(sink_logits.sub_(c_window)).flatten(2, 3) @ _with_ones(sink[1])).view_as(out)
+    for x, y, o in _rows(pqb, state, out):
+        o.baddbmm_(x, y)
+    return out
+
+
+def _pad_buffer(x: torch.Tensor, lead: int, after: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (b, h, lead + n + after, width) buffer of x's dtype and device whose first lead and last after rows are
+    zero, and the view of its n rows between, for the caller to fill."""
+    b, h, n, _ = x.shape
+    buf = x.new_empty(b, h, lead + n + after, width)
+    buf[:, :, :lead].zero_()
+    buf[:, :, lead + n :].zero_()
+    return buf, buf[:, :, lead : lead + n]
+
+
+def _rows(*tensors: torch.Tensor):
+    """The (batch, head) rows of 5-d tensors, each a 3-d view."""
+    b, h = tensors[0].shape[:2]
+    return ((*(x[i, j] for x in tensors),) for i in range(b) for j in range(h))
+
+
+def _bmm_rows(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ y for 5-d (b, h, blocks, ·, ·) tensors, one bmm per (batch, head) row: a row of a frame view is a
+    3-d tensor whose matrices overlap in memory, which bmm reads in place, while matmul over all rows would copy
+    the frames out first (the rows' strides do not merge). Returns out."""
+    for xr, yr, o in _rows(x, y, out):
+        torch.bmm(xr, yr, out=o)
+    return out
+
+
+def _with_ones(x: torch.Tensor) -> torch.Tensor:
+    """[x, 1] along the last dimension: values whose products give the numerator and the denominator together."""
+    return torch.cat([x, torch.ones_like(x[..., :1])], -1)
+
+
+def _sink_logits(qb, t, sink, window, causal):
+    """The queries' (b, h, nq, blk, S) logits against the sinks they see outside their window, -inf elsewhere."""
+    sink_k, _, sink_pos, sink_valid = sink
+    sink_dist = t[None] - sink_pos[:, None, None, :]  # (b, nq, blk, S): t - s
+    near = ((sink_dist >= 0) & (sink_dist < window)) if causal else (sink_dist.abs() < window)
+    sees = sink_valid[:, None, None, :] & ~near & ((sink_dist >= 0) if causal else True)
+    logits = (qb.flatten(2, 3) @ sink_k.transpose(-1, -2)).view(*qb.shape[:4], -1)
+    return logits.masked_fill(~sees[:, None], float("-inf"))
+
+
+def _block_states(sums, step, side, causal, base):
+    """Per pass of ``step`` query blocks, the linear state of each of its blocks c (b, h, nq, m, d + 1): the sums
+    (b, h, nb, m, d + 1) of the blocks up to c - side - 1 (and from c + side + 1, bidirectional), plus base (b, h,
+    m, d + 1) or None. Made by pieces of at most _STATE_BLOCKS blocks (each pass's split evenly): the carries from
+    the pieces' ends, summed from the left and from the right, and the blocks a piece's own and side blocks around
+    it hold, picked by one product with a 0 / 1 matrix (on the CPU faster than cumsums over these (m, d + 1)
+    blocks; the pieces bound its cost per block). Only sums, so no cancellation."""
+    b, h, nb = sums.shape[:3]
+    pieces = []  # (first block, blocks) of every piece, passes in order
+    for c0 in range(0, nb, step):
+        nq = min(step, nb - c0)
+        size = -(-nq // -(-nq // _STATE_BLOCKS))
+        pieces.append([(a, min(size, c0 + nq - a)) for a in range(c0, c0 + nq, size)])
+    flat = [piece for pass_pieces in pieces for piece in pass_pieces]
+    rights = [None] * len(flat)  # each piece's sums of the blocks from its end + side on
+    if not causal:
+        right = torch.zeros_like(sums[:, :, 0])
+        for j in reversed(range(len(flat))):
+            rights[j] = right
+            a, size = flat[j]
+            right = right + sums[:, :, a + side : a + size + side].sum(2)
+    left = torch.zeros_like(sums[:, :, 0])  # the sums of the blocks before the piece's first - side
+    j = 0
+    for pass_pieces in pieces:
+        parts = []
+        for a, size in pass_pieces:
+            lo, hi = max(a - side, 0), min(a + size + side, nb)
+            near = torch.arange(lo, hi, device=sums.device) - torch.arange(a, a + size, device=sums.device)[:, None]
+            pick = (near < -side) if causal else (near.abs() > side)  # (size, hi - lo): j - c
+            part = (pick.to(sums.dtype) @ sums[:, :, lo:hi].flatten(3)).view(b, h, size, *sums.shape[3:])
+            carry = left if causal else left + rights[j]
+            parts.append(part + (carry if base is None else carry + base)[:, :, None])
+            left = left + sums[:, :, lo : max(a + size - side, lo)].sum(2)
+            j += 1
+        yield parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
 def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
@@ -250,15 +364,35 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     (b, h, n), the queries' ℓ, or None; sink: None, or (keys (b, h, S, d), values (b, h, S, d), positions (b, S)
     int64 in this call's frame of positions (negative: before it), validity (b, S) bool). Returns (b, h, n, d)."""
     b, h, n, d = q.shape
-    blk = window
+    side = _SIDE_BLOCKS if window >= _SIDE_BLOCKS else 1
+    blk = window // side
     pad_end = (-n) % blk
     nb = (n + pad_end) // blk
-    frame = 2 * blk if causal else 3 * blk
-    after = blk + pad_end if not causal else pad_end
-    linear_keys = linear[:, None, :, None].to(pk.dtype)
-    pk = pk * linear_keys  # padded keys and sinks leave the linear sums (and the frame scores)
-    vaug = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # [v, 1]: numerator and denominator together
-    e = d + 1
+    lead = side * blk  # the frame's keys before its query block
+    frame = (side + 1) * blk if causal else (2 * side + 1) * blk
+    after = pad_end if causal else lead + pad_end
+    linear_keys = linear[:, None, :, None].to(
+        pk.dtype
+    )  # padded keys and sinks leave the linear sums (and frame scores)
+    tracked = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
+    )
+    # the in-place pass where autograd records nothing on the CPU; not in a compiled graph, which fuses the general
+    # form itself and would break at the in-place pass's per-pass check of the padding, nor on a GPU, where its
+    # products per (batch, head) row would be one kernel launch each
+    general = tracked or torch.compiler.is_compiling() or q.device.type != "cpu"
+    # k, [v, 1] (numerator and denominator together) and the kept pk between zero rows, lead before and after after
+    # them: the frames' margins; where the in-place pass runs, each written once, straight into its buffer
+    if general:
+        k_pad, v_pad, pk_pad = (F.pad(x, (0, 0, lead, after)) for x in (k, _with_ones(v), pk * linear_keys))
+    else:
+        k_pad, rows = _pad_buffer(k, lead, after, d)
+        rows.copy_(k)
+        v_pad, rows = _pad_buffer(v, lead, after, d + 1)
+        rows[..., :d].copy_(v)
+        rows[..., d].fill_(1.0)
+        pk_pad, rows = _pad_buffer(pk, lead, after, pk.shape[-1])
+        torch.mul(pk, linear_keys, out=rows)
     step = _blocks_per_pass(b, h, blk, frame, nb, q.element_size(), q.device)
 
     # every pass's pieces are split off views of whole-sequence tensors, so the backward puts each input's gradient
@@ -266,58 +400,53 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     def passes(x):  # one pass: the tensor itself, with no split (whose backward would copy the gradient)
         return (x,) if step >= nb else x.split(step, 2)
 
-    def frames(x):  # (b, h, n, e) -> per pass (b, h, nq, frame, e): keys [(c - 1) blk, (c - 1) blk + frame)
-        return passes(F.pad(x, (0, 0, blk, after)).unfold(2, frame, blk).transpose(-1, -2))
+    def frames(x_pad):  # padded -> per pass (b, h, nq, frame, e): keys [c blk - lead, c blk - lead + frame)
+        return passes(x_pad.unfold(2, frame, blk).transpose(-1, -2))
 
-    def blocks(x):  # (b, h, n, e) -> per pass (b, h, nq, blk, e); views of x when n fills its blocks (F.pad copies)
-        return passes((F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1]))
+    def blocks(x):  # (b, h, n, e) -> (b, h, nb, blk, e); a view of x when n fills its blocks (F.pad copies)
+        return (F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1])
 
-    kfs, vfs, pkfs = frames(k), frames(vaug), frames(pk)
-    qbs, pqbs, pkbs, vbs = blocks(q), blocks(pq), blocks(pk), blocks(vaug)
-    reals = passes(F.pad(valid, (blk, after)).unfold(1, frame, blk)[:, None, :, None, :])
-    ells = [None] * len(qbs) if log_scale is None else blocks(log_scale[..., None])
+    kfs, vfs, pkfs = frames(k_pad), frames(v_pad), frames(pk_pad)
+    qbs, pqbs = passes(blocks(q * scale)), passes(blocks(pq))  # the scale on n x d, not on the scores
+    # query t = c blk + i against frame key s = c blk - lead + j lies t - s = lead + i - j from it in every block c:
+    # one (blk, frame) pattern of window and in-frame linear keys, and per pass which frame keys are real
+    dist = lead + torch.arange(blk, device=q.device)[:, None] - torch.arange(frame, device=q.device)
+    in_window = ((dist >= 0) & (dist < window)) if causal else (dist.abs() < window)
+    outside = (dist >= window) if causal else ~in_window  # the keys it may see outside its window
+    reals = passes(F.pad(valid, (lead, after)).unfold(1, frame, blk)[:, None, :, None, :])
+    ells = [None] * len(qbs) if log_scale is None else passes(blocks(log_scale[..., None]))
 
-    sums = [pk_b.transpose(-1, -2) @ v_b for pk_b, v_b in zip(pkbs, vbs)]  # per-block phi_kᵀ [v, 1], (b, h, nq, m, e)
-    totals = [x.sum(2) for x in sums]  # (b, h, m, e) per pass
-    # Σ of the passes before pass i (and, bidirectional, after it), each summed from its own end: no subtraction
-    before, after_pass = [torch.zeros_like(totals[0])], [torch.zeros_like(totals[0])]
-    for i in range(1, len(totals)):
-        before.append(before[-1] + totals[i - 1])
-        if not causal:
-            after_pass.insert(0, after_pass[0] + totals[-i])
+    pk_blocks, v_blocks = (x[:, :, lead : lead + nb * blk].unflatten(2, (nb, blk)) for x in (pk_pad, v_pad))
+    # per-block phi_kᵀ [v, 1], (b, h, nb, m, d + 1); the blocks are views of the padded buffers, read in place
+    # without autograd (one product per head), copied by matmul with it
+    pk_blocks = pk_blocks.transpose(-1, -2)
+    if general:
+        sums = pk_blocks @ v_blocks
+    else:
+        sums = _bmm_rows(pk_blocks, v_blocks, q.new_empty(b, h, nb, pk.shape[-1], d + 1))
+    states = _block_states(sums, step, side, causal, base)  # each pass's (b, h, nq, m, d + 1)
 
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
-    recompute = (
-        len(qbs) > 1
-        and scores_bytes > _RECOMPUTE_BYTES
-        and torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base))
-    )
-    outs = []
-    for i, qb in enumerate(qbs):
-        nq = qb.shape[2]
-        # block c's linear state: the blocks up to c - 2 (and from c + 2, bidirectional): this pass's own by a
-        # cumsum over its blocks, the other passes' as carries (for the pass's blocks c0 .. c1 - 1: block c0 sees
-        # up to c0 - 2, the others up to c0 - 1; block c1 - 1 sees from c1 + 1, the others from c1)
-        state = F.pad(sums[i].cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :nq]
-        if i:
-            short = before[i - 1] + sums[i - 1][:, :, :-1].sum(2)
-            state = state + torch.cat([short[:, :, None], before[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)], 2)
-        if not causal:
-            state = state + F.pad(sums[i].flip(2).cumsum(2).flip(2), (0, 0, 0, 0, 0, 2))[:, :, 2:]
-            if i + 1 < len(qbs):
-                short = after_pass[i + 1] + sums[i + 1][:, :, 1:].sum(2)
-                full = after_pass[i][:, :, None].expand(-1, -1, nq - 1, -1, -1)
-                state = state + torch.cat([full, short[:, :, None]], 2)
-        if base is not None:
-            state = state + base[:, :, None]
-        args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], reals[i], ells[i], state, gamma, sink)
-        args = (*args, i * step, frame, window, causal, scale)
-        # in passes under autograd, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence
-        # tensors and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
-        outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
+    recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
+    outs, acc = [], None if general else q.new_empty(b, h, nb, blk, d + 1)
+    for i, (qb, state) in enumerate(zip(qbs, states)):
+        nq, c0 = qb.shape[2], i * step
+        t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
+        if general:
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], in_window & reals[i], outside & reals[i], t, ells[i])
+            args = (*args, state, gamma, sink, window, causal)
+            # in passes, each pass is checkpointed: backward keeps its inputs (views of the whole-sequence tensors
+            # and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
+            outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
+        else:
+            win = in_window if bool(reals[i].all()) else in_window & reals[i]
+            args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside.to(q.dtype), t, ells[i], state)
+            _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
+    if not general:
+        num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
+        return (num / den).masked_fill_(den <= 0, 0.0)  # 0/0 where a query has no real key: output 0
 
-    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, e)[:, :, :n]
+    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, d + 1)[:, :, :n]
     num, den = acc[..., :-1], acc[..., -1:]
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return torch.where(den > 0, num / safe, torch.zeros_like(num))
@@ -430,10 +559,15 @@ def hybrid_attention(
     if sinks:
         seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
         is_sink, slot = sink_slots(new_valid, sinks, seen_before)
-        pick = slot.to(dtype)  # (b, S, n): new token -> its sink slot
-        sink_k, sink_v = pick[:, None] @ kc[:, :, p:], pick[:, None] @ vc[:, :, p:]
         sink_valid = slot.any(-1)
-        sink_pos = (slot.long() * torch.arange(n, device=q.device)).sum(-1) + p
+        where = (slot.long() * torch.arange(n, device=q.device)).sum(-1)  # (b, S): each sink's place, 0 if none yet
+
+        def pick(x):  # (b, h, S, ·): the sinks' rows of x, zero in the slots not filled
+            rows = x[:, :, p:].gather(2, where[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+            return torch.where(sink_valid[:, None, :, None], rows, 0.0)
+
+        sink_k, sink_v = pick(kc), pick(vc)
+        sink_pos = where + p
         if past is not None:  # slots filled before keep their sink
             old = past.sink_valid
             sink_k = torch.where(old[:, None, :, None], past.sink_k.to(dtype), sink_k)

@@ -111,6 +111,21 @@ def test_the_softmax_pair_equals_torch_softmaxes_and_passes_gradcheck():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_features_under_no_grad_equal_the_recorded_ones(dtype):
+    """Under no_grad the map takes [u, -u] from one product with [W, -W] and one softmax over both halves; the
+    features are those of the recorded path (softmax_pair), to the dtype's rounding."""
+    phi = _map(m=40, dtype=dtype)
+    q = _data(dtype=dtype)[0]
+    for is_query in (True, False):
+        recorded = phi(q, is_query=is_query)
+        assert recorded.requires_grad
+        with torch.no_grad():
+            untracked = phi(q, is_query=is_query)
+        tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(untracked, recorded.detach(), **tol)
+
+
 def test_backward_keeps_one_copy_of_the_features():
     """Through the map and a product after it, autograd keeps the features once (the product's own saved input):
     no tensor of the features' size or more that is not the features themselves."""

@@ -471,3 +471,57 @@ def test_empty_inputs_give_empty_outputs(shape, causal):
     q, phi = torch.randn(b, h, 8, 4), torch.rand(b, h, 8, 3)
     out = hybrid_attention(q, q, q, phi, phi, torch.ones(h), 4, causal=causal)
     assert out.shape == (b, h, 8, 4)
+
+
+@pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_inference_equals_the_path_autograd_records(causal, padding, sinks):
+    """Where autograd records nothing the core takes its in-place pass (scores combined in place, gamma in the
+    stabilizer, one product per head over the frame views); it gives the recorded path's outputs, float32."""
+    n, window = 37, 6  # blocks of 3 queries, a partial last block
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    phi_q, phi_k = (torch.rand(B, H, n, M, generator=g) for _ in range(2))
+    ell = torch.randn(B, H, n, generator=g)
+    gamma = torch.tensor([0.3, 1.0, 2.5])
+    kwargs = dict(causal=causal, key_padding_mask=_mask(n, padding), query_log_scale=ell, sinks=sinks)
+    with torch.no_grad():
+        untracked = hybrid_attention(q, k, v, phi_q, phi_k, gamma, window, **kwargs)
+    tracked = hybrid_attention(q.requires_grad_(), k, v, phi_q, phi_k, gamma, window, **kwargs)
+    assert tracked.requires_grad
+    torch.testing.assert_close(untracked, tracked.detach(), rtol=1e-5, atol=1e-6)
+
+
+@REAL_SPLIT
+def test_inference_compiles_without_graph_breaks():
+    """Under torch.compile the core keeps its general form where autograd records nothing too: the in-place pass
+    asks each pass whether its frame keys are all real, which would break the graph."""
+    q, k, v, phi_q, phi_k, gamma = _inputs(12, dtype=torch.float32)
+
+    def attend(*x):
+        return hybrid_attention(*x, 4, causal=False, key_padding_mask=_mask(12, "right"), sinks=1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(attend)(q, k, v, phi_q, phi_k, gamma)
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_states_made_in_pieces_equal_the_reference(causal, padding, monkeypatch):
+    """A pass's block states come from pieces of at most _STATE_BLOCKS blocks, carried from piece to piece: pieces
+    of 2 blocks (here 5 of them per pass in one pass) give the reference's outputs and gradients."""
+    monkeypatch.setattr(hybrid_module, "_STATE_BLOCKS", 2)
+    n = 29  # blocks of 2 queries at window 4: 15 blocks, the last one partial
+    x = [t.requires_grad_() for t in _inputs(n)]
+    mask = _mask(n, padding)
+    out = hybrid_attention(*x, 4, causal=causal, key_padding_mask=mask, sinks=1)
+    ref = hybrid_reference(*x, 4, causal=causal, key_padding_mask=mask, sinks=1)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    cot = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, x, cot), torch.autograd.grad(ref, x, cot)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid_attention(*x, 4, causal=causal, key_padding_mask=mask, sinks=1), ref)
