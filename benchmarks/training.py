@@ -50,7 +50,7 @@ def build(name: str, n: int):
     from transformers import BertConfig, BertForMaskedLM
 
     from linearformers import LinformerConfig, LinformerForMaskedLM, PerformerConfig, PerformerForMaskedLM
-    from linearformers.modeling.layers import LinearAttention
+    from linearformers.modeling.base import LinearAttention
 
     positions = max(n, 512)
     if name == "bert":
