@@ -712,6 +712,14 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_short_transfer.json",
+        "Conversion: long documents, transfer on 256-token blocks",
+        "The same model and benchmark, with both stages of the conversion on 256-token blocks (`--transfer_length "
+        "256`, 300 + 300 steps; `results/long_documents_short_transfer_conversion.txt`): the map learned where the "
+        "original's attention is defined and each step is cheap, the 8192 positions built but never trained past 256.",
+        section_long_documents,
+    ),
+    (
         "long_documents_speed.json",
         "Conversion: long documents, paired timing",
         "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
