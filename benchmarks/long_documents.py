@@ -228,6 +228,8 @@ def worker(args: argparse.Namespace) -> None:
 def speed(args: argparse.Namespace) -> None:
     """--speed: the paired timing of the module docstring, written as JSON and printed."""
     stamp = start_stamp()
+    out = Path(args.out) if args.out else RESULTS / f"long_documents_speed{'.smoke' if args.smoke else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails before the timing
     torch.set_num_threads(args.threads)
     longest = max(args.lengths)
     tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
@@ -257,8 +259,6 @@ def speed(args: argparse.Namespace) -> None:
         print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.3f} s of "
               f"{', '.join(f'{t:.3f}' for t in row['times'])}")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    out = Path(args.out) if args.out else RESULTS / f"long_documents_speed{'.smoke' if args.smoke else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("batch_size", "repeats", "threads")}
     result = {
         "header": finish_stamp(stamp),

@@ -89,9 +89,8 @@ _PASS_BYTES = 16 * 2**20
 _RECOMPUTE_BYTES = 64 * 2**20
 
 # L of the module docstring: the blocks on each side of a query block that hold keys of its window. 2 against 1:
-# frames of 2.5 w keys and linear scores on w of them, not 3 w and 3 w, at twice the block states (on the CPU, one
-# layer's 12 heads at 8K, window 64, 64 features, no_grad, one thread: 186 ms of CPU time against 215, medians of
-# 12 in turn on a loaded machine); more blocks add states and calls for little
+# frames of 2.5 w keys and linear scores on w of them, not 3 w and 3 w, at twice the block states, which the CPU
+# inference of a long document gains from; more blocks add states and calls for little
 _SIDE_BLOCKS = 2
 
 # the most query blocks whose states one 0 / 1 product makes (_block_states): its cost per block grows with them
@@ -371,9 +370,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     lead = side * blk  # the frame's keys before its query block
     frame = (side + 1) * blk if causal else (2 * side + 1) * blk
     after = pad_end if causal else lead + pad_end
-    linear_keys = linear[:, None, :, None].to(
-        pk.dtype
-    )  # padded keys and sinks leave the linear sums (and frame scores)
+    # padded keys and sinks leave the linear sums (and the frame scores)
+    linear_keys = linear[:, None, :, None].to(pk.dtype)
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, pq, pk, gamma, log_scale, base, *(sink or ()))
     )
