@@ -10,7 +10,11 @@
 #   ATTENTION_S=200 TRAINING_S=60 KERNELS="..." ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
 #   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh diag bench
 # The whole CUDA set (pytest -m cuda -n 8) needs more than 175 s on a cold Triton cache: give it 240 s or more.
-# The causal kernels' chunk form (opt-in) is diagnosed by: python benchmarks/forms_check.py --states --linear --hybrid
+# The causal kernels' chunk form is diagnosed by benchmarks/forms_check.py (--states, --linear, --hybrid); the part
+# "forms" runs it in the background (a process per case), beside the tests, and "bench" waits for it:
+#   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=240 CUDA_TEST_ARGS="-n 8" ATTENTION_S=170 TRAINING_S=100 \
+#   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" TRAINING_ARGS="--lengths 16384 --steps 2 \
+#   --models gpt2 performer_clm bert linformer_mlm" KERNELS="..." bash benchmarks/cuda_check.sh forms tests bench
 # An earlier single call (5 minutes on an H200 with a cold Triton cache):
 #   BENCH_COMMIT=<commit> COMPILE_TESTS=0 CUDA_TESTS_S=140 CUDA_TEST_ARGS="-n 8" ATTENTION_S=150 TRAINING_S=60 \
 #   KERNELS="sdpa_causal favor_causal/triton linear_causal/triton hedgehog_causal/triton hybrid_causal sdpa favor/triton" \
@@ -42,8 +46,21 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'cud
       torch.cuda.get_device_name() if torch.cuda.is_available() else '')
 if u.find_spec('triton'): import triton; print('triton', triton.__version__)" 2>&1 | tee "$OUT/versions.txt"
 
+forms_job=
 for part in "${@:-tests bench}"; do
 case $part in
+forms)
+    stamp "benchmarks/forms_check.py in the background: the chunk form's pieces per width, a process per case"
+    (cases=$($PY -c "import sys; sys.argv=['x']; sys.path.insert(0, 'benchmarks'); import forms_check as f
+print(len(f.STATES_CASES))")
+     for i in $(seq 0 $((cases - 1))); do
+         timeout "${FORM_CASE_S:-90}" $PY benchmarks/forms_check.py --states --case "$i" || echo "case $i: exit $?"
+     done
+     timeout "${FORM_CASE_S:-90}" $PY benchmarks/forms_check.py --linear || echo "linear: exit $?"
+     timeout "${FORM_CASE_S:-90}" $PY benchmarks/forms_check.py --hybrid || echo "hybrid: exit $?"
+    ) >"$OUT/forms.log" 2>&1 &
+    forms_job=$!
+    ;;
 diag)
     stamp "CUDA tests (xdist) and the torch.compile tests in the background; the sweep's kernels compile meanwhile"
     compile_job=
@@ -92,6 +109,12 @@ tests)
     fi
     ;;
 bench)
+    if [ -n "$forms_job" ]; then
+        stamp "waiting for the forms check (no timing beside it)"
+        wait $forms_job
+        forms_job=
+        cat "$OUT/forms.log"
+    fi
     stamp "benchmarks/gpu.py, attention"
     # every kernel but the quadratic references and the CPU-only blockwise rows
     kernels=${KERNELS:-$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu
@@ -107,7 +130,11 @@ print(' '.join(k for k in gpu.attention_kernels() if not k.endswith(('/reference
     echo "exit $?" >>"$OUT/gpu_training.log"
     tail -90 "$OUT/gpu_training.log"
     ;;
-*) echo "cuda_check.sh: unknown part '$part' (tests, bench)" >&2; exit 2 ;;
+*) echo "cuda_check.sh: unknown part '$part' (forms, diag, tests, bench)" >&2; exit 2 ;;
 esac
 done
+if [ -n "$forms_job" ]; then
+    wait $forms_job
+    cat "$OUT/forms.log"
+fi
 stamp "done"

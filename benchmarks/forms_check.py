@@ -15,7 +15,7 @@ def rel(a, b):
 
 
 def case(form, warps, d, m, n, kernel, dtype):
-    _triton_causal.TUNING.update(form=form, chunk_warps=warps)
+    _triton_causal.TUNING.update(form=form, chunk_warps=warps, anywhere=True)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, n, d, generator=g).mul(s).cuda() for s in (1.5, 1.5, 1.0))
     w = draw_random_features(m, d, seed=2, device="cuda")
@@ -40,7 +40,7 @@ def case(form, warps, d, m, n, kernel, dtype):
 def hybrid_case(form, d, m, n, window, dtype, ell):
     from linearformers.ops import hybrid_attention
 
-    _triton_causal.TUNING.update(form=form, chunk_warps=None)
+    _triton_causal.TUNING.update(form=form, chunk_warps=None, anywhere=True)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, n, d, generator=g).mul(s).cuda() for s in (1.5, 1.5, 1.0))
     pq, pk = (torch.rand(2, 2, n, m, generator=g).cuda() for _ in range(2))
@@ -79,7 +79,7 @@ if "--hybrid" in sys.argv:
                             f"hybrid {form} {d} {m} {dtype} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True
                         )
                         sys.exit(1)
-    _triton_causal.TUNING.update(form=None, chunk_warps=None)
+    _triton_causal.TUNING.update(form=None, chunk_warps=None, anywhere=False)
 
 if "--linear" in sys.argv:
     for form, warps in (("walk", None), ("chunks", 4), ("chunks", 8)):
@@ -99,13 +99,14 @@ if "--linear" in sys.argv:
                             flush=True,
                         )
                         sys.exit(1)
-    _triton_causal.TUNING.update(form=None, chunk_warps=None)
+    _triton_causal.TUNING.update(form=None, chunk_warps=None, anywhere=False)
 
 
-def states_case(d, m, n, dtype, device):
+def states_case(d, m, n, dtype, device, label=""):
     """The chunk form's pieces apart, on given features: the states ``_states`` stores before each chunk, and the
-    undivided N, D of ``_chunk_out``, each against its PyTorch sum (float32); prints the max relative errors."""
-    _triton_causal.TUNING.update(form="chunks", chunk_warps=None)
+    undivided N, D of ``_chunk_out``, each against its PyTorch sum (float32); prints the max relative errors. The
+    chunk form is taken at every width ("anywhere"), the checked ones and the others."""
+    _triton_causal.TUNING.update(form="chunks", anywhere=True)
     g = torch.Generator().manual_seed(4)
     pq, pk = (torch.rand(1, 2, n, m, generator=g).to(device, dtype) for _ in range(2))
     v = torch.randn(1, 2, n, d, generator=g).to(device, dtype)
@@ -125,13 +126,39 @@ def states_case(d, m, n, dtype, device):
     errors = (
         rel(hs.float(), ref_h), rel(hz, ref_z), rel(num.view(2, n, d), scores @ vf), rel(den[:-1].view(2, n), scores.sum(-1))
     )  # fmt: skip
-    print(f"states d {d} m {m} n {n} {str(dtype)[6:]:8s} H {errors[0]:.2e} z {errors[1]:.2e} N {errors[2]:.2e} "
-          f"D {errors[3]:.2e}", flush=True)  # fmt: skip
-    _triton_causal.TUNING.update(form=None)
+    print(f"states d {d} m {m} n {n} {str(dtype)[6:]:8s} {label:12s} H {errors[0]:.2e} z {errors[1]:.2e} "
+          f"N {errors[2]:.2e} D {errors[3]:.2e}", flush=True)  # fmt: skip
+    _triton_causal.TUNING.update(form=None, anywhere=False)
 
+
+def _states_run(d, m, n, dtype, where, label="", **tuning):
+    _triton_causal.TUNING.update(**tuning)
+    try:
+        states_case(d, m, n, dtype, where, label)
+    except Exception as err:
+        print(f"states d {d} m {m} {str(dtype)[6:]} {label} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
+        if "illegal" in str(err):  # the context is lost: nothing after it can run
+            sys.exit(1)
+    finally:
+        _triton_causal.TUNING.update(chunk_warps=None, state_dtype=None)
+
+
+# head_dim and features apart (d = 16 with m = 64, d = 64 with m = 32), then the failing width with the states stored
+# in float32, at 8 warps and in float32 throughout, and the checked width: (d, m, dtype, label, tuning)
+STATES_CASES = [
+    *((d, m, torch.bfloat16, "", {}) for d, m in ((64, 64), (32, 64), (64, 32), (16, 64), (32, 32), (16, 32))),
+    (16, 32, torch.bfloat16, "H float32", {"state_dtype": "float32"}),
+    (16, 32, torch.bfloat16, "8 warps", {"chunk_warps": 8}),
+    (16, 32, torch.float32, "", {}),
+    (64, 256, torch.bfloat16, "", {}),
+]
 
 if "--states" in sys.argv:  # where the chunk form goes wrong on CUDA at head_dim 16: its stored states or its outputs
+    # --states [--case K] [--cpu]: every case in turn, or case K alone (a process each: an illegal address ends one)
     where = "cpu" if "--cpu" in sys.argv else "cuda"
-    for d, m, n in ((16, 32, 259), (64, 256, 1000)):
-        for dtype in (torch.bfloat16, torch.float32):
-            states_case(d, m, n if where == "cuda" else 70, dtype, where)
+    picked = STATES_CASES
+    if "--case" in sys.argv:
+        picked = [STATES_CASES[int(sys.argv[sys.argv.index("--case") + 1])]]
+    for d, m, dtype, label, tuning in picked:
+        length = (1000 if m == 256 else 259) if where == "cuda" else 70
+        _states_run(d, m, length, dtype, where, label, **tuning)

@@ -55,16 +55,17 @@ Keys of large norm: keys' features are taken at offset 0 (exp(-|w - k'|²/2) <= 
 position whose every visible key underflowed has D = 0 and is counted in ``lost``, so favor_attention redoes such
 calls with the per-position offsets of :func:`_favor_chunked.favor_causal_offsets`.
 
-Two forms. The walks above carry the state in registers and compute everything on the way (the "walk" form, the
-default). The "chunks" form splits the work the way fla's chunked kernels do, with the features still made inside the
+Two forms. The walks above carry the state in registers and compute everything on the way (the "walk" form). The
+"chunks" form splits the work the way fla's chunked kernels do, with the features still made inside the
 kernels: the walks only carry the state, storing it before every chunk (``_states``: S, z per chunk, (b·h, n / C,
 m, d) in bf16 for bf16 inputs, the precision its products read it at; ``_dstates``: the queries' dS, dz after every
 chunk, in backward), and then one program per chunk (``_chunk_out``; ``_chunk_grads_q``, ``_chunk_grads_kv``)
 computes its outputs or its input gradients over every m-block in turn, summing them in registers: no atomic adds,
 no (n, d) float32 buffers, each gradient written once in its own dtype, and a grid of b·h·n / C programs that
 needs no segments. It costs the stored states: m d / C values per position (256 for m = 256, d = 64, C = 64), held
-during one call's forward and, recomputed, during its backward. ``TUNING["form"] = "chunks"`` picks it (on CUDA only
-at the widths it was checked at, :func:`_chunk_form`); the sweep (benchmarks/triton_sweep.py --forms) times both.
+during one call's forward and, recomputed, during its backward. By default ("auto") the kernels take it on CUDA at the
+widths it was checked at on a GPU and the walk elsewhere (:func:`_chunk_form`); ``TUNING["form"]`` = "chunks" or "walk"
+picks one; the sweep (benchmarks/triton_sweep.py --forms) times both.
 
 The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
 torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
@@ -92,22 +93,26 @@ MAPS = {"features": 0, "softmax": 1, "relu": 2}
 # overrides them here; None keeps these defaults.
 DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_PROGRAMS_PER_SM = 4, 1, 4
 FORMS = ("chunks", "walk")  # module docstring, "Two forms"
-# the walk: the form the whole CUDA test set has passed with; the chunk form, faster on an H200 (2.40 against 3.81 ms
-# at 16K for causal FAVOR+, benchmarks/triton_sweep.py --forms), gave wrong outputs there at head_dim 16 and left CUDA
-# test failures undiagnosed at head_dim 64, so it runs only where asked for
-DEFAULT_FORM = "walk"
+# None: the chunk form where its compiled kernels were checked on a GPU (:func:`_chunk_form`), the walk elsewhere; the
+# chunk form is the faster of the two there (benchmarks/triton_sweep.py --forms), and at head_dim 16 its compiled
+# kernels gave wrong outputs where the interpreter's are right
+DEFAULT_FORM = None
 # the chunk-parallel form's warps per program: 4 ran it fastest on an H200 at 16K and 64K (benchmarks/triton_sweep.py
 # --forms), although ptxas reports a few hundred bytes of register spills there that 8 warps avoid
 DEFAULT_CHUNK_WARPS = 4
-TUNING: dict[str, int | str | None] = {
-    "warps": None, "stages": None, "programs_per_sm": None, "form": None, "chunk_warps": None,
+# two diagnosis switches for the chunk form on a GPU (benchmarks/forms_check.py): "anywhere" lets "chunks" take the
+# widths not checked there, "state_dtype" ("float32") stores the per-chunk states at full precision
+TUNING: dict[str, int | str | bool | None] = {
+    "warps": None, "stages": None, "programs_per_sm": None, "form": None, "chunk_warps": None, "anywhere": False,
+    "state_dtype": None,
 }  # fmt: skip
 
 
 def form() -> str:
-    """The form the kernels take: "chunks" (states stored per chunk, outputs and gradients chunk-parallel) or
-    "walk" (everything in the walks); TUNING["form"] overrides the default."""
-    return TUNING["form"] or DEFAULT_FORM
+    """The form asked for: "chunks" (states stored per chunk, outputs and gradients chunk-parallel), "walk"
+    (everything in the walks) or "auto" (the chunk form at the widths :func:`_chunk_form` knows right on a GPU, the
+    walk elsewhere); TUNING["form"] overrides the default."""
+    return TUNING["form"] or DEFAULT_FORM or "auto"
 
 
 _FOUND: dict[str, bool] = {}  # whether triton imports, checked once (a plain dict: torch.compile traces it)
@@ -281,12 +286,18 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
 
 
 def _chunk_form(launch: _Launch) -> bool:
-    """Whether this call takes the chunk-parallel form: where it is chosen (:func:`form`) and the widths are those
-    it was checked at on a GPU, bf16 with v's head_dim 64 and tiles of 64 features (m = 128, 256). At head_dim 16 and m = 32 its
-    compiled kernels (Triton 3.6, H200) gave wrong outputs where the interpreter's are right, for a reason not found
-    yet; the walk form computes those widths on CUDA (the interpreter, whose results are right, takes every width)."""
+    """Whether this call takes the chunk-parallel form. "auto" takes it only at the widths its compiled kernels were
+    checked at on a GPU: bf16 on CUDA, v's head_dim 64 and tiles of 64 features (m = 128, 256, ...). At head_dim 16 and
+    m = 32 its compiled kernels (Triton 3.6, H200) gave wrong outputs where the interpreter's are right; the walk form
+    computes the other widths. "chunks" takes it everywhere but at unchecked widths on CUDA (the interpreter, whose
+    results are right, takes every width)."""
     checked = launch.d == 64 and launch.m % 64 == 0 and launch.constants["XD"] >= 64 and launch.constants["OPS"] == 1
-    return form() == "chunks" and (checked or not launch.cuda)
+    chosen = form()
+    if chosen == "walk":
+        return False
+    if chosen == "auto":
+        return checked
+    return checked or not launch.cuda or bool(TUNING["anywhere"])
 
 
 def _chunk_constants(launch: _Launch) -> dict:
@@ -305,9 +316,8 @@ def _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums):
     products take bf16 operands, else float32) and HZ (b·h, NC, m) float32, and the final S, z."""
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     (count, length), nc, dev = segments, -(-n // launch.chunk), v.device
-    hs = torch.empty(
-        b * h, nc, m, d, dtype=torch.bfloat16 if launch.constants["OPS"] == 1 else torch.float32, device=dev
-    )
+    low = launch.constants["OPS"] == 1 and TUNING["state_dtype"] != "float32"
+    hs = torch.empty(b * h, nc, m, d, dtype=torch.bfloat16 if low else torch.float32, device=dev)
     hz = torch.empty(b * h, nc, m, dtype=torch.float32, device=dev)
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)

@@ -11,6 +11,7 @@ n = 1000 against a float64 quadratic reference (the n = 4099 one would not fit i
 import contextlib
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,6 +173,26 @@ def kernel_form(name):
         yield
     finally:
         _triton_causal.TUNING["form"] = previous
+
+
+@pytest.mark.parametrize(
+    "cuda, d, m, ops, form, chunks",
+    [
+        (True, 64, 256, 1, None, True),  # bf16 on CUDA at the checked widths: the chunk form by default
+        (True, 64, 128, 1, None, True),
+        (True, 16, 32, 1, None, False),  # a width its compiled kernels got wrong: the walk
+        (True, 64, 96, 1, None, False),  # features in tiles of 32
+        (True, 64, 256, 0, None, False),  # float32 operands: not checked on a GPU
+        (False, 64, 256, 2, None, False),  # the interpreter: the walk unless asked
+        (False, 16, 32, 2, "chunks", True),  # asked for: every width interpreted
+        (True, 16, 32, 1, "chunks", False),  # asked for on CUDA: the checked widths only
+        (True, 64, 256, 1, "walk", False),
+    ],
+)
+def test_the_chunk_form_is_taken_where_it_was_checked_on_a_gpu(cuda, d, m, ops, form, chunks):
+    launch = SimpleNamespace(cuda=cuda, d=d, m=m, constants={"XD": d, "OPS": ops})
+    with kernel_form(form):
+        assert _triton_causal._chunk_form(launch) is chunks
 
 
 @pytest.mark.parametrize("kernel", ["softmax", "features"])
