@@ -47,7 +47,7 @@ ATTENTION_LAYERS = {
     "layer_peer_linformer": "lucidrains linformer layer",
 }
 README_SPEED = ("sdpa", "sdpa_causal", "linformer", "performer", "performer_causal")
-README_GPU = "h200/gpu.json"  # the README's GPU table: the latest run of the default kernels
+README_GPU = "h200/gpu_chunks.json"  # the README's GPU table: the latest run of the default kernels
 
 
 # ---------------------------------------------------------------------------------------------------------- stamps

@@ -100,6 +100,10 @@ DEFAULT_FORM = None
 # the chunk-parallel form's warps per program: 4 ran it fastest on an H200 at 16K and 64K (benchmarks/triton_sweep.py
 # --forms), although ptxas reports a few hundred bytes of register spills there that 8 warps avoid
 DEFAULT_CHUNK_WARPS = 4
+# the chunk-parallel kernels' narrowest d and head_dim tiles: compiled by Triton 3.6 for an H200, the outputs' kernel
+# gave wrong sums with v's d in tiles of 16 or 32 and right ones in tiles of 64 (benchmarks/forms_check.py --states;
+# results/h200/forms_widths*.log); the input gradients at head_dim 16 stay wrong even so, hence "auto" (_chunk_form)
+CHUNK_MIN_TILE = 64
 # two diagnosis switches for the chunk form on a GPU (benchmarks/forms_check.py): "anywhere" lets "chunks" take the
 # widths not checked there, "state_dtype" ("float32") stores the per-chunk states at full precision
 TUNING: dict[str, int | str | bool | None] = {
@@ -288,8 +292,8 @@ def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
 def _chunk_form(launch: _Launch) -> bool:
     """Whether this call takes the chunk-parallel form. "auto" takes it only at the widths its compiled kernels were
     checked at on a GPU: bf16 on CUDA, v's head_dim 64 and tiles of 64 features (m = 128, 256, ...). At head_dim 16 and
-    m = 32 its compiled kernels (Triton 3.6, H200) gave wrong outputs where the interpreter's are right; the walk form
-    computes the other widths. "chunks" takes it everywhere but at unchecked widths on CUDA (the interpreter, whose
+    m = 32 its compiled gradient kernels (Triton 3.6, H200) gave wrong input gradients, and at 8 warps an illegal
+    address, where the interpreter's are right; the walk form computes the other widths. "chunks" takes it everywhere but at unchecked widths on CUDA (the interpreter, whose
     results are right, takes every width)."""
     checked = launch.d == 64 and launch.m % 64 == 0 and launch.constants["XD"] >= 64 and launch.constants["OPS"] == 1
     chosen = form()
@@ -301,9 +305,11 @@ def _chunk_form(launch: _Launch) -> bool:
 
 
 def _chunk_constants(launch: _Launch) -> dict:
-    """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two)."""
+    """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two)
+    and reads q, k in tiles of XDP columns, each at least CHUNK_MIN_TILE wide (masked columns past d are zeros)."""
     cst = {key: value for key, value in launch.constants.items() if key != "BD"}
-    return {**cst, "DP": 1 << (launch.d - 1).bit_length(), **_chunk_options(launch)}
+    dp = max(CHUNK_MIN_TILE, 1 << (launch.d - 1).bit_length())
+    return {**cst, "DP": dp, "XDP": max(CHUNK_MIN_TILE, cst["XDP"]), **_chunk_options(launch)}
 
 
 def _chunk_options(launch: _Launch) -> dict:
