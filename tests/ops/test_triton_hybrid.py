@@ -91,7 +91,7 @@ def test_the_causal_hybrid_matches_the_reference_through_the_chunk_form_too():
 def test_a_state_returned_by_the_kernels_continues_decoding_as_the_chunked_backends(device, ell):
     """A prefill through the kernels returns the chunked backend's output and HybridState, so hybrid_step continues
     it: the next token's output is the same."""
-    b, h, d, m = (2, 2, 32, 32) if device == "cpu" else (1, 12, 64, 128)
+    b, h, d, m = (2, 2, 32, 32) if device == "cpu" else (2, 12, 64, 128)  # two rows: left and right padding
     n, window = (29, 8) if device == "cpu" else (1000, 64)
     q, k, v, phi_q, phi_k, gamma, *rest = _inputs(
         b, h, n + 1, d, m, device=device, dtype=torch.float32, seed=5, ell=ell
