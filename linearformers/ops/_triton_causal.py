@@ -41,8 +41,8 @@ it, one float per position.
 
 Kept for backward: the inputs, the output in v's dtype (bf16 rounds gd's g · out to the precision of the operands it
 feeds), D in float32, the queries' offsets, the initial state and the keys' segment sums (P (m, d) float32 per
-head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and no per-chunk
-state. Backward recomputes the features only.
+head: 12 heads x 6 segments x 256 x 64 x 4 bytes = 4.7 MB, whatever n); nothing of size (n, m) and, in the walk
+form, no per-chunk state (the chunk form's, below, are kept). Backward recomputes the features only.
 
 Precision (see _precision). Exponents, features, states, scores, D and every sum are float32. For bf16 inputs the
 products' operands are bf16 (tensor cores), as in the chunked backend: features, v, scores, the state read by the
@@ -62,8 +62,8 @@ m, d) in bf16 for bf16 inputs, the precision its products read it at; ``_dstates
 chunk, in backward), and then one program per chunk (``_chunk_out``; ``_chunk_grads_q``, ``_chunk_grads_kv``)
 computes its outputs or its input gradients over every m-block in turn, summing them in registers: no atomic adds,
 no (n, d) float32 buffers, each gradient written once in its own dtype, and a grid of b·h·n / C programs that
-needs no segments. It costs the stored states: m d / C values per position (256 for m = 256, d = 64, C = 64), held
-during one call's forward and, recomputed, during its backward. By default ("auto") the kernels take it on CUDA at the
+needs no segments. It costs the stored states: m d / C values per position (256 for m = 256, d = 64, C = 64), kept
+from forward to backward, which reads them rather than walking the keys again (the walk form keeps no state). By default ("auto") the kernels take it on CUDA at the
 widths it was checked at on a GPU and the walk elsewhere (:func:`_chunk_form`); ``TUNING["form"]`` = "chunks" or "walk"
 picks one; the sweep (benchmarks/triton_sweep.py --forms) times both.
 
@@ -231,11 +231,12 @@ def _or(t, fallback):
 
 _FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
-    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
-    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, str kernel, float scale, float eps, int chunk) -> "
+    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, Tensor hs, Tensor hz, str kernel, float scale, float eps, "
+    "int chunk) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -322,8 +323,7 @@ def _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums):
     products take bf16 operands, else float32) and HZ (b·h, NC, m) float32, and the final S, z."""
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     (count, length), nc, dev = segments, -(-n // launch.chunk), v.device
-    low = launch.constants["OPS"] == 1 and TUNING["state_dtype"] != "float32"
-    hs = torch.empty(b * h, nc, m, d, dtype=torch.bfloat16 if low else torch.float32, device=dev)
+    hs = torch.empty(b * h, nc, m, d, dtype=_state_dtype(launch), device=dev)
     hz = torch.empty(b * h, nc, m, dtype=torch.float32, device=dev)
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
@@ -369,7 +369,6 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
             h, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_FIRST=first is not None,
             NORMALIZE=normalize, **_chunk_constants(launch),
         )  # fmt: skip
-        del hs, hz
     else:
         result = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
         s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
@@ -389,19 +388,21 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
     s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
     if sums is None:  # one segment: no sums to keep
         sums = (den.new_empty(0), den.new_empty(0))
-    return result, den, qoff, s_out, z_out, *sums
+    if not _chunk_form(launch):  # the walk stores no states
+        hs, hz = den.new_empty(0), den.new_empty(0)
+    return result, den, qoff, s_out, z_out, *sums, hs, hz
 
 
 def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     """The forward's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32, the queries' offsets,
     final S, z, the keys' segment sums): the hybrid kernels divide them their own way."""
-    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=False)
+    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=False)[:7]
 
 
 def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
-    positions, the queries' offsets (b·h, n), final S, z, and the segments' starting states (b·h·P, m, d),
-    (b·h·P, m) for backward, empty (0,) for one segment)."""
+    positions, the queries' offsets (b·h, n), final S, z, the segments' starting states (b·h·P, m, d), (b·h·P, m)
+    for backward, empty (0,) for one segment, and the chunk form's per-chunk states H, HZ, empty for the walk)."""
     return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=True)
 
 
@@ -411,7 +412,7 @@ def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
 
 
-def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
     b, h, n, d = v.shape
     gn = torch.empty(b * h, n, d, dtype=output_grad_dtype(v), device=v.device)
@@ -420,8 +421,9 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
     )  # rows with no real key (D = 0): no gradient
     dq, dk, dv, ds_first, dz_first = linear_grads(
-        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True
-    )
+        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True,
+        states=(hs, hz) if hs.numel() else None,
+    )  # fmt: skip
     del gn, gd  # freed before any casts, and each float32 gradient as soon as it is cast: a lower peak
     dq = dq.to(q.dtype)
     dk = dk.to(k.dtype)
@@ -429,10 +431,13 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel,
     return dq, dk, dv, ds_first, dz_first
 
 
-def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False):
+def linear_grads(
+    gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False, states=None
+):
     """The backward from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq, dL/dk,
     dL/dv (b, h, n, ·), float32 or, ``final``, in q's, k's and v's dtypes where the form writes each once (the chunk
-    form; the walk's are sums of atomic adds, float32), and dL/dS_0, dL/dz_0 (empty without a state)."""
+    form; the walk's are sums of atomic adds, float32), and dL/dS_0, dL/dz_0 (empty without a state). ``states``:
+    the chunk form's per-chunk states (H, HZ) kept from forward, or None to make them again."""
     kern = kernels()
     q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
@@ -440,8 +445,11 @@ def linear_grads(gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, s
         return _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     (count, length), nc, dev = segments, -(-n // chunk), v.device
-    keys = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
-    hs, hz, _, _ = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, keys)
+    if states is None:
+        keys = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
+        states = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, keys)[:2]
+    hs, hz = states
+    del states
     later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
     dh = torch.empty_like(hs)
     dhz = torch.empty_like(hz)
@@ -493,16 +501,28 @@ def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, 
     return dq, dk, dv, ds0.view(b, h, count, m, d)[:, :, 0].contiguous(), dz0.view(b, h, count, m)[:, :, 0].contiguous()
 
 
+def _state_dtype(launch: _Launch) -> torch.dtype:
+    """The dtype the chunk form stores its per-chunk states in: bf16 where the products read them as bf16."""
+    return torch.bfloat16 if launch.constants["OPS"] == 1 and TUNING["state_dtype"] != "float32" else torch.float32
+
+
 def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
-    count = _segments(_Launch(q, v, w, kernel, chunk, scale, eps), v.device)[0]
+    launch = _Launch(q, v, w, kernel, chunk, scale, eps)
+    count = _segments(launch, v.device)[0]
     sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
     shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *sums)
-    return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
+    nc = -(-n // chunk)
+    kept = (
+        (v.new_empty((b * h, nc, m, d), dtype=_state_dtype(launch)), v.new_empty((b * h, nc, m), dtype=torch.float32))
+        if _chunk_form(launch)
+        else (v.new_empty(0, dtype=torch.float32), v.new_empty(0, dtype=torch.float32))
+    )
+    return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes), *kept
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -513,14 +533,15 @@ def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, ke
 
 def _setup_context(ctx, inputs, output):
     q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
-    out, den, qoff, _, _, sums, z_sums = output
+    out, den, qoff, _, _, sums, z_sums, hs, hz = output
     ctx.settings = (kernel, scale, eps, chunk)
     ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
-    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums)
+    # the chunk form's per-chunk states too: backward reads them rather than walking the keys again
+    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
-def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums
+def _autograd_backward(ctx, g, *_not_differentiated):  # D, the offsets, the final state, the sums, the states
     if g is None:  # out was not used
         return (None,) * 11
     saved = ctx.saved_tensors  # read once: non-reentrant activation checkpointing unpacks each saved tensor once
@@ -549,5 +570,5 @@ def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
     lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
     every visible key underflowed."""
-    out, den, _, s, z, _, _ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    out, den, _, s, z, *_ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
     return out, s.detach(), z.detach(), den[-1]

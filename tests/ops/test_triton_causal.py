@@ -284,9 +284,13 @@ def test_positions_before_the_first_real_key_are_not_lost(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiles_without_graph_break(device):
+@pytest.mark.parametrize("form", [None, "chunks"])
+def test_compiles_without_graph_break(device, form):
     """The kernels are custom ops: torch.compile(fullgraph=True) takes the whole call, the large-key check
-    included, and gives the eager output and gradients."""
+    included, and gives the eager output and gradients; in the chunk form too, whose per-chunk states go from the
+    forward op to the backward op (their shapes and dtype from the fake implementation)."""
+    if form is not None and device == "cuda":
+        pytest.skip("on CUDA the default is the chunk form at these widths")
     b, h, m, d, chunk = FAVOR_SIZES[device]
     w = draw_random_features(m, d, seed=5, device=device)
     inputs = [randn(b, h, 37, d, device=device, seed=s, dtype=torch.float32) for s in (6, 7, 8)]
@@ -296,9 +300,27 @@ def test_compiles_without_graph_break(device):
         return favor_attention(q, k, v, w, causal=True, chunk_size=chunk, backend="triton")
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    assert_close(
-        run_with_grads(compiled, inputs, grad), run_with_grads(fn, inputs, grad), 1e-5, "compiled"
-    )  # atomics: any order
+    with kernel_form(form):
+        assert_close(
+            run_with_grads(compiled, inputs, grad), run_with_grads(fn, inputs, grad), 1e-5, "compiled"
+        )  # atomics: any order
+
+
+@ON_CPU
+@pytest.mark.parametrize("form", ["walk", "chunks"])
+@pytest.mark.parametrize("kernel", ["softmax", "features"])
+def test_the_custom_ops_fake_shapes_and_dtypes_are_the_kernels(form, kernel):
+    """torch.library.opcheck: the forward op's schema, its fake implementation (shapes and dtypes of every output,
+    the chunk form's kept states included) and its autograd registration agree with what the kernels return."""
+    q, k, v = (randn(1, 2, 37, 16, seed=s, dtype=torch.float32).requires_grad_() for s in (1, 2, 3))
+    w = draw_random_features(32, 16, seed=4)
+    if kernel == "features":
+        q, k, w = random_feature_map(q, w, is_query=True), random_feature_map(k, w, is_query=False), None
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    args = (q, k, v, w, None, None, None, kernel, 0.25 if w is not None else 1.0, 1e-6, 16)
+    with kernel_form(form):
+        checks = ("test_schema", "test_faketensor", "test_autograd_registration")
+        assert set(torch.library.opcheck(_triton_causal._forward_op, args, test_utils=checks).values()) == {"SUCCESS"}
 
 
 def test_refusals(monkeypatch):
