@@ -21,6 +21,9 @@
 #   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
 #   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh tests bench
 # (a call that names no machine kind may land on an H200: the device is in every result's header)
+# Sizing, from an H200 with a cold Triton cache: the whole CUDA set with 8 workers needs more than 230 s; each
+# attention row of gpu.py about 25 s (its own process); fla_causal autotunes for more than 120 s, so name it last or
+# alone; the 16K training step about 25-30 s per model.
 # Environment: COMPILE_TESTS=0 skips the torch.compile tests; KERNELS="sdpa_causal favor_causal/triton ..." picks the
 # attention rows; CUDA_TEST_ARGS, ATTENTION_ARGS, TRAINING_ARGS, SWEEP_ARGS and the *_S time limits as below.
 # Everything lands in $OUT (default /tmp/cuda_check). Wheels in .whl/ (transformers and the like, for a machine
@@ -98,10 +101,13 @@ tests)
         compile_job=$!
     fi
     # shellcheck disable=SC2086
-    timeout "${CUDA_TESTS_S:-420}" $PY -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=15 tests \
+    # -v: each test's verdict as it ends (a run stopped by its time limit prints no summary)
+    timeout "${CUDA_TESTS_S:-420}" $PY -m pytest -m cuda -v -p no:cacheprovider -rfE --durations=15 tests \
         ${CUDA_TEST_ARGS:-} >"$OUT/cuda_tests.log" 2>&1
     echo "exit $?" >>"$OUT/cuda_tests.log"
-    tail -40 "$OUT/cuda_tests.log"
+    grep -c " PASSED" "$OUT/cuda_tests.log" | sed 's/$/ passed so far/'
+    grep -E " (FAILED|ERROR) " "$OUT/cuda_tests.log" | sed 's/^.*\(FAILED\|ERROR\) /\1 /' | sort -u | head -40
+    tail -15 "$OUT/cuda_tests.log"
     if [ -n "$compile_job" ]; then
         stamp "waiting for the compile tests"
         wait $compile_job
