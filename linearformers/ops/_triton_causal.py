@@ -100,9 +100,11 @@ DEFAULT_FORM = None
 # the chunk-parallel form's warps per program: 4 ran it fastest on an H200 at 16K and 64K (benchmarks/triton_sweep.py
 # --forms), although ptxas reports a few hundred bytes of register spills there that 8 warps avoid
 DEFAULT_CHUNK_WARPS = 4
-# the chunk-parallel kernels' narrowest d and head_dim tiles: compiled by Triton 3.6 for an H200, the outputs' kernel
-# gave wrong sums with v's d in tiles of 16 or 32 and right ones in tiles of 64 (benchmarks/forms_check.py --states;
-# results/h200/forms_widths*.log); the input gradients at head_dim 16 stay wrong even so, hence "auto" (_chunk_form)
+# the chunk-parallel kernels' narrowest tiles of d, head_dim and features: compiled by Triton 3.6 for an H200, their
+# products gave wrong sums where a tile of 64 rows met a second operand 16 or 32 wide (benchmarks/forms_check.py
+# --states; results/h200/forms_widths*.log: v's d in tiles of 16 or 32 broke the outputs; with d padded they came
+# right, and the gradients, whose products also take the features' tiles of 32 at m = 32, stayed wrong). Features
+# padded too are not checked on a GPU yet, hence "auto" (_chunk_form) only at the widths that were
 CHUNK_MIN_TILE = 64
 # two diagnosis switches for the chunk form on a GPU (benchmarks/forms_check.py): "anywhere" lets "chunks" take the
 # widths not checked there, "state_dtype" ("float32") stores the per-chunk states at full precision
@@ -306,11 +308,16 @@ def _chunk_form(launch: _Launch) -> bool:
 
 
 def _chunk_constants(launch: _Launch) -> dict:
-    """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two)
-    and reads q, k in tiles of XDP columns, each at least CHUNK_MIN_TILE wide (masked columns past d are zeros)."""
+    """The chunk-parallel kernels' compile-time settings: a program owns a chunk's whole d (DP: its power of two),
+    reads q, k in tiles of XDP columns and the features in blocks of BM, each at least CHUNK_MIN_TILE wide (columns
+    past d are zeros, features past m are masked to zero: MASK_M), so that every product's tiles are 64 wide."""
     cst = {key: value for key, value in launch.constants.items() if key != "BD"}
     dp = max(CHUNK_MIN_TILE, 1 << (launch.d - 1).bit_length())
-    return {**cst, "DP": dp, "XDP": max(CHUNK_MIN_TILE, cst["XDP"]), **_chunk_options(launch)}
+    bm = max(CHUNK_MIN_TILE, cst["BM"])  # features past m masked where the tile is wider than what is left
+    return {
+        **cst, "DP": dp, "XDP": max(CHUNK_MIN_TILE, cst["XDP"]), "BM": bm, "MASK_M": launch.m % bm != 0,
+        **_chunk_options(launch),
+    }  # fmt: skip
 
 
 def _chunk_options(launch: _Launch) -> dict:

@@ -310,7 +310,7 @@ def _add_input_grad(
     several programs share the rows) or stored."""
     if MAP == 0:
         ptrs = DX + row + ot[:, None] * XD + om[None, :]
-        mask = tmask[:, None]
+        mask = tmask[:, None] & (om[None, :] < XD)
     else:
         ox = tl.arange(0, XDP)
         ptrs = DX + row + ot[:, None] * XD + ox[None, :]
@@ -650,6 +650,37 @@ def _dstates(
 
 
 @triton.jit
+def _chunk_features(
+    X, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M: tl.constexpr, XD: tl.constexpr, XDP: tl.constexpr,
+    MAP: tl.constexpr, IS_QUERY: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr, MASK_M: tl.constexpr,
+):  # fmt: skip
+    """:func:`_features` of the m-block ``om``; MASK_M (a tile of features wider than what is left of m): the
+    features past m are read at m's last row and set to zero, so they add nothing to any sum or gradient."""
+    if MASK_M:
+        phi, x, w = _features(
+            X, W, QOFF, row, qrow, ot, tmask, tl.minimum(om, M - 1), scale, root, eps, XD, XDP, MAP, IS_QUERY, OPS,
+            PREC,
+        )  # fmt: skip
+        phi = tl.where((om < M)[None, :], phi, 0.0)
+    else:
+        phi, x, w = _features(X, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, IS_QUERY, OPS, PREC)
+    return phi, x, w
+
+
+@triton.jit
+def _state_rows(H, HZ, chunk, om, od, M: tl.constexpr, D: tl.constexpr, MASK_M: tl.constexpr):
+    """The (BM, DP) rows ``om`` of chunk ``chunk``'s stored state H (float32) and its BM sums HZ; zero past m and d."""
+    mask = (od < D)[None, :]
+    if MASK_M:
+        mask = mask & (om < M)[:, None]
+        z = tl.load(HZ + chunk * M + om, mask=om < M, other=0.0)
+    else:
+        z = tl.load(HZ + chunk * M + om)
+    s = tl.load(H + chunk * M * D + om[:, None] * D + od[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _chunk_ids(n, NC, XD: tl.constexpr, D: tl.constexpr, C: tl.constexpr, DP: tl.constexpr):
     """This program's (batch, head) bh, its chunk's positions ot and their mask, the chunk's index in H, d's
     offsets, and where bh's rows start in the (n, XD), (n, D) and (n,) tensors. Grid (b·h, NC)."""
@@ -693,6 +724,7 @@ def _chunk_out(
     NORMALIZE: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
+    MASK_M: tl.constexpr,
 ):
     """One chunk's outputs: N = tril(phi_q phi_kᵀ) V + phi_q S, D = rowsum(...) + phi_q z, summed over the m-blocks
     in registers, with S, z the state before the chunk (H, HZ). NORMALIZE: out = N / D in OUT's dtype, D stored
@@ -706,13 +738,17 @@ def _chunk_out(
     den = tl.zeros((C,), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pq, _x, _w = _chunk_features(
+            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        )  # fmt: skip
+        pk, _x, _w = _chunk_features(
+            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
+        )  # fmt: skip
         pk = pk * keep[:, None]
         scores += tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
-        s = tl.load(H + chunk * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
-        num += tl.dot(_operand(pq, OPS), _operand(s.to(tl.float32), OPS), input_precision=PREC)
-        den += tl.sum(pq * tl.load(HZ + chunk * M + om)[None, :], 1)
+        s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
+        num += tl.dot(_operand(pq, OPS), _operand(s, OPS), input_precision=PREC)
+        den += tl.sum(pq * hz[None, :], 1)
     scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
     vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
     num += tl.dot(_operand(scores, OPS), _operand(vv.to(tl.float32), OPS), input_precision=PREC)
@@ -774,6 +810,7 @@ def _chunk_grads_q(
     HAS_KEEP: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
+    MASK_M: tl.constexpr,
 ):
     """One chunk's dL/dq: dphi_q = tril(gn vᵀ + gd) phi_k + gn Sᵀ + gd z per m-block, through the map, summed in
     registers (given features: each m-block's columns stored). Grid (b·h, NC)."""
@@ -783,13 +820,17 @@ def _chunk_grads_q(
     dq = tl.zeros((C, XDP), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, x, w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pq, x, w = _chunk_features(
+            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        )  # fmt: skip
+        pk, _x, _w = _chunk_features(
+            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
+        )  # fmt: skip
         pk = pk * keep[:, None]
-        s = tl.load(H + chunk * M * D + om[:, None] * D + od[None, :], mask=(od < D)[None, :], other=0.0)
+        s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
         dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
-        dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s.to(tl.float32)), OPS), input_precision=PREC)
-        dpq += gd[:, None] * tl.load(HZ + chunk * M + om)[None, :]
+        dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC)
+        dpq += gd[:, None] * hz[None, :]
         if MAP == 0:
             _add_input_grad(DQ, row, ot, tmask, om, dpq, XD, XDP, MAP, False)
         else:
@@ -829,6 +870,7 @@ def _chunk_grads_kv(
     HAS_KEEP: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
+    MASK_M: tl.constexpr,
 ):
     """One chunk's dL/dk and dL/dv: dphi_k = (tril(gn vᵀ + gd)ᵀ phi_q + v dSᵀ + dz) keep and
     dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) keep per m-block, summed in registers, with dS, dz the queries' sums
@@ -843,18 +885,21 @@ def _chunk_grads_kv(
     causal_t = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, _x, _w = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
-        pk, x, w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
+        pq, _x, _w = _chunk_features(
+            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        )  # fmt: skip
+        pk, x, w = _chunk_features(
+            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
+        )  # fmt: skip
         pk = pk * keep[:, None]
-        ds = tl.load(DH + chunk * M * D + om[:, None] * D + od[None, :], mask=dmask[None, :], other=0.0)
-        ds = ds.to(tl.float32)
+        ds, dhz = _state_rows(DH, DHZ, chunk, om, od, M, D, MASK_M)
         scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
         scores_t = tl.where(causal_t, scores_t, 0.0)
         dv += tl.dot(_operand(scores_t, OPS), _operand(gn, OPS), input_precision=PREC)
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
         dpk = tl.dot(_operand(d_scores_t, OPS), _operand(pq, OPS), input_precision=PREC)
         dpk += tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC)
-        dpk = (dpk + tl.load(DHZ + chunk * M + om)[None, :]) * keep[:, None]
+        dpk = (dpk + dhz[None, :]) * keep[:, None]
         if MAP == 0:
             _add_input_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP, False)
         else:
