@@ -668,6 +668,22 @@ def _chunk_features(
 
 
 @triton.jit
+def _chunk_pair(
+    Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M: tl.constexpr, XD: tl.constexpr,
+    XDP: tl.constexpr, MAP: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr, MASK_M: tl.constexpr,
+):  # fmt: skip
+    """The chunk's query and weighted key features of the m-block ``om`` (:func:`_chunk_features`), each with the
+    x, W' it came from: pq, xq, wq, pk, xk, wk."""
+    pq, xq, wq = _chunk_features(
+        Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+    )  # fmt: skip
+    pk, xk, wk = _chunk_features(
+        K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
+    )  # fmt: skip
+    return pq, xq, wq, pk * keep[:, None], xk, wk
+
+
+@triton.jit
 def _state_rows(H, HZ, chunk, om, od, M: tl.constexpr, D: tl.constexpr, MASK_M: tl.constexpr):
     """The (BM, DP) rows ``om`` of chunk ``chunk``'s stored state H (float32) and its BM sums HZ; zero past m and d."""
     mask = (od < D)[None, :]
@@ -738,13 +754,9 @@ def _chunk_out(
     den = tl.zeros((C,), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, _x, _w = _chunk_features(
-            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        pq, _xq, _wq, pk, _xk, _wk = _chunk_pair(
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
-        pk, _x, _w = _chunk_features(
-            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
-        )  # fmt: skip
-        pk = pk * keep[:, None]
         scores += tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
         s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
         num += tl.dot(_operand(pq, OPS), _operand(s, OPS), input_precision=PREC)
@@ -820,13 +832,9 @@ def _chunk_grads_q(
     dq = tl.zeros((C, XDP), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, x, w = _chunk_features(
-            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        pq, x, w, pk, _xk, _wk = _chunk_pair(
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
-        pk, _x, _w = _chunk_features(
-            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
-        )  # fmt: skip
-        pk = pk * keep[:, None]
         s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
         dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
         dpq += tl.dot(_operand(gn, OPS), _operand(tl.trans(s), OPS), input_precision=PREC)
@@ -885,13 +893,9 @@ def _chunk_grads_kv(
     causal_t = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
-        pq, _x, _w = _chunk_features(
-            Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, True, OPS, PREC, MASK_M
+        pq, _xq, _wq, pk, x, w = _chunk_pair(
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
-        pk, x, w = _chunk_features(
-            K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
-        )  # fmt: skip
-        pk = pk * keep[:, None]
         ds, dhz = _state_rows(DH, DHZ, chunk, om, od, M, D, MASK_M)
         scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
         scores_t = tl.where(causal_t, scores_t, 0.0)
