@@ -63,9 +63,10 @@ chunk, in backward), and then one program per chunk (``_chunk_out``; ``_chunk_gr
 computes its outputs or its input gradients over every m-block in turn, summing them in registers: no atomic adds,
 no (n, d) float32 buffers, each gradient written once in its own dtype, and a grid of b·h·n / C programs that
 needs no segments. It costs the stored states: m d / C values per position (256 for m = 256, d = 64, C = 64), kept
-from forward to backward, which reads them rather than walking the keys again (the walk form keeps no state). By default ("auto") the kernels take it on CUDA at the
-widths it was checked at on a GPU and the walk elsewhere (:func:`_chunk_form`); ``TUNING["form"]`` = "chunks" or "walk"
-picks one; the sweep (benchmarks/triton_sweep.py --forms) times both.
+from forward to backward, which reads them rather than walking the keys again (the walk form keeps no state). By
+default ("auto") the kernels take it on CUDA at the widths it was checked at on a GPU and the walk elsewhere
+(:func:`_chunk_form`); ``TUNING["form"]`` = "chunks" or "walk" picks one; the sweep (benchmarks/triton_sweep.py
+--forms) times both.
 
 The forward and the backward are custom ops (``torch.library``) with autograd and fake (shape) implementations, so
 torch.compile keeps each as one node, without a graph break. Triton is imported on first use (:func:`kernels`), so
@@ -101,10 +102,10 @@ DEFAULT_FORM = None
 # --forms), although ptxas reports a few hundred bytes of register spills there that 8 warps avoid
 DEFAULT_CHUNK_WARPS = 4
 # the chunk-parallel kernels' narrowest tiles of d, head_dim and features: compiled by Triton 3.6 for an H200, their
-# products gave wrong sums where a tile of 64 rows met a second operand 16 or 32 wide (benchmarks/forms_check.py
-# --states; results/h200/forms_widths*.log: v's d in tiles of 16 or 32 broke the outputs; with d padded they came
-# right, and the gradients, whose products also take the features' tiles of 32 at m = 32, stayed wrong). Features
-# padded too are not checked on a GPU yet, hence "auto" (_chunk_form) only at the widths that were
+# products gave wrong sums where a tile of 64 rows met a second operand 16 wide, or 32 wide over 64 summed
+# (benchmarks/forms_check.py --states; results/h200/forms_widths*.log: v's d in such tiles broke the outputs; with d
+# padded they came right, and the gradients, whose products also take the features' tiles of 32 at m = 32, stayed
+# wrong). Features padded too are not checked on a GPU yet, hence "auto" (_chunk_form) only at the widths that were
 CHUNK_MIN_TILE = 64
 # two diagnosis switches for the chunk form on a GPU (benchmarks/forms_check.py): "anywhere" lets "chunks" take the
 # widths not checked there, "state_dtype" ("float32") stores the per-chunk states at full precision
@@ -296,8 +297,9 @@ def _chunk_form(launch: _Launch) -> bool:
     """Whether this call takes the chunk-parallel form. "auto" takes it only at the widths its compiled kernels were
     checked at on a GPU: bf16 on CUDA, v's head_dim 64 and tiles of 64 features (m = 128, 256, ...). At head_dim 16 and
     m = 32 its compiled gradient kernels (Triton 3.6, H200) gave wrong input gradients, and at 8 warps an illegal
-    address, where the interpreter's are right; the walk form computes the other widths. "chunks" takes it everywhere but at unchecked widths on CUDA (the interpreter, whose
-    results are right, takes every width)."""
+    address, where the interpreter's are right; the walk form computes the other widths. "chunks" takes it everywhere
+    but at unchecked widths on CUDA (unless TUNING["anywhere"]); the interpreter, whose results are right, takes every
+    width."""
     checked = launch.d == 64 and launch.m % 64 == 0 and launch.constants["XD"] >= 64 and launch.constants["OPS"] == 1
     chosen = form()
     if chosen == "walk":
@@ -364,7 +366,8 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
     den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
     # where the first real key is, per batch: positions before it see none, and are not lost
     first = None if keep is None or not normalize else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
-    if _chunk_form(launch):
+    chunked = _chunk_form(launch)
+    if chunked:
         hs, hz, s_out, z_out = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums)
         result = (
             torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
@@ -395,7 +398,7 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
     s_out, z_out = s_out.reshape(b, h, m, d).contiguous(), z_out.reshape(b, h, m).contiguous()
     if sums is None:  # one segment: no sums to keep
         sums = (den.new_empty(0), den.new_empty(0))
-    if not _chunk_form(launch):  # the walk stores no states
+    if not chunked:  # the walk stores no states
         hs, hz = den.new_empty(0), den.new_empty(0)
     return result, den, qoff, s_out, z_out, *sums, hs, hz
 

@@ -656,14 +656,12 @@ def _chunk_features(
 ):  # fmt: skip
     """:func:`_features` of the m-block ``om``; MASK_M (a tile of features wider than what is left of m): the
     features past m are read at m's last row and set to zero, so they add nothing to any sum or gradient."""
+    rows = om
     if MASK_M:
-        phi, x, w = _features(
-            X, W, QOFF, row, qrow, ot, tmask, tl.minimum(om, M - 1), scale, root, eps, XD, XDP, MAP, IS_QUERY, OPS,
-            PREC,
-        )  # fmt: skip
+        rows = tl.minimum(om, M - 1)
+    phi, x, w = _features(X, W, QOFF, row, qrow, ot, tmask, rows, scale, root, eps, XD, XDP, MAP, IS_QUERY, OPS, PREC)
+    if MASK_M:
         phi = tl.where((om < M)[None, :], phi, 0.0)
-    else:
-        phi, x, w = _features(X, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, IS_QUERY, OPS, PREC)
     return phi, x, w
 
 
