@@ -47,7 +47,8 @@ scores stay within 16 MB (_PASS_BYTES says why); elsewhere in one pass. The bloc
 64 blocks: sums carried from the pieces before and after, plus one product of a 0 / 1 matrix with the block sums
 around the piece. Where autograd records nothing (inference) on the CPU, a pass makes its scores in place, one
 batched product per head over views of the frames (no copy of them), and the in-frame linear scores on the edge
-blocks alone.
+blocks alone; with ℓ in float32, ATen's fused softmax attention computes the window part of all the blocks first
+(outputs and log-sum-exps, no scores in memory), and the passes add the rest.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
@@ -71,6 +72,10 @@ from ._triton_hybrid import triton_causal_hybrid
 from .backends import triton_refusal
 
 HYBRID_BACKENDS = ("chunked", "triton")  # what hybrid_attention may name
+
+# ATen's fused softmax attention on the CPU, (out, logsumexp) of q (B, H, L, E) against k, v (B, H, S, E) with an
+# additive mask broadcast over B and H; it reads strided views (the frames) in place
+_FUSED_SOFTMAX = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 # R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
 # times sums over a million keys of features up to a thousand
@@ -280,6 +285,54 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
     return out
 
 
+def _window_softmax_fused(qb, kf, vf, in_window, reals, out):
+    """The window part of every query block at once, where the queries carry their scale ℓ, on the CPU: ATen's
+    fused softmax attention (its flash kernel) of qb (b, h, nb, blk, d), already times the logit scale, over the
+    frame views kf, vf (b, h, nb, frame, ·) in place, masked to each query's window and the real keys. It never
+    makes the (blk, frame) scores; it writes each query's normalized window output into out[..., :d] and its
+    log-sum-exp L_t into out[..., d] (b, h, nb, blk, d + 1), -inf where the window holds no real key.
+    in_window: the (blk, frame) pattern; reals: (b, nb, frame) bool, the frame keys that are real."""
+    d = qb.shape[-1]
+    for i in range(qb.shape[0]):  # the mask (blocks, blk, frame) is per sequence, shared by the heads
+        mask = in_window & reals[i, :, None, :]
+        bias = torch.zeros(mask.shape, dtype=qb.dtype, device=qb.device).masked_fill_(~mask, float("-inf"))
+        o, lse = _FUSED_SOFTMAX(qb[i], kf[i], vf[i, ..., :d], attn_mask=bias[None], scale=1.0)
+        out[i, ..., :d].copy_(o)
+        out[i, ..., d].copy_(lse.masked_fill_(~mask.any(-1), float("-inf")))  # the kernel gives 0 there
+    return out
+
+
+def _window_pass_fused(qb, pqb, pkf, vf, lin, t, ell, state, gamma, sink, window, causal, out):
+    """:func:`_window_pass_untracked` after :func:`_window_softmax_fused`, whose window outputs and L_t out holds:
+    the rest of the pass. With ℓ both parts carry the same per-query factor (module docstring), so the stabilizer
+    may be c = max(L_t, the sinks' logits, ℓ_t - R) rather than the largest window logit: gamma exp(L_t - c) times
+    the window output is then the window's numerator, gamma exp(L_t - c) its denominator. Then the in-frame
+    linear scores on the edge blocks, the sinks and the block states are added as there."""
+    b, h, nq, blk, d = qb.shape
+    lse = out[..., d:]  # (b, h, nq, blk, 1)
+    c = lse.clone()
+    if sink is not None:
+        sink_logits = _sink_logits(qb, t, sink, window, causal)
+        c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+    c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
+    pqb = pqb * torch.exp(ell - c)
+    c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
+    weight = torch.exp(lse - c_window)  # 0 where the window holds no real key or gamma is 0
+    out[..., :d].mul_(weight)
+    out[..., d:].copy_(weight)
+    edge = qb.new_empty(b, h, nq, blk, blk)
+    for cols in (slice(0, blk),) if causal else (slice(0, blk), slice(-blk, None)):
+        scores = _bmm_rows(pqb, pkf[..., cols, :].transpose(-1, -2), edge).mul_(lin[:, cols])
+        for x, y, o in _rows(scores, vf[..., cols, :], out):
+            o.baddbmm_(x, y)
+    if sink is not None:
+        out += (torch.exp(sink_logits.sub_(c_window)).flatten(2, 3) @ _with_ones(sink[1])).view_as(out)
+    for x, y, o in _rows(pqb, state, out):
+        o.baddbmm_(x, y)
+    return out
+
+
 def _pad_buffer(x: torch.Tensor, lead: int, after: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A (b, h, lead + n + after, width) buffer of x's dtype and device whose first lead and last after rows are
     zero, and the view of its n rows between, for the caller to fill."""
@@ -405,7 +458,8 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         return (F.pad(x, (0, 0, 0, pad_end)) if pad_end else x).view(b, h, nb, blk, x.shape[-1])
 
     kfs, vfs, pkfs = frames(k_pad), frames(v_pad), frames(pk_pad)
-    qbs, pqbs = passes(blocks(q * scale)), passes(blocks(pq))  # the scale on n x d, not on the scores
+    q_blocks = blocks(q * scale)  # the scale on n x d, not on the scores
+    qbs, pqbs = passes(q_blocks), passes(blocks(pq))
     # query t = c blk + i against frame key s = c blk - lead + j lies t - s = lead + i - j from it in every block c:
     # one (blk, frame) pattern of window and in-frame linear keys, and per pass which frame keys are real
     dist = lead + torch.arange(blk, device=q.device)[:, None] - torch.arange(frame, device=q.device)
@@ -427,6 +481,11 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
     outs, acc = [], None if general else q.new_empty(b, h, nb, blk, d + 1)
+    fused = not general and log_scale is not None and q.dtype == torch.float32 and _FUSED_SOFTMAX is not None
+    if fused:  # the window part of all the blocks in one call: the kernel makes no scores to keep in passes
+        frames_all = (x.unfold(2, frame, blk).transpose(-1, -2) for x in (k_pad, v_pad))
+        reals_all = F.pad(valid, (lead, after)).unfold(1, frame, blk)
+        _window_softmax_fused(q_blocks, *frames_all, in_window, reals_all, acc)
     for i, (qb, state) in enumerate(zip(qbs, states)):
         nq, c0 = qb.shape[2], i * step
         t = torch.arange(i * step * blk, (i * step + nq) * blk, device=q.device).view(nq, blk, 1)
@@ -437,6 +496,10 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
             # and its state), not its (blocks, blk, frame) scores, and makes them again when it reaches the pass
             outs.append(checkpoint(_window_pass, *args, use_reentrant=False) if recompute else _window_pass(*args))
         else:
+            if fused:
+                args = (qb, pqbs[i], pkfs[i], vfs[i], outside.to(q.dtype), t, ells[i], state)
+                _window_pass_fused(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
+                continue
             win = in_window if bool(reals[i].all()) else in_window & reals[i]
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside.to(q.dtype), t, ells[i], state)
             _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])

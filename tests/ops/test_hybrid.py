@@ -473,21 +473,40 @@ def test_empty_inputs_give_empty_outputs(shape, causal):
     assert out.shape == (b, h, 8, 4)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-softmax", "products"])
 @pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
-@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("padding", ["none", "left", "right", "long-right"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_inference_equals_the_path_autograd_records(causal, padding, sinks):
-    """Where autograd records nothing the core takes its in-place pass (scores combined in place, gamma in the
-    stabilizer, one product per head over the frame views); it gives the recorded path's outputs, float32."""
+def test_inference_equals_the_path_autograd_records(causal, padding, sinks, fused, monkeypatch):
+    """Where autograd records nothing the core takes its in-place pass: with the queries' scale ℓ in float32, the
+    window part by ATen's fused softmax attention over the frames; otherwise by products over the frame views
+    (scores combined in place, gamma in the stabilizer). Both give the recorded path's outputs, float32, with
+    padding, sinks, a gamma of 0, and padded queries whose window holds no real key ("long-right")."""
     n, window = 37, 6  # blocks of 3 queries, a partial last block
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
     phi_q, phi_k = (torch.rand(B, H, n, M, generator=g) for _ in range(2))
-    ell = torch.randn(B, H, n, generator=g)
-    gamma = torch.tensor([0.3, 1.0, 2.5])
-    kwargs = dict(causal=causal, key_padding_mask=_mask(n, padding), query_log_scale=ell, sinks=sinks)
+    ell = torch.randn(B, H, n, generator=g) * 3
+    gamma = torch.tensor([0.3, 0.0, 2.5])
+    mask = _mask(n, "right") if padding == "long-right" else _mask(n, padding)
+    if padding == "long-right":
+        mask[1, 12:] = False  # queries from 18 on see no real key in their window
+    calls = []
+    if fused:
+        kernel = hybrid_module._FUSED_SOFTMAX
+        assert kernel is not None  # torch on every supported version has it
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(hybrid_module, "_FUSED_SOFTMAX", counted)
+    else:
+        monkeypatch.setattr(hybrid_module, "_FUSED_SOFTMAX", None)
+    kwargs = dict(causal=causal, key_padding_mask=mask, query_log_scale=ell, sinks=sinks)
     with torch.no_grad():
         untracked = hybrid_attention(q, k, v, phi_q, phi_k, gamma, window, **kwargs)
+    assert bool(calls) == fused
     tracked = hybrid_attention(q.requires_grad_(), k, v, phi_q, phi_k, gamma, window, **kwargs)
     assert tracked.requires_grad
     torch.testing.assert_close(untracked, tracked.detach(), rtol=1e-5, atol=1e-6)
