@@ -411,8 +411,12 @@ def _transfer(
         )
     length = transfer.max_length or max_length or default_block_length(model)
     ids = text_blocks(tokenizer, transfer_texts, length, wrap=wrap)
-    run = attention_transfer if max_length is None else long_attention_transfer
-    report.transfer = run(model, source, ids, args=transfer)
+    if max_length is None:
+        report.transfer = attention_transfer(model, source, ids, args=transfer)
+        return
+    # the long steps' blocks: the model's full length, from the same texts
+    long_ids = text_blocks(tokenizer, transfer_texts, max_length, wrap=wrap) if transfer.finetune_long_steps else None
+    report.transfer = long_attention_transfer(model, source, ids, args=transfer, long_input_ids=long_ids)
 
 
 def convert_bert(
@@ -451,6 +455,11 @@ def convert_bert(
     """
     _check_transfer_request(transfer, transfer_texts, tokenizer)
     check_max_length(max_length, long_positions)
+    if transfer is not None and transfer.finetune_long_steps and max_length is None:
+        raise ValueError(
+            "transfer.finetune_long_steps trains on blocks of a long conversion's full length: pass max_length too "
+            "(or finetune_long_steps=0)"
+        )
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     bert = _load(source, "convert_bert", hub)
@@ -515,6 +524,11 @@ def convert_gpt2(
     the eos token between texts). Returns ``(model, ConversionReport)``.
     """
     _check_transfer_request(transfer, transfer_texts, tokenizer)
+    if transfer is not None and transfer.finetune_long_steps:
+        raise ValueError(
+            "transfer.finetune_long_steps is for a BERT converted to a longer max_length; a GPT-2 keeps its "
+            "positions (finetune_long_steps=0)"
+        )
     target = get_family(family)
     hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
     gpt2 = _load(source, "convert_gpt2", hub)

@@ -41,10 +41,17 @@ from transformers.modeling_outputs import BaseModelOutput
 from .transfer import (
     TransferArguments,
     TransferReport,
+    _batches,
+    _distillation_loss,
+    _finetune_groups,
+    _mean_distillation_loss,
+    _projections,
+    _train,
     attention_transfer,
     calibrate_query_scale,
     choose_local_heads,
     softmax_attention_output,
+    transfer_parameters,
 )
 
 POSITION_INITS = ("tile", "interpolate")
@@ -245,15 +252,22 @@ def long_attention_transfer(
     args: TransferArguments | None = None,
     *,
     chunk_length: int | None = None,
+    long_input_ids: torch.Tensor | None = None,
 ) -> TransferReport:
     """:func:`transfer.attention_transfer` of ``model`` (converted with ``max_length``) on blocks ``input_ids``
     (blocks, n) longer than ``source`` reads, with ``source`` as a :class:`ChunkedTeacher` of ``chunk_length``
     tokens (default: its positions). The local heads' choice and the query-scale fit run first on the teacher's
     chunks of the blocks that stage 1 probes (the first training batch), so the report's "before" errors are
-    after them and it has no "calibrated" column."""
+    after them and it has no "calibrated" column.
+
+    With ``args.finetune_long_steps``, ``long_input_ids`` (blocks, N) are blocks of the model's full length (no
+    padding), at least two: after stage 2, each step's loss is stage 2's on one of them plus stage 2's on a batch of
+    ``input_ids``. The first long block and the blocks stage 2 holds out measure that loss before and after."""
     args = TransferArguments() if args is None else args
     if not isinstance(args, TransferArguments):
         raise TypeError(f"args must be TransferArguments, got {type(args).__name__}")
+    if args.finetune_long_steps:
+        _check_long_blocks(model, long_input_ids, attention_mask)
     teacher = ChunkedTeacher(source, chunk_length)
     held_out = args.eval_batches * args.batch_size
     probe = input_ids[held_out : 2 * held_out]
@@ -270,7 +284,74 @@ def long_attention_transfer(
     chunked_args = dataclasses.replace(args, choose_local_heads=False, calibrate_query_scale=False)
     report = attention_transfer(model, teacher, input_ids, attention_mask, chunked_args)
     report.local_heads, report.query_scale_residual = local_heads, residual
+    if args.finetune_long_steps:
+        _long_finetune(model, teacher, long_input_ids, input_ids[:held_out], input_ids[held_out:], args, report)
     return report
+
+
+def _check_long_blocks(model: PreTrainedModel, ids: object, attention_mask: torch.Tensor | None) -> None:
+    """A ValueError / TypeError naming the problem unless ``ids`` holds at least two blocks of the model's length."""
+    if ids is None:
+        raise ValueError(
+            "args.finetune_long_steps needs long_input_ids: blocks of the model's max_position_embeddings tokens "
+            "(text_blocks(tokenizer, texts, max_length, wrap=True)), one held out"
+        )
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"long_input_ids must be a (blocks, length) integer tensor, got {ids!r:.80}")
+    length = model.config.max_position_embeddings
+    if ids.shape[1] != length or ids.shape[0] < 2:
+        raise ValueError(
+            f"long_input_ids must hold at least 2 blocks of the model's {length} tokens (one is held out), got "
+            f"{tuple(ids.shape)}; give more text or a shorter max_length"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("finetune_long_steps pairs long blocks with unpadded transfer blocks; pass no padding")
+
+
+def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArguments, report: TransferReport) -> None:
+    """The long steps of :func:`long_attention_transfer`: every weight trains on stage 2's loss over one long block
+    plus a batch of ``ids``, at stage 2's rates; the report gets the loss on the first long block and on the held-out
+    short blocks ``eval_ids``, before and after. Flags, modes and the global RNG are left as they were."""
+    device = next(model.parameters()).device
+    long_ids, eval_ids, ids = (x.to(device) for x in (long_ids, eval_ids, ids))
+    held_long = [(long_ids[:1], torch.ones_like(long_ids[:1], dtype=torch.bool))]
+    held_short = [(x, torch.ones_like(x, dtype=torch.bool)) for x in eval_ids.split(args.batch_size)]
+    long_ids = long_ids[1:]
+    trained = transfer_parameters(model)
+    flags = {name: param.requires_grad for name, param in model.named_parameters()}
+    modes = model.training, teacher.training
+    generator = torch.Generator().manual_seed(args.seed)
+    long_order, short_order = (
+        _batches(long_ids.shape[0], 1, generator),
+        _batches(ids.shape[0], args.batch_size, generator),
+    )
+
+    def loss_of_step(step):
+        index, batch = next(long_order), next(short_order)
+        long, short = long_ids[index], ids[batch]
+        return _distillation_loss(model, teacher, long, torch.ones_like(long, dtype=torch.bool)) + _distillation_loss(
+            model, teacher, short, torch.ones_like(short, dtype=torch.bool)
+        )
+
+    try:
+        model.eval()  # dropout off: the targets are the original's deterministic outputs
+        teacher.eval()
+        report.long_finetune_loss_before = _mean_distillation_loss(model, teacher, held_long)
+        report.long_finetune_short_loss_before = _mean_distillation_loss(model, teacher, held_short)
+        for param in model.parameters():
+            param.requires_grad_(True)
+        groups = _finetune_groups(model.parameters(), trained, _projections(model), args)
+        _, report.long_finetune_seconds = _train(
+            groups, args.finetune_long_steps, loss_of_step, "long fine-tune", args.progress
+        )
+        report.long_finetune_steps = args.finetune_long_steps
+        report.long_finetune_loss_after = _mean_distillation_loss(model, teacher, held_long)
+        report.long_finetune_short_loss_after = _mean_distillation_loss(model, teacher, held_short)
+    finally:
+        for name, param in model.named_parameters():
+            param.requires_grad_(flags[name])
+        model.train(modes[0])
+        teacher.train(modes[1])
 
 
 def write_sentence_transformers_files(folder: str | Path, hidden_size: int, max_length: int) -> None:

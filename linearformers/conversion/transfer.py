@@ -72,6 +72,11 @@ class TransferArguments:
         finetune_new_learning_rate: AdamW learning rate of the new attention parameters in stage 2; None keeps
             their stage-1 rates (default None; e.g. 3e-3: after a stage 1 at 3e-2, maps kept at 3e-2 in stage 2
             raised a converted BERT's held-out distillation loss, where 3e-3 lowered it; docs/conversion.md).
+        finetune_long_steps: for a model converted with ``max_length`` (:func:`long_context.long_attention_transfer`)
+            whose transfer blocks are shorter: after stage 2, this many steps of stage 2's loss on one block of the
+            model's full length, the original reading it chunk by chunk, plus the same loss on a batch of the
+            transfer blocks, every weight training at stage 2's rates. The long block teaches the far keys, the
+            short batch holds the short-text fit that long blocks alone wear down (docs/conversion.md) (default 0).
         lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
         choose_local_heads: before stage 1, reorder each layer's heads so that its ``num_local_heads`` local heads
             are those whose original attention stays most inside ``local_window`` (:func:`choose_local_heads`, on
@@ -93,6 +98,7 @@ class TransferArguments:
     finetune: Literal[FINETUNE_MODES] = "full"
     finetune_learning_rate: float = field(default=1e-4, metadata={"flag": "finetune_lr"})
     finetune_new_learning_rate: float | None = field(default=None, metadata={"flag": "finetune_new_lr"})
+    finetune_long_steps: int = 0
     lora_r: int = 8
     choose_local_heads: bool = False
     calibrate_query_scale: bool = True
@@ -102,6 +108,12 @@ class TransferArguments:
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("batch_size", 1), ("eval_batches", 1), ("finetune_steps", 0), ("lora_r", 1)):
             _check_int(name, getattr(self, name), low)
+        _check_int("finetune_long_steps", self.finetune_long_steps, 0)
+        if self.finetune_long_steps and self.finetune != "full":
+            raise ValueError(
+                f"TransferArguments.finetune_long_steps trains every weight; it takes finetune='full', got "
+                f"finetune={self.finetune!r}"
+            )
         if self.max_length is not None:
             _check_int("max_length", self.max_length, 1)
         _check_int("seed", self.seed, None)
@@ -153,6 +165,12 @@ class TransferReport:
     finetune_seconds: float = 0.0
     finetune_loss_before: float | None = None
     finetune_loss_after: float | None = None
+    long_finetune_steps: int = 0
+    long_finetune_seconds: float = 0.0
+    long_finetune_loss_before: float | None = None
+    long_finetune_loss_after: float | None = None
+    long_finetune_short_loss_before: float | None = None
+    long_finetune_short_loss_after: float | None = None
     layers: list[int] = field(default_factory=list)
     local_heads: list[list[int]] | None = None
     error_calibrated: list[float] | None = None
@@ -181,6 +199,13 @@ class TransferReport:
                 f"  fine-tune ({self.finetune}): {self.finetune_loss} {self.finetune_loss_before:.4g} -> "
                 f"{self.finetune_loss_after:.4g} on the held-out blocks, {self.finetune_steps} steps in "
                 f"{self.finetune_seconds:.1f} s"
+            )
+        if self.long_finetune_steps:
+            lines.append(
+                f"  long fine-tune: the same loss on the held-out long block {self.long_finetune_loss_before:.4g} -> "
+                f"{self.long_finetune_loss_after:.4g}, on the held-out short blocks "
+                f"{self.long_finetune_short_loss_before:.4g} -> {self.long_finetune_short_loss_after:.4g}, "
+                f"{self.long_finetune_steps} steps in {self.long_finetune_seconds:.1f} s"
             )
         return "\n".join(lines)
 

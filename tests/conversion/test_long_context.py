@@ -150,6 +150,50 @@ def test_long_transfer_fits_the_attention_on_blocks_longer_than_the_source_reads
         assert len(report.query_scale_residual) == 2
 
 
+def test_long_steps_train_on_full_length_blocks_beside_the_short_ones_and_report_both_losses():
+    """finetune_long_steps: after stage 2 on short blocks, each step's loss is a full-length block's plus a short
+    batch's; the report measures both on held-out blocks, and the long loss falls."""
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+    args = quick(steps=5, finetune_steps=2, finetune_long_steps=8, finetune_new_learning_rate=3e-3)
+    model.train()
+    model.embeddings.word_embeddings.weight.requires_grad_(False)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    report = long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
+    assert report.long_finetune_steps == 8 and report.long_finetune_seconds > 0
+    assert report.long_finetune_loss_after < report.long_finetune_loss_before
+    assert report.long_finetune_short_loss_before == pytest.approx(report.finetune_loss_after, rel=1e-4)
+    assert report.long_finetune_short_loss_after is not None
+    assert "long fine-tune" in str(report)
+    assert model.training and flags == {name: p.requires_grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (dict(long_input_ids=None), ValueError, "needs long_input_ids"),
+        (dict(long_input_ids=_ids(1, N)), ValueError, "at least 2 blocks"),
+        (dict(long_input_ids=_ids(2, N - 1)), ValueError, f"model's {N} tokens"),
+        (dict(long_input_ids=_ids(2, N).float()), TypeError, "integer tensor"),
+    ],
+    ids=["missing", "one-block", "wrong-length", "floats"],
+)
+def test_long_steps_refuse_missing_or_wrong_long_blocks_by_name(call, error, match):
+    bert = tiny_bert()
+    model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+    with pytest.raises(error, match=match):
+        long_attention_transfer(model, bert, _ids(12, 32), args=quick(steps=1, finetune_long_steps=1), **call)
+
+
+def test_long_steps_are_refused_without_a_long_conversion_or_with_lora():
+    with pytest.raises(ValueError, match="pass max_length too"):
+        convert_bert(
+            tiny_bert(), "performer", transfer=quick(finetune_long_steps=1), transfer_texts=["a b c"], **SCALED
+        )
+    with pytest.raises(ValueError, match="finetune='full'"):
+        quick(finetune_long_steps=1, finetune="lora")
+
+
 def test_a_long_model_round_trips_through_save_load_and_hub_export(tokenizer_dir, tmp_path):
     _saved_bert_with_a_tokenizer(tokenizer_dir, tmp_path / "bert")
     bert = BertModel.from_pretrained(tmp_path / "bert")
