@@ -1,4 +1,4 @@
-"""PerformerConfig's own fields (configuration/performer.py): kernel_eps, the learned map's feature
+"""PerformerConfig's own fields (configuration/performer.py): feature_eps, the learned map's feature
 count, the hybrid window, its sinks and learned scales, and conversion's defaults."""
 
 import pytest
@@ -61,18 +61,18 @@ def test_config_refuses_a_key_scale_that_is_not_a_bool(value):
 
 
 def test_config_checks_the_feature_count_and_ignores_redraws():
-    with pytest.raises(ValueError, match="num_random_features"):
-        tiny_config("performer", kernel="hedgehog", num_random_features=33)
-    cfg = PerformerConfig(kernel="hedgehog")  # the default feature_redraw_interval (1000) is accepted and ignored
-    assert cfg.feature_redraw_interval == 1000 and not cfg.random_feature_kernel
-    assert PerformerConfig().random_feature_kernel
+    with pytest.raises(ValueError, match="num_features"):
+        tiny_config("performer", feature_map="hedgehog", num_features=33)
+    cfg = PerformerConfig(feature_map="hedgehog")  # the default feature_redraw_interval (1000) is accepted and ignored
+    assert cfg.feature_redraw_interval == 1000 and not cfg.draws_random_features
+    assert PerformerConfig().draws_random_features
 
 
-def test_kernel_eps_nan_or_inf_raises_naming_kernel_eps():
+def test_feature_eps_nan_or_inf_raises_naming_feature_eps():
     for bad in (float("nan"), float("inf")):
-        _refused(PerformerConfig, {"kernel_eps": bad}, ValueError)
+        _refused(PerformerConfig, {"feature_eps": bad}, ValueError)
 
 
 def test_a_converted_performer_keeps_the_users_fields_none_included():
-    fields = {"feature_redraw_interval": None, "num_random_features": 64}
+    fields = {"feature_redraw_interval": None, "num_features": 64}
     assert PerformerConfig.conversion_defaults(fields, 128) == fields
