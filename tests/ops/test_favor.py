@@ -181,7 +181,7 @@ def test_bad_arguments_raise_clear_errors():
         favor_attention(q, k, v, torch.randn(32, 8))
     with pytest.raises(ValueError, match="key_padding_mask must be shaped"):
         favor_attention(q, k, v, w, key_padding_mask=torch.ones(2, 39))
-    with pytest.raises(ValueError, match="unknown FAVOR\\+ kernel"):
+    with pytest.raises(ValueError, match="unknown FAVOR\\+ feature map .cosine."):
         favor_attention(q, k, v, w, feature_map="cosine")
     with pytest.raises(ValueError, match="batch, heads, length, head_dim"):
         favor_attention(q[0], k[0], v[0], w)
@@ -526,6 +526,36 @@ def test_the_old_keyword_projection_still_works_with_a_future_warning_until_0_3_
     with pytest.warns(FutureWarning, match=r"projection= is renamed random_features=; .* goes away in 0\.3\.0"):
         got = op(q, k, v, projection=w, causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", [favor_attention, favor_reference])
+def test_the_old_keywords_kernel_and_kernel_eps_still_work_with_a_future_warning_until_0_3_0(op):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    w = draw_random_features(16, 8, seed=0)
+    want = op(q, k, v, w, causal=True, feature_map="relu", feature_eps=0.1)
+    with pytest.warns(FutureWarning, match=r"kernel= is renamed feature_map=; .* goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match=r"kernel_eps= is renamed feature_eps=; .* goes away in 0\.3\.0"):
+            got = op(q, k, v, w, causal=True, kernel="relu", kernel_eps=0.1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_favor_step_and_favor_features_take_the_old_keyword_kernel_with_a_future_warning():
+    q = torch.randn(1, 2, 1, 8)
+    w = draw_random_features(16, 8, seed=0)
+    want = favor_step(q, q, q, w, None, feature_map="relu")[0]
+    with pytest.warns(FutureWarning, match=r"favor_step\(\): kernel= is renamed feature_map="):
+        torch.testing.assert_close(favor_step(q, q, q, w, None, kernel="relu")[0], want, rtol=0, atol=0)
+    with pytest.warns(FutureWarning, match=r"favor_features\(\): kernel= is renamed feature_map="):
+        got = favor_features(q, w, is_query=True, kernel="relu")
+    torch.testing.assert_close(got, favor_features(q, w, is_query=True, feature_map="relu"), rtol=0, atol=0)
+
+
+def test_the_old_keyword_kernel_beside_feature_map_is_a_type_error():
+    q = torch.randn(1, 2, 12, 8)
+    w = draw_random_features(16, 8, seed=0)
+    with pytest.raises(TypeError, match="got both kernel= and feature_map="):
+        favor_attention(q, q, q, w, kernel="relu", feature_map="relu")
 
 
 def test_the_old_keyword_projection_beside_random_features_is_a_type_error():
