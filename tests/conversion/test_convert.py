@@ -357,7 +357,7 @@ def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, conv
     assert not torch.equal(model.state_dict()[name], start)
 
 
-def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
+def test_cli_passes_the_feature_map_and_the_hybrid_flags(tmp_path):
     from linearformers.conversion.convert import main
 
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
@@ -366,6 +366,56 @@ def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
     main([str(tmp_path / "bert"), str(tmp_path / "hybrid"), "--hybrid_window", "4", "--hybrid_sinks", "1"])
     config = AutoModel.from_pretrained(tmp_path / "hybrid").config
     assert (config.hybrid_window, config.hybrid_sinks) == (4, 1)
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_the_converters_take_the_old_field_keywords_with_a_future_warning_until_0_3_0(convert):
+    if convert == "bert":
+        source, converter = BertModel(BertConfig(**SMALL_BERT)), convert_bert
+    else:
+        gpt2 = GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)
+        source, converter = GPT2LMHeadModel(gpt2), convert_gpt2
+    with pytest.warns(FutureWarning, match=r"kernel= is renamed feature_map=; the name kernel= goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match="num_random_features= is renamed num_features="):
+            model, _ = converter(source, "performer", kernel="relu", num_random_features=16)
+    assert (model.config.feature_map, model.config.num_features) == ("relu", 16)
+    with pytest.raises(TypeError, match="got both kernel= and feature_map="):
+        converter(source, "performer", kernel="relu", feature_map="relu")
+
+
+def test_cli_takes_the_old_flags_hidden_with_one_deprecation_line(tmp_path, capsys):
+    from linearformers.conversion.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--kernel" not in capsys.readouterr().out
+    main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "relu", "--num_random_features", "16"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [
+        "python -m linearformers.conversion.convert: warning: --num_random_features is renamed --num_features; "
+        "--num_random_features goes away in linearformers 0.3.0",
+        "python -m linearformers.conversion.convert: warning: --kernel is renamed --feature_map; --kernel goes away "
+        "in linearformers 0.3.0",
+    ]
+    config = AutoModel.from_pretrained(tmp_path / "out").config
+    assert (config.feature_map, config.num_features) == ("relu", 16)
+
+
+def test_cli_refuses_an_old_flag_beside_its_new_name_in_one_line(tmp_path, capsys):
+    from linearformers.conversion.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "relu", "--feature_map", "relu"])
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .endswith("error: --kernel and --feature_map both given; pass only --feature_map (the new name of --kernel)")
+    )
 
 
 def test_cli_offers_a_flag_for_every_attention_field_of_every_family(capsys):
