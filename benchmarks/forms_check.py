@@ -95,7 +95,8 @@ if "--linear" in sys.argv:
                         )
                     except Exception as err:
                         print(
-                            f"{form} {warps} {d} {m} {feature_map} {dtype} FAILED {type(err).__name__}: {str(err)[:200]}",
+                            f"{form} {warps} {d} {m} {feature_map} {dtype} FAILED {type(err).__name__}: "
+                            f"{str(err)[:200]}",
                             flush=True,
                         )
                         sys.exit(1)

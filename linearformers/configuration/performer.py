@@ -47,7 +47,7 @@ class PerformerConfig(LinearAttentionConfig):
             exact softmax scores on its window (causal: the last w keys, itself included; bidirectional: the keys
             with |s - t| < w) and the feature map's linear scores on all other keys, the two normalized together
             with a learned per-head balance gamma = exp(window_balance), which starts at 1 (LoLCATs, Zhang et al.
-            2024; see ``attention.hybrid``). Works with the feature maps "softmax", "relu" and "hedgehog" alike; with the
+            2024; see ``attention.hybrid``). Works with every feature map, "softmax", "relu" and "hedgehog"; with the
             random "softmax" features the linear scores keep the softmax's scale, so that at gamma = 1 a head
             estimates softmax attention (exact on the window, FAVOR+ elsewhere). Decoding keeps the last w - 1
             keys, values and key features besides the (S, z) sums: memory still constant in the context length.
@@ -139,8 +139,8 @@ class PerformerConfig(LinearAttentionConfig):
                 limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
             else:
                 limits = [
-                    "The ReLU feature map gives an attention of its own, not an approximation of softmax attention: weights "
-                    "trained with softmax attention do not carry over unchanged."
+                    "The ReLU feature map gives an attention of its own, not an approximation of softmax attention: "
+                    "weights trained with softmax attention do not carry over unchanged."
                 ]
         query_scale = (
             " The linear scores take a learned log scale per query (hybrid_query_scale), which puts them on the "

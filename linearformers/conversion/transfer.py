@@ -201,8 +201,8 @@ def transfer_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         raise ValueError(
             f"{type(model).__name__} has no new attention parameters for attention transfer to train: its "
             "attention is fixed once converted (random FAVOR+ features, or pooling E / F). Convert with "
-            "feature_map='hedgehog' (a learned feature map), with hybrid_window=... (sliding-window softmax plus linear "
-            "attention, with learned per-head balances), or with family='linformer' (learned E / F)"
+            "feature_map='hedgehog' (a learned feature map), with hybrid_window=... (sliding-window softmax plus "
+            "linear attention, with learned per-head balances), or with family='linformer' (learned E / F)"
         )
     return found
 

@@ -138,9 +138,9 @@ def _lost_positions(den, key_weights):
 
 class FavorCausalChunked(torch.autograd.Function):
     """Causal FAVOR+ over all chunks at once (see the module docstring). Inputs: q, k, v (b, h, n, d) any float
-    dtype; w (m, d) float32; key_weights (b, 1, n, 1) float or None; the feature map ("softmax", "relu", or "features": q
-    and k are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored), scale, eps,
-    chunk C; s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
+    dtype; w (m, d) float32; key_weights (b, 1, n, 1) float or None; the feature map ("softmax", "relu", or
+    "features": q and k are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored),
+    scale, eps, chunk C; s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
     S (b, h, m, d), z (b, h, m), lost): the final state at offset 0 and the lost count are not differentiable."""
 
     @staticmethod

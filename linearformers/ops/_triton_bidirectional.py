@@ -108,9 +108,9 @@ def _sums(kern, launch, x, y, g, w, key_weights, off, n, *, queries):
     s = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
     z = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
     kern._sums[(b * h * count, m // launch.shape["BM"])](
-        x, y, _or(g, off), _or(w, off), _or(key_weights, off), off, s, z, n, h, count, length, launch.scale, launch.root,
-        launch.eps, HAS_KEY_WEIGHTS=key_weights is not None, QUERIES=queries, num_warps=launch.warps, **launch.shape,
-        **launch.settings,
+        x, y, _or(g, off), _or(w, off), _or(key_weights, off), off, s, z, n, h, count, length, launch.scale,
+        launch.root, launch.eps, HAS_KEY_WEIGHTS=key_weights is not None, QUERIES=queries, num_warps=launch.warps,
+        **launch.shape, **launch.settings,
     )  # fmt: skip
     return s.view(b * h, count, m, d).sum(1), z.view(b * h, count, m).sum(1)
 
@@ -242,8 +242,8 @@ def triton_bidirectional_linear(
 ) -> torch.Tensor:
     """Bidirectional linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q
     (b, h, n_q, d), k (b, h, n_k, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q
-    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and kernel "features"; v (b, h, n_k, d_v); key_weights (b, n_k) float
-    (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two >= 16).
+    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and kernel "features"; v (b, h, n_k, d_v); key_weights (b, n_k)
+    float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two >= 16).
     Gradients reach q, k and v. Returns (b, h, n_q, d_v) in v's dtype; a query without a real key outputs 0."""
     out = _forward_op(q, k, v, w, key_weights, kernel, float(scale), float(eps), int(chunk))[0]
     return out.to(v.dtype)

@@ -337,10 +337,10 @@ def _states(kern, launch, segments, k, v, w, key_weights, qoff, s0, z0, sums):
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
     kern._states[(b * h * count, *launch.grid[1:])](
-        k, v, _or(w, qoff), _or(key_weights, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), hs, hz,
-        s_out, z_out, n, nc, h, count, length, launch.scale, math.sqrt(launch.scale), launch.eps,
-        HAS_KEY_WEIGHTS=key_weights is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **_chunk_options(launch),
-        **launch.constants,
+        k, v, _or(w, qoff), _or(key_weights, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
+        hs, hz, s_out, z_out, n, nc, h, count, length, launch.scale, math.sqrt(launch.scale), launch.eps,
+        HAS_KEY_WEIGHTS=key_weights is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None,
+        **_chunk_options(launch), **launch.constants,
     )  # fmt: skip
     return hs, hz, s_out, z_out
 
@@ -375,9 +375,9 @@ def _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, *, 
             else torch.empty(b * h, n, d, dtype=torch.float32, device=dev)
         )
         kern._chunk_out[(b * h, -(-n // chunk))](
-            q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, hs, hz, _or(first, den), result, den, result, n, hs.shape[1],
-            h, scale, math.sqrt(scale), eps, HAS_KEY_WEIGHTS=key_weights is not None, HAS_FIRST=first is not None,
-            NORMALIZE=normalize, **_chunk_constants(launch),
+            q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, hs, hz, _or(first, den), result, den, result, n,
+            hs.shape[1], h, scale, math.sqrt(scale), eps, HAS_KEY_WEIGHTS=key_weights is not None,
+            HAS_FIRST=first is not None, NORMALIZE=normalize, **_chunk_constants(launch),
         )  # fmt: skip
     else:
         result = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
@@ -385,8 +385,9 @@ def _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, *, 
         z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
         kern._forward[(b * h * count, *launch.grid[1:])](
             q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
-            result, den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEY_WEIGHTS=key_weights is not None,
-            HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
+            result, den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps,
+            HAS_KEY_WEIGHTS=key_weights is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options,
+            **cst,
         )  # fmt: skip
         if normalize:
             num, result = result, torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
@@ -579,8 +580,8 @@ _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 def triton_causal_linear(q, k, v, w, key_weights, kernel, scale, eps, chunk, s0=None, z0=None):
     """Causal linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q, k
     (b, h, n, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None
-    and kernel "features"; v (b, h, n, d_v); key_weights (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
-    chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
+    and kernel "features"; v (b, h, n, d_v); key_weights (b, n) float (1 real, 0 padded) or None; scale, eps (the
+    maps'); chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
     lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
     every visible key underflowed."""

@@ -269,8 +269,8 @@ def _forward(
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask, _weights, pq, _x, _w, pk, _x, _w, vv = _chunk(
-            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEY_WEIGHTS,
-            OPS, PREC,
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         scores = tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
         scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
@@ -363,8 +363,8 @@ def _backward_q(
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
         tmask, _weights, pq, x, w, pk, _x, _w, vv = _chunk(
-            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEY_WEIGHTS,
-            OPS, PREC,
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
         gd = gd * first
@@ -422,8 +422,8 @@ def _backward_kv(
     for i in range(0, chunks):
         ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
         tmask, key_weights, pq, _x, _w, pk, x, w, vv = _chunk(
-            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEY_WEIGHTS,
-            OPS, PREC,
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
         causal = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
@@ -879,8 +879,8 @@ def _chunk_grads_kv(
     MASK_M: tl.constexpr,
 ):
     """One chunk's dL/dk and dL/dv: dphi_k = (tril(gn vᵀ + gd)ᵀ phi_q + v dSᵀ + dz) key_weights and
-    dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) key_weights per m-block, summed in registers, with dS, dz the queries' sums
-    over the later chunks (DH, DHZ). Grid (b·h, NC)."""
+    dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) key_weights per m-block, summed in registers, with dS, dz the queries'
+    sums over the later chunks (DH, DHZ). Grid (b·h, NC)."""
     bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
     dmask = od < D
     key_weights = _key_weights(KEY_WEIGHTS, bh, HH, n, ot, tmask, HAS_KEY_WEIGHTS)

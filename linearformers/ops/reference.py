@@ -77,8 +77,8 @@ def favor_reference(
 
     x' = x · scale^½ and w_i the rows of ``random_features`` (m of them).
 
-    * ``feature_map="softmax"``: the positive random features of Lemma 1, phi(x)_i = exp(w_i·x' - |x'|²/2) / √m, whose
-      product estimates exp(q'·k'). Factors that depend on the query alone (exp(-|q'|²/2) / m, and any
+    * ``feature_map="softmax"``: the positive random features of Lemma 1, phi(x)_i = exp(w_i·x' - |x'|²/2) / √m,
+      whose product estimates exp(q'·k'). Factors that depend on the query alone (exp(-|q'|²/2) / m, and any
       stabilizer of favor.py) cancel in D⁻¹ A, so A is taken in log space, per (query t, key s):
 
           log A_ts = logsumexp_i (w_i·q'_t + w_i·k'_s - |k'_s|²/2)

@@ -1,6 +1,6 @@
 """The Performer models (modeling/performer.py): the random features (saved, drawn from the seed, redrawn in
-training only), the learned Hedgehog map (feature_map="hedgehog"), and the hybrid (hybrid_window): sliding-window softmax
-beside the linear attention in the same heads (LoLCATs)."""
+training only), the learned Hedgehog map (feature_map="hedgehog"), and the hybrid (hybrid_window): sliding-window
+softmax beside the linear attention in the same heads (LoLCATs)."""
 
 import itertools
 import math

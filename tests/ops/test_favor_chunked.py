@@ -317,8 +317,9 @@ def test_float64_inputs_are_computed_in_float64(backend, causal, feature_map):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * float(b.abs().max()))
     if causal:
         with torch.no_grad():
-            _, state = favor_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], w, feature_map=feature_map, causal=True,
-                                       key_padding_mask=mask[:, :-1], backend=backend, return_state=True)  # fmt: skip
+            _, state = favor_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], w, feature_map=feature_map,
+                                       causal=True, key_padding_mask=mask[:, :-1], backend=backend,
+                                       return_state=True)  # fmt: skip
             step, _ = favor_step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], w, state, feature_map=feature_map)
         torch.testing.assert_close(step, want[:, :, -1:].detach(), rtol=0, atol=1e-12 * float(want.abs().max()))
 
