@@ -92,11 +92,11 @@ def _check(op, dtype, tensors, params=(), backward_inside=False, inputs_dtype=No
         _close(a.grad, b.grad, dtype, f"gradient of input {index}")
 
 
-KERNEL_PADDING = [("softmax", None), ("softmax", "left"), ("softmax", "right"), ("relu", "left")]
+MAP_PADDING = [("softmax", None), ("softmax", "left"), ("softmax", "right"), ("relu", "left")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel, padding", KERNEL_PADDING)
+@pytest.mark.parametrize("feature_map, padding", MAP_PADDING)
 @pytest.mark.parametrize("walk", WALKS, indirect=True)
 def test_causal_favor_under_autocast_matches_float32(walk, feature_map, padding, dtype):
     w = draw_random_features(32, 16, seed=1)
@@ -127,7 +127,7 @@ def test_causal_favor_with_left_padding_and_keys_of_large_norm_under_autocast(wa
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel, padding", KERNEL_PADDING)
+@pytest.mark.parametrize("feature_map, padding", MAP_PADDING)
 @pytest.mark.parametrize("key_scale", [1.0, 10.0])
 def test_bidirectional_favor_under_autocast_matches_float32(key_scale, feature_map, padding, dtype):
     w = draw_random_features(32, 16, seed=1)
