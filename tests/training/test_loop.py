@@ -497,6 +497,19 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
     assert "expected int, got str (value: '12a')" in str(raised.value)
 
 
+def test_config_overrides_take_a_renamed_fields_old_name_which_the_config_warns_of():
+    from linearformers import PerformerConfig
+    from linearformers.training.loop import parse_overrides
+
+    parsed = parse_overrides("kernel=relu,num_random_features=16", PerformerConfig)
+    assert parsed == {"kernel": "relu", "num_random_features": 16}
+    with pytest.warns(FutureWarning, match="kernel is renamed feature_map"):
+        config = PerformerConfig(**parsed)
+    assert (config.feature_map, config.num_features) == ("relu", 16)
+    with pytest.raises(ValueError, match="'kernal', which is not a PerformerConfig field"):
+        parse_overrides("kernal=relu", PerformerConfig)
+
+
 def test_a_max_position_embeddings_override_moves_max_seq_length_as_the_config_does(tokenizer_dir):
     from transformers import AutoTokenizer
 
