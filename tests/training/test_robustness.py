@@ -115,7 +115,7 @@ def test_resume_refuses_changes_that_break_exactness_naming_each(tmp_path, text_
         "block_size: 16 → 32",
         "per_device_train_batch_size: 8 → 4",  # Trainer would skip the steps done in batches of another size
         "feature_redraw_interval: 1000 → 3",
-        "kernel: 'softmax' →",
+        "feature_map: 'softmax' →",
     ):
         assert difference in message
     assert "learning_rate" not in message  # a legitimate change: warned about, not refused
