@@ -13,7 +13,7 @@ Hidden 768, 12 heads (head_dim 64), float32, batch 1. Kernels (q, k, v in):
   gamma = exp(a parameter). The map's weights and gamma are parameters: backward computes their gradients too.
 Full layers (hidden states in, q/k/v/o projections included): SDPA, Linformer, Performer, lucidrains'
   `linformer` LinformerSelfAttention, and `layer_performer_hedgehog_hybrid` (PerformerAttention with
-  kernel="hedgehog", num_random_features=128, hybrid_window=64).
+  feature_map="hedgehog", num_features=128, hybrid_window=64).
 Every measurement runs in its own subprocess, so peak memory (ru_maxrss above the process's baseline) belongs to
 that configuration alone. Ratios are to SDPA in the same run. The peers are installed for benchmarks only:
 `pip install -e .[bench]` (performer-pytorch needs `local-attention<1.10`).
@@ -149,12 +149,10 @@ def _layer(name: str, n: int):
     )
     if name == "layer_performer":
         return PerformerAttention(
-            PerformerConfig(**common, num_random_features=M_FEATURES, feature_redraw_interval=None), layer_idx=0
+            PerformerConfig(**common, num_features=M_FEATURES, feature_redraw_interval=None), layer_idx=0
         )
     if name == "layer_performer_hedgehog_hybrid":
-        config = PerformerConfig(
-            **common, kernel="hedgehog", num_random_features=HEDGEHOG_FEATURES, hybrid_window=WINDOW
-        )
+        config = PerformerConfig(**common, feature_map="hedgehog", num_features=HEDGEHOG_FEATURES, hybrid_window=WINDOW)
         return PerformerAttention(config, layer_idx=0)
     module = LinformerAttention(LinformerConfig(**common, projected_length=min(K_PROJ, n), max_seq_length=n), 0)
     torch.nn.init.normal_(module.e_proj, std=K_PROJ**-0.5)

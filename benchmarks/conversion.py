@@ -42,28 +42,28 @@ RESULTS = Path(__file__).parent / "results"
 def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
     """name -> (family, config overrides, whether it has new attention parameters to transfer)."""
     scaled = {
-        "kernel": "hedgehog",
-        "num_random_features": 64,
+        "feature_map": "hedgehog",
+        "num_features": 64,
         "hybrid_window": 64,
         "hybrid_sinks": 1,
         "hybrid_query_scale": True,
     }
     return {
-        "random-m256": ("performer", {"num_random_features": 256, "feature_redraw_interval": None}, False),
+        "random-m256": ("performer", {"num_features": 256, "feature_redraw_interval": None}, False),
         "random-m256+window64": (
             "performer",
-            {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64},
+            {"num_features": 256, "feature_redraw_interval": None, "hybrid_window": 64},
             True,
         ),
         "random-m256+window64+sink": (
             "performer",
-            {"num_random_features": 256, "feature_redraw_interval": None, "hybrid_window": 64, "hybrid_sinks": 1},
+            {"num_features": 256, "feature_redraw_interval": None, "hybrid_window": 64, "hybrid_sinks": 1},
             True,
         ),
         "random-m256+window64+sink+scale": (
             "performer",
             {
-                "num_random_features": 256,
+                "num_features": 256,
                 "feature_redraw_interval": None,
                 "hybrid_window": 64,
                 "hybrid_sinks": 1,
@@ -71,15 +71,15 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
             },
             True,
         ),
-        "hedgehog": ("performer", {"kernel": "hedgehog", "num_random_features": 64}, True),
+        "hedgehog": ("performer", {"feature_map": "hedgehog", "num_features": 64}, True),
         "hedgehog+window64": (
             "performer",
-            {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64},
+            {"feature_map": "hedgehog", "num_features": 64, "hybrid_window": 64},
             True,
         ),
         "hedgehog+window64+sink": (
             "performer",
-            {"kernel": "hedgehog", "num_random_features": 64, "hybrid_window": 64, "hybrid_sinks": 1},
+            {"feature_map": "hedgehog", "num_features": 64, "hybrid_window": 64, "hybrid_sinks": 1},
             True,
         ),
         # the linear scores on the window's scale through a learned log scale per query, calibrated before stage 1

@@ -5,7 +5,7 @@ Starts from a GPT2LMHeadModel folder written by ``examples/train_small_gpt2.py``
 PerformerForCausalLM models (``convert_gpt2``), one per setting:
 
   * random-m256: FAVOR+ with 256 fixed random features; nothing new to train, so conversion only;
-  * hedgehog: a learned feature map (kernel "hedgehog") of 2 x head_dim features;
+  * hedgehog: a learned feature map (feature_map "hedgehog") of 2 x head_dim features;
   * hedgehog+window64: the same, plus exact softmax on the last 64 keys (hybrid_window=64);
   * random-m256+window64: the random features plus the 64-key window (its per-head balances train);
   * hedgehog+window64+sink: hedgehog+window64 with the first token an attention sink (hybrid_sinks=1).
@@ -73,8 +73,8 @@ SMOKE = dict(block=80, steps=2, batch_size=2, finetune_steps=2, eval_blocks=4, p
 
 def settings(head_dim: int) -> dict[str, tuple[dict, bool]]:
     """name -> (convert_gpt2 config overrides, whether it has new attention parameters to transfer)."""
-    random = {"num_random_features": 256, "feature_redraw_interval": None}
-    hedgehog = {"kernel": "hedgehog", "num_random_features": 2 * head_dim}
+    random = {"num_features": 256, "feature_redraw_interval": None}
+    hedgehog = {"feature_map": "hedgehog", "num_features": 2 * head_dim}
     return {
         "random-m256": (random, False),
         "hedgehog": (hedgehog, True),

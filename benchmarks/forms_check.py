@@ -14,7 +14,7 @@ def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-def case(form, warps, d, m, n, kernel, dtype):
+def case(form, warps, d, m, n, feature_map, dtype):
     _triton_causal.TUNING.update(form=form, chunk_warps=warps, anywhere=True)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, n, d, generator=g).mul(s).cuda() for s in (1.5, 1.5, 1.0))
@@ -23,14 +23,14 @@ def case(form, warps, d, m, n, kernel, dtype):
     res = []
     for be, dt in (("triton", dtype), ("chunked", torch.float32)):
         x = [t.detach().to(dt).clone().requires_grad_() for t in (q, k, v)]
-        if kernel == "features":
+        if feature_map == "features":
             from linearformers.ops.feature_maps import random_feature_map
 
             pq = random_feature_map(x[0], w.to(dt), is_query=True)
             pk = random_feature_map(x[1], w.to(dt), is_query=False)
             out = linear_attention(pq, pk, x[2], causal=True, backend=be)
         else:
-            out = favor_attention(*x, w, causal=True, kernel=kernel, backend=be)
+            out = favor_attention(*x, w, causal=True, feature_map=feature_map, backend=be)
         out.backward(cot.to(out.dtype))
         torch.cuda.synchronize()
         res.append([out.detach(), *(t.grad for t in x)])
@@ -84,18 +84,19 @@ if "--hybrid" in sys.argv:
 if "--linear" in sys.argv:
     for form, warps in (("walk", None), ("chunks", 4), ("chunks", 8)):
         for d, m in ((16, 32), (64, 256)):
-            for kernel in ("softmax",):
+            for feature_map in ("softmax",):
                 for dtype in (torch.bfloat16,):
                     try:
-                        errs = case(form, warps, d, m, 259 if d == 16 else 1000, kernel, dtype)
+                        errs = case(form, warps, d, m, 259 if d == 16 else 1000, feature_map, dtype)
                         print(
-                            f"{form:6s} warps {warps} d {d} m {m} {kernel:8s} {str(dtype)[6:]:8s} "
+                            f"{form:6s} warps {warps} d {d} m {m} {feature_map:8s} {str(dtype)[6:]:8s} "
                             + " ".join(f"{e:.2e}" for e in errs),
                             flush=True,
                         )
                     except Exception as err:
                         print(
-                            f"{form} {warps} {d} {m} {kernel} {dtype} FAILED {type(err).__name__}: {str(err)[:200]}",
+                            f"{form} {warps} {d} {m} {feature_map} {dtype} FAILED {type(err).__name__}: "
+                            f"{str(err)[:200]}",
                             flush=True,
                         )
                         sys.exit(1)

@@ -48,7 +48,7 @@ def build(name: str, max_len: int):
             **COMMON,
             is_decoder=True,
             max_position_embeddings=max_len,
-            num_random_features=256,
+            num_features=256,
             hidden_act="gelu_new",
             feature_redraw_interval=None,
         )

@@ -292,9 +292,7 @@ def build_model(name: str, n: int, shape: dict):
         return BertForMaskedLM(BertConfig(**common, attn_implementation="sdpa"))
     causal = name.endswith("_clm")
     if name.startswith("performer"):
-        config = PerformerConfig(
-            **common, is_decoder=causal, num_random_features=shape["m"], feature_redraw_interval=None
-        )
+        config = PerformerConfig(**common, is_decoder=causal, num_features=shape["m"], feature_redraw_interval=None)
         return (PerformerForCausalLM if causal else PerformerForMaskedLM)(config)
     if name.startswith("linformer"):
         config = LinformerConfig(**common, is_decoder=causal, projected_length=min(shape["k"], n), max_seq_length=n)

@@ -55,8 +55,8 @@ SMOKE = dict(lengths=[64, 128, 256], documents=6, passage=16, repeats=1, batch_s
 SMOKE_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 # the conversion command's attention settings (docs/conversion.md), for --speed without --model_dir
 CONVERSION = dict(
-    kernel="hedgehog",
-    num_random_features=64,
+    feature_map="hedgehog",
+    num_features=64,
     hybrid_window=64,
     hybrid_sinks=1,
     hybrid_query_scale=True,
@@ -290,8 +290,8 @@ def smoke_models(folder: Path, longest: int) -> tuple[str, str]:
         bert,
         "performer",
         max_length=longest,
-        kernel="hedgehog",
-        num_random_features=16,
+        feature_map="hedgehog",
+        num_features=16,
         hybrid_window=8,
         hybrid_sinks=1,
     )

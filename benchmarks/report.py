@@ -621,7 +621,7 @@ SECTIONS = [
     (
         "training_learned.json",
         "Training: the learned map and the hybrid",
-        'The same stack with `kernel="hedgehog"` (m = 128), and the hybrid with a 64-token window on it.',
+        'The same stack with `feature_map="hedgehog"` (m = 128), and the hybrid with a 64-token window on it.',
         section_training,
     ),
     (

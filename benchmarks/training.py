@@ -2,7 +2,7 @@
 
 Six models of the same size (hidden 512, 4 layers, 8 heads of 64, intermediate 2048, vocab 30522), batch 1:
   * Performer (m=256) and Linformer (k=256), our BERT-style MaskedLM;
-  * `performer_hedgehog`: the Performer with the learned map (kernel="hedgehog", m=128), and `performer_hybrid`:
+  * `performer_hedgehog`: the Performer with the learned map (feature_map="hedgehog", m=128), and `performer_hybrid`:
     the same map in the sliding-window hybrid (hybrid_window=64: exact softmax on the window, the map elsewhere);
   * "identity": the same stack with attention replaced by identity (each head returns its values): the
     physical bound, what the rest of the model costs;
@@ -41,8 +41,8 @@ SHAPE = dict(
 MODELS = ("identity", "performer", "linformer", "bert", "performer_hedgehog", "performer_hybrid")
 # the learned map's m (its default, 2 head_dim) and the hybrid's window
 LEARNED = {
-    "performer_hedgehog": dict(kernel="hedgehog", num_random_features=128),
-    "performer_hybrid": dict(kernel="hedgehog", num_random_features=128, hybrid_window=64),
+    "performer_hedgehog": dict(feature_map="hedgehog", num_features=128),
+    "performer_hybrid": dict(feature_map="hedgehog", num_features=128, hybrid_window=64),
 }
 
 
@@ -59,7 +59,7 @@ def build(name: str, n: int):
         return LinformerForMaskedLM(
             LinformerConfig(**SHAPE, max_position_embeddings=positions, max_seq_length=n, projected_length=min(256, n))
         )
-    features = LEARNED.get(name, dict(num_random_features=256, feature_redraw_interval=None))
+    features = LEARNED.get(name, dict(num_features=256, feature_redraw_interval=None))
     model = PerformerForMaskedLM(PerformerConfig(**SHAPE, max_position_embeddings=positions, **features))
     if name == "identity":
         for module in model.modules():

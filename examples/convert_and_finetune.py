@@ -53,9 +53,7 @@ def main() -> None:
     source = args.bert or default_tokenizer()
     tokenizer = AutoTokenizer.from_pretrained(source)
     # a Linformer's E / F span max_seq_length positions; a Performer has no length of its own
-    overrides = (
-        {"num_random_features": 256} if args.family == "performer" else {"projected_length": 64, "max_seq_length": 128}
-    )
+    overrides = {"num_features": 256} if args.family == "performer" else {"projected_length": 64, "max_seq_length": 128}
     base, report = convert_bert(BertModel.from_pretrained(source), args.family, **overrides)
     print(report)
     # the converted encoder under a fresh classification head

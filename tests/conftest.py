@@ -39,7 +39,7 @@ def tiny_config(family: str, **overrides):
         base.update(projected_length=16)
         cls = lf.LinformerConfig
     else:
-        base.update(num_random_features=32, feature_redraw_interval=None)
+        base.update(num_features=32, feature_redraw_interval=None)
         cls = lf.PerformerConfig
     base.update(overrides)
     return cls(**base)

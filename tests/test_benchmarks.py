@@ -84,8 +84,8 @@ def test_hybrid_rows_differ_from_plain_linear(attention):
 def test_hybrid_layer_row(attention):
     layer = attention._layer("layer_performer_hedgehog_hybrid", 96)
     config = layer.config
-    assert config.kernel == "hedgehog" and config.hybrid_window == attention.WINDOW
-    assert config.num_random_features == attention.HEDGEHOG_FEATURES
+    assert config.feature_map == "hedgehog" and config.hybrid_window == attention.WINDOW
+    assert config.num_features == attention.HEDGEHOG_FEATURES
     assert isinstance(layer.feature_map, HedgehogFeatureMap) and layer.window_balance is not None
     assert not layer.causal
 
@@ -99,7 +99,7 @@ def test_attention_worker(attention, keep_threads, name):
 @pytest.mark.parametrize("name", ["performer_hedgehog", "performer_hybrid"])
 def test_training_models(training, keep_threads, name):
     config = training.build(name, 64).config
-    assert config.kernel == "hedgehog" and config.num_random_features == 128
+    assert config.feature_map == "hedgehog" and config.num_features == 128
     assert config.hybrid_window == (64 if name == "performer_hybrid" else None)
     row = training.worker(name, 64, 1, 1)
     assert row["tokens_per_s"] > 0 and row["seconds"] > 0

@@ -36,7 +36,7 @@ def test_smoke_runs_every_setting_and_stage(bench, tmp_path):
     assert rows["hedgehog+window64+scale"]["overrides"]["hybrid_query_scale"] is True
     assert rows["hedgehog+window64+scale+keyscale"]["overrides"]["hybrid_key_scale"] is True
     assert list(rows["random-m256"]["stages"]) == ["converted"]  # nothing to transfer
-    assert rows["hedgehog"]["overrides"] == {"kernel": "hedgehog", "num_random_features": 32}  # 2 x head_dim 16
+    assert rows["hedgehog"]["overrides"] == {"feature_map": "hedgehog", "num_features": 32}  # 2 x head_dim 16
     for name in list(rows)[1:]:
         stages = rows[name]["stages"]
         assert list(stages) == ["converted", "transfer", "finetune"]

@@ -74,7 +74,7 @@ TINY_CONFIG = {
     "num_hidden_layers": "1",
     "num_attention_heads": "2",
     "intermediate_size": "64",
-    "num_random_features": "16",
+    "num_features": "16",
     "projected_length": "16",
     "local_window": "8",
 }

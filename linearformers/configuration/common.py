@@ -5,10 +5,12 @@ construction and on every assignment. ``validate_architecture`` holds the rules 
 """
 
 import dataclasses
+import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers import PreTrainedConfig
@@ -42,6 +44,50 @@ positive_finite = interval(min=0, max=math.inf, exclude_min=True, exclude_max=Tr
 # the metadata key of a shared field that sets the attention rather than the stack's shape (attention_fields); a
 # dict per field: the field factories store their validator in it
 ATTENTION = "attention"
+
+
+def renamed_fields(version: str, **renames: str) -> Callable[[type], type]:
+    """Let a config class take each field's old name (``old="new"``) until linearformers ``version``: as a keyword
+    and as a key of a saved config.json (``from_pretrained`` passes the keys as keywords). An old name raises a
+    FutureWarning naming the new one and the version that drops it, and sets the new field; saving writes the new
+    name only. Reading the old attribute warns the same way. An old name given with its new name is a ValueError:
+    the two could disagree. Apply it above ``@strict``, whose ``__init__`` it wraps."""
+
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise ValueError(
+                            f"{cls.__name__} got both {old}={kwargs[old]!r} and {new}={kwargs[new]!r}; pass only "
+                            f"{new} (the new name of {old})"
+                        )
+                    warnings.warn(_renamed_message(cls, old, new, version), FutureWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.old_names = {**cls.old_names, **renames}
+        for old, new in renames.items():
+            setattr(cls, old, property(functools.partial(_renamed_attribute, old=old, new=new, version=version)))
+        return cls
+
+    return decorate
+
+
+def _renamed_message(cls: type, old: str, new: str, version: str) -> str:
+    return (
+        f"{cls.__name__}: {old} is renamed {new}; the name {old} goes away in linearformers {version} (pass {new}, "
+        "or save an old config again to write the new name)"
+    )
+
+
+def _renamed_attribute(config: Any, *, old: str, new: str, version: str) -> Any:
+    warnings.warn(_renamed_message(type(config), old, new, version), FutureWarning, stacklevel=2)
+    return getattr(config, new)
 
 
 # The Args entries of the shared fields, appended to the docstrings of LinearAttentionConfig and of each family's
@@ -137,6 +183,9 @@ class LinearAttentionConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
+
+    # old name -> new name of each renamed field (renamed_fields), which conversion and its CLI accept too
+    old_names: ClassVar[dict[str, str]] = {}
 
     # set by register_for_auto_class (a class attribute, not a field): every save_pretrained of this family's models
     # then writes the Hub code (modeling/hub_code.py)

@@ -1,15 +1,17 @@
 """PerformerConfig (model_type "performer")."""
 
 import math
+import warnings
 from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from transformers.utils.type_validators import interval
 
-from ..ops.feature_maps import PERFORMER_KERNELS
-from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive
+from ..ops.feature_maps import FEATURE_MAPS
+from .common import SHARED_FIELDS_DOC, LinearAttentionConfig, at_least_or_none, positive, renamed_fields
 
 
+@renamed_fields("0.3.0", num_random_features="num_features", kernel="feature_map", kernel_eps="feature_eps")
 @strict(accept_kwargs=True)
 class PerformerConfig(LinearAttentionConfig):
     """Configuration of a Performer (Choromanski et al., 2021), FAVOR+ attention.
@@ -19,30 +21,33 @@ class PerformerConfig(LinearAttentionConfig):
 
     Example:
         >>> config = PerformerConfig(
-        ...     hidden_size=256, num_attention_heads=4, position_embedding_type="rotary", num_random_features=128,
+        ...     hidden_size=256, num_attention_heads=4, position_embedding_type="rotary", num_features=128,
         ... )
 
     Args:
-        num_random_features: m, the number of features per head (default 256; e.g. 128); with kernel="hedgehog"
-            the learned map's feature count, which must be even (two softmax halves of m / 2).
-        kernel: "softmax" (positive random features, Lemma 1), "relu" (the generalized ReLU kernel) or "hedgehog"
-            (a learned per-head feature map, Zhang et al. 2024: phi(x) = [softmax(xW + b), softmax(-(xW + b))],
-            trained with the model; see HedgehogFeatureMap) (default "softmax").
+        num_features: m, the number of features per head (default 256; e.g. 128): random features drawn for
+            "softmax" and "relu", the learned map's outputs for "hedgehog", which must be even (two softmax halves of
+            m / 2).
+        feature_map: the map phi of queries and keys whose products stand for the attention scores: "softmax"
+            (positive random features, Lemma 1), "relu" (ReLU of random features, the generalized kernel of Section
+            2.2) or "hedgehog" (a learned per-head map, Zhang et al. 2024: phi(x) = [softmax(xW + b),
+            softmax(-(xW + b))], trained with the model; see HedgehogFeatureMap) (default "softmax").
         orthogonal_features: draw exactly orthogonal blocks (True) or i.i.d. Gaussian rows (default True). Unused
-            with kernel="hedgehog".
+            with feature_map="hedgehog".
         feature_redraw_interval: redraw the features every this many training forward passes (None or 0:
             never). Each draw is a pure function of (feature_seed, layer, draw index): every DDP rank draws the
-            same features without communication (default 1000; e.g. None). Ignored with kernel="hedgehog": a
+            same features without communication (default 1000; e.g. None). Ignored with feature_map="hedgehog": a
             learned map is never redrawn.
-        feature_seed: seed of the feature draws (default 0; e.g. 42). Unused with kernel="hedgehog".
-        kernel_eps: the ReLU kernel's additive epsilon (default 1e-3).
+        feature_seed: seed of the feature draws (default 0; e.g. 42). Unused with feature_map="hedgehog".
+        feature_eps: the epsilon the "relu" map adds to every feature, so that no query meets only zero scores
+            (default 1e-3).
         causal_chunk_size: chunk of the causal prefix sums, in tokens: a speed / memory trade-off that, up to rounding,
             does not change the result (default 32; e.g. 64).
         hybrid_window: w, or None for plain linear heads (default None; e.g. 64). When set, each global head takes
             exact softmax scores on its window (causal: the last w keys, itself included; bidirectional: the keys
             with |s - t| < w) and the feature map's linear scores on all other keys, the two normalized together
             with a learned per-head balance gamma = exp(window_balance), which starts at 1 (LoLCATs, Zhang et al.
-            2024; see ``attention.hybrid``). Works with kernel "softmax", "relu" and "hedgehog" alike; with the
+            2024; see ``attention.hybrid``). Works with every feature map, "softmax", "relu" and "hedgehog"; with the
             random "softmax" features the linear scores keep the softmax's scale, so that at gamma = 1 a head
             estimates softmax attention (exact on the window, FAVOR+ elsewhere). Decoding keeps the last w - 1
             keys, values and key features besides the (S, z) sums: memory still constant in the context length.
@@ -70,12 +75,12 @@ class PerformerConfig(LinearAttentionConfig):
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
     model_type = "performer"
 
-    num_random_features: int = positive(default=256)
-    kernel: Literal[PERFORMER_KERNELS] = "softmax"
+    num_features: int = positive(default=256)
+    feature_map: Literal[FEATURE_MAPS] = "softmax"
     orthogonal_features: bool = True
     feature_redraw_interval: int | None = at_least_or_none(0)(default=1000)
     feature_seed: int = 0
-    kernel_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
+    feature_eps: int | float = interval(min=0.0, max=math.inf, exclude_max=True)(default=1e-3)
     causal_chunk_size: int = positive(default=32)
     hybrid_window: int | None = at_least_or_none(1)(default=None)
     hybrid_sinks: int = interval(min=0)(default=0)
@@ -83,21 +88,32 @@ class PerformerConfig(LinearAttentionConfig):
     hybrid_key_scale: bool = False
 
     @property
+    def draws_random_features(self) -> bool:
+        """Whether the feature map uses FAVOR+ random features (drawn, and redrawn on a schedule); False for the
+        learned "hedgehog" map."""
+        return self.feature_map != "hedgehog"
+
+    @property
     def random_feature_kernel(self) -> bool:
-        """Whether the kernel uses FAVOR+ random features (drawn, and redrawn on a schedule); False for the learned
-        "hedgehog" map."""
-        return self.kernel != "hedgehog"
+        """Deprecated name of :attr:`draws_random_features`; goes away in linearformers 0.3.0."""
+        warnings.warn(
+            "PerformerConfig.random_feature_kernel is renamed draws_random_features; the name random_feature_kernel "
+            "goes away in linearformers 0.3.0",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.draws_random_features
 
     def describe(self) -> tuple[str, str, list[str]]:
         """What the model card says of this attention: the rest of its summary (after the family's description in
         ``modeling/registry.py``), the details (markdown bullets) and the limits."""
-        if self.kernel == "hedgehog":
+        if self.feature_map == "hedgehog":
             summary = (
-                f" with a learned Hedgehog feature map (m={self.num_random_features} features per head, "
+                f" with a learned Hedgehog feature map (m={self.num_features} features per head, "
                 "[softmax(xW + b), softmax(-(xW + b))])."
             )
             features = (
-                f"- learned feature map per head: m = {self.num_random_features} (hedgehog kernel), trained and saved "
+                f"- learned feature map per head: m = {self.num_features} (hedgehog map), trained and saved "
                 "with the weights; never redrawn"
             )
             limits = [
@@ -106,8 +122,8 @@ class PerformerConfig(LinearAttentionConfig):
             ]
         else:
             summary = (
-                f" with m={self.num_random_features} {'orthogonal' if self.orthogonal_features else 'i.i.d.'} random "
-                f"features and the {self.kernel} kernel."
+                f" with m={self.num_features} {'orthogonal' if self.orthogonal_features else 'i.i.d.'} random "
+                f"features and the {self.feature_map} feature map."
             )
             redraw = (
                 f"every {self.feature_redraw_interval} training forward passes (micro-batches: with gradient "
@@ -116,15 +132,15 @@ class PerformerConfig(LinearAttentionConfig):
                 else "never"
             )
             features = (
-                f"- random features per head: m = {self.num_random_features} ({self.kernel} kernel), saved with "
+                f"- random features per head: m = {self.num_features} ({self.feature_map} map), saved with "
                 f"the weights; redrawn {redraw}, deterministically from feature_seed={self.feature_seed}"
             )
-            if self.kernel == "softmax":
+            if self.feature_map == "softmax":
                 limits = ["FAVOR+ approximates softmax attention; the error falls as 1/sqrt(m)."]
             else:
                 limits = [
-                    "The ReLU kernel is an attention of its own, not an approximation of softmax attention: weights "
-                    "trained with softmax attention do not carry over unchanged."
+                    "The ReLU feature map gives an attention of its own, not an approximation of softmax attention: "
+                    "weights trained with softmax attention do not carry over unchanged."
                 ]
         query_scale = (
             " The linear scores take a learned log scale per query (hybrid_query_scale), which puts them on the "
@@ -150,10 +166,10 @@ class PerformerConfig(LinearAttentionConfig):
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
-        if self.kernel == "hedgehog" and self.num_random_features % 2:
+        if self.feature_map == "hedgehog" and self.num_features % 2:
             raise ValueError(
-                f"kernel='hedgehog' needs an even num_random_features (two softmax halves of m / 2), got "
-                f"{self.num_random_features}"
+                f"feature_map='hedgehog' needs an even num_features (two softmax halves of m / 2), got "
+                f"{self.num_features}"
             )
         if self.hybrid_sinks and not self.hybrid_window:
             raise ValueError(

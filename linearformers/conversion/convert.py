@@ -6,14 +6,14 @@ FAVOR+ approximates the softmax attention a checkpoint was trained with, and Lin
     included), otherwise mean pooling over windows of n / k positions (each slot starts as the average of its
     window's keys / values);
   * Performer: its random features (a buffer drawn from the config's seed), or a learned feature map
-    (``kernel="hedgehog"``) and per-head window balances at the model's own initialization;
+    (``feature_map="hedgehog"``) and per-head window balances at the model's own initialization;
   * local-head relative-position biases: zeros.
 
 The new attention parameters can then be fit to the original's attention (``transfer=``, attention transfer,
 see ``transfer.py``) before the model is returned or saved.
 
-    python -m linearformers.conversion.convert bert-folder out-folder --family performer --num_random_features 256
-    python -m linearformers.conversion.convert bert-folder out-folder --kernel hedgehog --transfer_file text.txt
+    python -m linearformers.conversion.convert bert-folder out-folder --family performer --num_features 256
+    python -m linearformers.conversion.convert bert-folder out-folder --feature_map hedgehog --transfer_file text.txt
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from .. import modeling
 from ..cli import check_writable, raised_by_linearformers
 from ..modeling.base import new_tensors
 from ..modeling.registry import FAMILIES, HEADS, Family, Head, get_family
+from ..ops._checks import renamed_keywords
 from .long_context import (
     POSITION_INITS,
     check_max_length,
@@ -54,6 +56,8 @@ from .transfer import (
     text_blocks,
 )
 
+# the old names of renamed config fields, which the converters' keywords and the CLI's flags still take
+RENAMED_FIELDS = {old: new for family in FAMILIES.values() for old, new in family.config_class.old_names.items()}
 # head weights: BERT module -> ours, by head suffix
 BERT_HEAD_WEIGHTS = {
     "ForMaskedLM": {
@@ -419,6 +423,7 @@ def _transfer(
     report.transfer = long_attention_transfer(model, source, ids, args=transfer, long_input_ids=long_ids)
 
 
+@renamed_keywords("0.3.0", **RENAMED_FIELDS)
 def convert_bert(
     source: PreTrainedModel | str | Path,
     family: str = "performer",
@@ -439,7 +444,7 @@ def convert_bert(
     ``source`` is a model, a folder, or a Hub id (``"google-bert/bert-base-uncased"``), loaded as
     ``from_pretrained`` loads it, with ``revision``, ``cache_dir``, ``token`` and ``local_files_only`` passed on.
     ``config_overrides`` set fields of the family's config, typically the attention's (e.g.
-    ``num_random_features=256``, ``feature_redraw_interval=None``, ``kernel="hedgehog"`` or
+    ``num_features=256``, ``feature_redraw_interval=None``, ``feature_map="hedgehog"`` or
     ``projected_length=128``); a name the config does not have raises a ValueError naming close matches.
 
     ``transfer``: run attention transfer (``linearformers.conversion.transfer``) on the converted model, fitting its
@@ -503,6 +508,7 @@ def convert_bert(
     return model, report
 
 
+@renamed_keywords("0.3.0", **RENAMED_FIELDS)
 def convert_gpt2(
     source: PreTrainedModel | str | Path,
     family: str = "performer",
@@ -618,6 +624,9 @@ def main(argv: list[str] | None = None) -> None:
     config_flags = _config_flags()
     for option, kwargs in config_flags.values():
         parser.add_argument(option, **kwargs)
+    for old, new in RENAMED_FIELDS.items():  # hidden: --help shows the new names only
+        value_kwargs = {key: value for key, value in config_flags[new][1].items() if key in ("type", "choices")}
+        parser.add_argument(f"--{old}", help=argparse.SUPPRESS, metavar=new.upper(), **value_kwargs)
     parser.add_argument(
         "--max_length",
         type=int,
@@ -642,6 +651,16 @@ def main(argv: list[str] | None = None) -> None:
     for option, kwargs in transfer_flags.values():
         group.add_argument(option, **kwargs)
     args = parser.parse_args(argv)
+    for old, new in RENAMED_FIELDS.items():
+        if getattr(args, old) is None:
+            continue
+        if getattr(args, new) is not None:
+            parser.error(f"--{old} and --{new} both given; pass only --{new} (the new name of --{old})")
+        print(
+            f"{parser.prog}: warning: --{old} is renamed --{new}; --{old} goes away in linearformers 0.3.0",
+            file=sys.stderr,
+        )
+        setattr(args, new, getattr(args, old))
     hub = dict(revision=args.revision, cache_dir=args.cache_dir)
     given = {
         name: getattr(args, kwargs["dest"])

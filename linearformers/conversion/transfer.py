@@ -19,7 +19,7 @@ q / k / v / o plus the new attention parameters through PEFT (``"lora"``), merge
 attention parameters keep their stage-1 learning rates, the rest trains at ``finetune_learning_rate``.
 
     bert = BertModel.from_pretrained("bert-base-uncased")
-    model, _ = convert_bert(bert, "performer", kernel="hedgehog")
+    model, _ = convert_bert(bert, "performer", feature_map="hedgehog")
     report = attention_transfer(model, bert, text_blocks(tokenizer, texts, 512, wrap=True))
 """
 
@@ -226,8 +226,8 @@ def transfer_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         raise ValueError(
             f"{type(model).__name__} has no new attention parameters for attention transfer to train: its "
             "attention is fixed once converted (random FAVOR+ features, or pooling E / F). Convert with "
-            "kernel='hedgehog' (a learned feature map), with hybrid_window=... (sliding-window softmax plus linear "
-            "attention, with learned per-head balances), or with family='linformer' (learned E / F)"
+            "feature_map='hedgehog' (a learned feature map), with hybrid_window=... (sliding-window softmax plus "
+            "linear attention, with learned per-head balances), or with family='linformer' (learned E / F)"
         )
     return found
 

@@ -3,7 +3,7 @@
 The cache stores; the attention modules compute. Each model layer gets one
 ``transformers.cache_utils.LinearAttentionLayer`` with room for ten recurrent states, of which a layer uses:
   * Performer with random features, three: S = Σ phi(k) vᵀ (b, h, m, d), z = Σ phi(k) (b, h, m) and their offset
-    M (b, h) (see favor_step); with a learned map (kernel="hedgehog"), two: S and z (see linear_step);
+    M (b, h) (see favor_step); with a learned map (feature_map="hedgehog"), two: S and z (see linear_step);
   * Performer with ``hybrid_window`` w, ten, the ``HybridState`` of ``attention.hybrid``: S and z over the keys that
     have left the window, the last w - 1 keys (b, h, w - 1, d), values (b, h, w - 1, d) and key features
     (b, h, w - 1, m) with their validity (b, w - 1) bool, and the ``hybrid_sinks`` S sinks' keys and values

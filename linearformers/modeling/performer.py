@@ -50,8 +50,8 @@ class PerformerAttention(LinearAttention):
     """FAVOR+ heads. The random features are a persistent buffer (saved with the checkpoint, so a reload gives
     the same outputs), drawn deterministically from (feature_seed, layer, draw index).
 
-    With ``config.kernel == "hedgehog"`` the heads use a learned feature map instead: ``self.feature_map``, a
-    :class:`HedgehogFeatureMap` over the global heads with ``num_random_features`` features, whose parameters
+    With ``config.feature_map == "hedgehog"`` the heads use a learned feature map instead: ``self.feature_map``, a
+    :class:`HedgehogFeatureMap` over the global heads with ``num_features`` features, whose parameters
     (``feature_map.weight``, ``feature_map.bias``, ``feature_map.key_weight``, ``feature_map.key_bias``) train and
     save with the layer. Such a layer has no random features (``random_features`` is None, not in the state dict),
     is never redrawn, and its decoding state is (S, z) (plain linear attention, see ``attention.linear``).
@@ -93,15 +93,13 @@ class PerformerAttention(LinearAttention):
     def __init__(self, config: PerformerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.draw_seed = mix_seed(config.feature_seed, layer_idx)  # this layer's stream of draws
-        if config.random_feature_kernel:
+        if config.draws_random_features:
             self.feature_map = None
             self.register_buffer("random_features", self.draw_features(0), persistent=True)
         else:
             self.register_buffer("random_features", None)
             self.feature_map = (
-                HedgehogFeatureMap(self.num_global, self.head_dim, config.num_random_features)
-                if self.num_global
-                else None
+                HedgehogFeatureMap(self.num_global, self.head_dim, config.num_features) if self.num_global else None
             )
         self.window_balance = (
             nn.Parameter(torch.zeros(self.num_global)) if config.hybrid_window and self.num_global else None
@@ -116,7 +114,7 @@ class PerformerAttention(LinearAttention):
     def extra_repr(self) -> str:
         c = self.config
         return (
-            f"{super().extra_repr()}, num_random_features={c.num_random_features}, kernel={c.kernel!r}, "
+            f"{super().extra_repr()}, num_features={c.num_features}, feature_map={c.feature_map!r}, "
             f"orthogonal_features={c.orthogonal_features}, feature_redraw_interval={c.feature_redraw_interval}"
             f"{f', hybrid_window={c.hybrid_window}' if c.hybrid_window else ''}"
             f"{', hybrid_query_scale=True' if self.query_scale_weight is not None else ''}"
@@ -124,9 +122,9 @@ class PerformerAttention(LinearAttention):
         )
 
     def draw_features(self, draw_index: int, device: torch.device | None = None) -> torch.Tensor:
-        """Draw number ``draw_index`` of this layer's features, (num_random_features, head_dim)."""
+        """Draw number ``draw_index`` of this layer's features, (num_features, head_dim)."""
         return draw_random_features(
-            self.config.num_random_features,
+            self.config.num_features,
             self.head_dim,
             seed=self.draw_seed,
             step=draw_index,
@@ -167,8 +165,8 @@ class PerformerAttention(LinearAttention):
                 self.random_features,
                 causal=self.causal,
                 key_padding_mask=attention_mask,
-                kernel=c.kernel,
-                kernel_eps=c.kernel_eps,
+                feature_map=c.feature_map,
+                feature_eps=c.feature_eps,
                 chunk_size=c.causal_chunk_size if self.causal else None,
             )
         state = past_key_values.get_state(self.layer_idx)
@@ -180,8 +178,8 @@ class PerformerAttention(LinearAttention):
                 self.random_features,
                 state,
                 key_padding_mask=attention_mask,
-                kernel=c.kernel,
-                kernel_eps=c.kernel_eps,
+                feature_map=c.feature_map,
+                feature_eps=c.feature_eps,
             )
         else:  # a prefill, or a prompt fed in pieces
             out, state = favor_attention(
@@ -191,8 +189,8 @@ class PerformerAttention(LinearAttention):
                 self.random_features,
                 causal=True,
                 key_padding_mask=attention_mask,
-                kernel=c.kernel,
-                kernel_eps=c.kernel_eps,
+                feature_map=c.feature_map,
+                feature_eps=c.feature_eps,
                 chunk_size=c.causal_chunk_size,
                 initial_state=state,
                 return_state=True,
@@ -316,9 +314,9 @@ class PerformerAttention(LinearAttention):
         c = self.config
         if self.feature_map is not None:
             phi_q, phi_k, log_scale = self.feature_map(q, is_query=True), self.feature_map(k, is_query=False), None
-        elif c.kernel == "relu":
-            phi_q = relu_features(q, self.random_features, eps=c.kernel_eps)
-            phi_k = relu_features(k, self.random_features, eps=c.kernel_eps, key_padding_mask=attention_mask)
+        elif c.feature_map == "relu":
+            phi_q = relu_features(q, self.random_features, eps=c.feature_eps)
+            phi_k = relu_features(k, self.random_features, eps=c.feature_eps, key_padding_mask=attention_mask)
             log_scale = None
         else:
             u = favor_exponents(q, self.random_features, is_query=True)

@@ -3,7 +3,7 @@ lazily, when a call runs its kernels).
 
 The package exports the ops users call, the feature maps they pass, the backend switches and
 :func:`favor_backend` / :func:`linear_backend`, which say which backend a call takes; the choice tuples
-(``backends.CAUSAL_BACKENDS``, ``linformer.METHODS``, ``feature_maps.KERNELS``, ...) and the helpers the models
+(``backends.CAUSAL_BACKENDS``, ``linformer.METHODS``, ``feature_maps.FEATURE_MAPS``, ...) and the helpers the models
 use stay in their modules."""
 
 from ._native import available as native_available

@@ -41,11 +41,11 @@ class _FeatureMap:
         queries: w·x' + |w|²/2, minus its row maximum       (row-constant factors cancel in N / D)
     """
 
-    def __init__(self, w, scale, kernel, eps, key_offset=False):
-        self.kernel, self.eps, self.scale = kernel, eps, scale
+    def __init__(self, w, scale, feature_map, eps, key_offset=False):
+        self.feature_map, self.eps, self.scale = feature_map, eps, scale
         self.ws = w * math.sqrt(scale)  # (m, d)
         half_w_sq = 0.5 * w.pow(2).sum(-1, keepdim=True)
-        if kernel == "relu":  # the same map for queries and keys, with no per-row or constant terms
+        if feature_map == "relu":  # the same map for queries and keys, with no per-row or constant terms
             zeros = torch.zeros_like(half_w_sq)
             self.wq = torch.cat([self.ws, zeros], -1).T.contiguous()
             self.wk = torch.cat([self.ws, zeros, zeros] + [zeros] * key_offset, -1).T.contiguous()
@@ -64,7 +64,7 @@ class _FeatureMap:
         keys (the offset, in log2 units, is subtracted by the GEMM). ``adjust`` (keys): called on the exponents
         before exp2, may shift them further in place."""
         u = torch.matmul(x_aug, self.wq if is_query else self.wk, out=out)
-        if self.kernel == "relu":
+        if self.feature_map == "relu":
             return torch.relu_(u).add_(self.eps)
         if is_query:
             u.sub_(u.amax(dim=-1, keepdim=True))
@@ -75,11 +75,11 @@ class _FeatureMap:
     def grad_into(self, dphi, phi, x_aug, out, is_query):
         """Back through phi into ``out``: (..., d) for queries, (..., d + 1) for keys, whose first d columns
         are dL/dx. dphi is overwritten."""
-        du = dphi.mul_(phi > self.eps) if self.kernel == "relu" else dphi.mul_(phi)
+        du = dphi.mul_(phi > self.eps) if self.feature_map == "relu" else dphi.mul_(phi)
         if is_query:
             return torch.matmul(du, self.ws, out=out)
         torch.matmul(du, self.wk_grad, out=out)
-        if self.kernel != "relu":
+        if self.feature_map != "relu":
             d = out.shape[-1] - 1
             out[..., :d].addcmul_(x_aug[..., :d], out[..., d:], value=-self.scale)
         return out
@@ -157,13 +157,13 @@ class FavorBidirectional(torch.autograd.Function):
     extra memory O(rows m) per head instead of O(n m), in buffers reused block after block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, rows):
-        phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
+    def forward(ctx, q, k, v, w, key_weights, feature_map, scale, eps, rows):
+        phi = _FeatureMap(w, scale, feature_map, eps, key_offset=True)
         b, h, n, d = q.shape
         m = w.shape[0]
         kv = torch.zeros(b * h, m, d + 1, dtype=torch.float32, device=v.device)
         work = _BlockWork(b, h, d, m, v.device)
-        shift = _RunningMax(b * h, kv) if kernel != "relu" else None
+        shift = _RunningMax(b * h, kv) if feature_map != "relu" else None
         block = rows
         for rows in _row_slices(k.shape[2], block):
             wr = work(rows)
@@ -181,7 +181,7 @@ class FavorBidirectional(torch.autograd.Function):
             _from_chunks(den_r, den[:, :, rows])
             _from_chunks(num[..., :-1].div_(den_r), out[:, :, rows])
         ctx.save_for_backward(q, k, v, w, key_weights, kv, out, den, offset)
-        ctx.settings = (kernel, scale, eps, block)
+        ctx.settings = (feature_map, scale, eps, block)
         return out.to(v.dtype)
 
     @staticmethod
@@ -189,8 +189,8 @@ class FavorBidirectional(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, k, v, w, key_weights, kv, out, den, offset = ctx.saved_tensors
-        kernel, scale, eps, block = ctx.settings
-        phi = _FeatureMap(w, scale, kernel, eps, key_offset=True)
+        feature_map, scale, eps, block = ctx.settings
+        phi = _FeatureMap(w, scale, feature_map, eps, key_offset=True)
         b, h, n, d = q.shape
         work = _BlockWork(b, h, d, w.shape[0], v.device, backward=True)
         inv = _inverse(den)
@@ -270,7 +270,7 @@ class _Work:
         ``adjust``: see _FeatureMap.into; called as adjust(exponents, mask)."""
         d = self.d
         xk = self.load(self.xk, k, rows, nc)
-        if phi.kernel != "relu":
+        if phi.feature_map != "relu":
             xk[..., d : d + 1] = torch.linalg.vector_norm(xk[..., :d], dim=-1, keepdim=True).square_()
             xk[..., d : d + 1] *= -0.5 * phi.scale
         key_weights_r = None if key_weights is None else self.chunks(key_weights, rows, nc)
@@ -284,7 +284,7 @@ class _Work:
         pk = phi.into(xk, self.pk[:nc], False, exponents)
         va = self.load(self.va, v, rows, nc)
         if key_weights is not None:
-            if phi.kernel == "relu":  # bounded features: zeroed after the map
+            if phi.feature_map == "relu":  # bounded features: zeroed after the map
                 pk.mul_(key_weights_r)
             va[..., :d].mul_(key_weights_r)
             va[..., d:] = key_weights_r

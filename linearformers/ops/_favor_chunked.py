@@ -49,7 +49,7 @@ Bidirectional (``FavorBidirectionalChunked``): the same parts with one chunk, th
 [N, D] = phi(Q) KV, keys taken relative to the largest real key exponent of their (batch, head) (no causality to
 keep), a fixed number of ops and no data-dependent branch.
 
-Precomputed features (``kernel="features"``): q and k are already phi_q, phi_k (b, h, n, m), nonnegative, and w is
+Precomputed features (``feature_map="features"``): q and k are already phi_q, phi_k (b, h, n, m), nonnegative, and w is
 None (scale and eps are ignored). Forward is the same from the features on (padded keys: phi_k times key_weights);
 backward returns d(phi_q), d(phi_k), dv and dS_0, with no feature-map chain rule.
 
@@ -82,11 +82,13 @@ DEFAULT_CHUNK = 64  # see the module docstring: per-chunk states n m (d + 1) / C
 _TINY = 1e-30
 
 
-def _features(x, w, scale, kernel, eps, *, is_query, key_weights=None):
+def _features(x, w, scale, feature_map, eps, *, is_query, key_weights=None):
     """phi(x) (b, h, n, m) in w's dtype: the maps of :mod:`feature_maps`; padded keys (key_weights == 0) get exponent
     -inf before the exp (softmax) or features 0 (relu)."""
     mask = None if key_weights is None or is_query else key_weights[:, 0, :, 0] > 0
-    phi = random_feature_map(x, w, is_query=is_query, kernel=kernel, scale=scale, eps=eps, key_padding_mask=mask)
+    phi = random_feature_map(
+        x, w, is_query=is_query, feature_map=feature_map, scale=scale, eps=eps, key_padding_mask=mask
+    )
     return phi.to(w.dtype)
 
 
@@ -99,17 +101,17 @@ def _chunked(x, c):
     return x.unflatten(2, (-1, c))
 
 
-def _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work):
+def _prepare(q, k, v, w, key_weights, feature_map, scale, eps, c, pad, work):
     """Chunked phi(q), phi(k) (padded keys zeroed) and V = [v, 1] (padded rows 0) in ``work`` (float32, or float64),
-    (b, h, nc, c, .). ``kernel="features"``: q and k are the features already."""
-    if kernel == "features":
+    (b, h, nc, c, .). ``feature_map="features"``: q and k are the features already."""
+    if feature_map == "features":
         pq = q.to(work)
         pk = (
             k.to(work) if key_weights is None else k.to(work) * key_weights
         )  # a new tensor: the caller's features stay as given
     else:
-        pq = _features(q, w, scale, kernel, eps, is_query=True)
-        pk = _features(k, w, scale, kernel, eps, is_query=False, key_weights=key_weights)
+        pq = _features(q, w, scale, feature_map, eps, is_query=True)
+        pk = _features(k, w, scale, feature_map, eps, is_query=False, key_weights=key_weights)
     vf = v.to(work)
     va = torch.cat([vf, torch.ones_like(vf[..., :1])], -1)
     if key_weights is not None:
@@ -136,15 +138,15 @@ def _lost_positions(den, key_weights):
 
 class FavorCausalChunked(torch.autograd.Function):
     """Causal FAVOR+ over all chunks at once (see the module docstring). Inputs: q, k, v (b, h, n, d) any float
-    dtype; w (m, d) float32; key_weights (b, 1, n, 1) float or None; the kernel ("softmax", "relu", or "features": q
-    and k are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored), scale, eps,
-    chunk C; s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
+    dtype; w (m, d) float32; key_weights (b, 1, n, 1) float or None; the feature map ("softmax", "relu", or
+    "features": q and k are then the features phi_q, phi_k (b, h, n, m), nonnegative, w None, scale and eps ignored),
+    scale, eps, chunk C; s0 (b, h, m, d + 1) float32, the initial state [S, z] at offset 0, or None. Returns (out in v's dtype,
     S (b, h, m, d), z (b, h, m), lost): the final state at offset 0 and the lost count are not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, chunk, s0, operands=None):
+    def forward(ctx, q, k, v, w, key_weights, feature_map, scale, eps, chunk, s0, operands=None):
         n, d = v.shape[2:]
-        work = _work_dtype(q, k, v, kernel)
+        work = _work_dtype(q, k, v, feature_map)
         mm = _Products(operands, work)
         w = w if w is None else w.to(work)
         key_weights = None if key_weights is None else key_weights.to(work)
@@ -152,7 +154,7 @@ class FavorCausalChunked(torch.autograd.Function):
         s0 = None if s0 is None else s0.to(work)
         c = min(chunk, n)
         pad = (-n) % c
-        pq, pk, va = _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work)
+        pq, pk, va = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0, mm)
         scores = mm(pq, pk.transpose(-1, -2)).tril_()  # (b, h, nc, c, c)
         num = mm(scores, va)  # (b, h, nc, c, d + 1)
@@ -167,7 +169,7 @@ class FavorCausalChunked(torch.autograd.Function):
         lost = _lost_positions(den, key_weights)
         final = prefix[:, :, -1]
         state_s, state_z = final[..., :d].contiguous(), final[..., d].contiguous()
-        ctx.settings = (kernel, scale, eps, c, pad, operands)
+        ctx.settings = (feature_map, scale, eps, c, pad, operands)
         ctx.save_for_backward(q, k, v, w, key_weights, out, den, s0)
         ctx.mark_non_differentiable(state_s, state_z, lost)
         return out.to(v.dtype), state_s, state_z, lost
@@ -177,11 +179,11 @@ class FavorCausalChunked(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
         q, k, v, w, key_weights, out, den, s0 = ctx.saved_tensors
-        kernel, scale, eps, c, pad, operands = ctx.settings
+        feature_map, scale, eps, c, pad, operands = ctx.settings
         d = v.shape[-1]
         work = out.dtype
         mm = _Products(operands, work)
-        pq, pk, va = _prepare(q, k, v, w, key_weights, kernel, scale, eps, c, pad, work)
+        pq, pk, va = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, c, pad, work)
         prefix = _prefix_states(pk, va, s0, mm)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(work) * inv
@@ -210,7 +212,7 @@ class FavorCausalChunked(torch.autograd.Function):
         d_pq, d_pk, pq, pk = (x.flatten(2, 3)[:, :, :n] for x in (d_pq, d_pk, pq, pk))
         d_va = d_va.flatten(2, 3)[:, :, :n]
         dv = d_va[..., :d] if key_weights is None else d_va[..., :d] * key_weights
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm)
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, feature_map, scale, eps, mm)
         return dq, dk, dv.to(v.dtype), None, None, None, None, None, None, d_s0, None
 
 
@@ -235,43 +237,43 @@ def half_operands(v: torch.Tensor) -> torch.dtype | None:
     return torch.bfloat16 if v.dtype == torch.bfloat16 and v.device.type == "cuda" else None
 
 
-def _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm=torch.matmul):
+def _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, feature_map, scale, eps, mm=torch.matmul):
     """dL/dq, dL/dk from the gradients of the features (overwritten), in q's and k's dtypes. "features": the
     features were the inputs (padded keys entered as phi_k key_weights). Through the softmax map phi = exp(u + const),
     du = dphi phi and dx = s^½ du W, less s x Σ_m du for keys (their -|x'|²/2); relu: du = dphi where u > 0."""
-    if kernel == "features":
+    if feature_map == "features":
         d_pk = d_pk if key_weights is None else d_pk.mul_(key_weights)
         return d_pq.to(q.dtype), d_pk.to(k.dtype)
-    if kernel == "relu":  # padded keys have phi = 0 here: no gradient
+    if feature_map == "relu":  # padded keys have phi = 0 here: no gradient
         du_q, du_k = d_pq.mul_(pq > eps), d_pk.mul_(pk > eps)
     else:
         du_q, du_k = d_pq.mul_(pq), d_pk.mul_(pk)
     ws = w * math.sqrt(scale)
     dq = mm(du_q, ws)
     dk = mm(du_k, ws)
-    if kernel != "relu":
+    if feature_map != "relu":
         dk = dk.sub_(k.to(w.dtype) * du_k.sum(-1, keepdim=True), alpha=scale)
     return dq.to(q.dtype), dk.to(k.dtype)
 
 
-def _work_dtype(q, k, v, kernel):
+def _work_dtype(q, k, v, feature_map):
     """float32, float64 for float64 inputs (gradcheck); for given features their dtype counts too."""
     work = torch.promote_types(v.dtype, torch.float32)
-    return torch.promote_types(work, torch.promote_types(q.dtype, k.dtype)) if kernel == "features" else work
+    return torch.promote_types(work, torch.promote_types(q.dtype, k.dtype)) if feature_map == "features" else work
 
 
-def _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, work, top=None):
+def _bidirectional_features(q, k, v, w, key_weights, feature_map, scale, eps, work, top=None):
     """phi(q), phi(k) (padded keys 0) and [v, 1] (padded rows 0) over the whole sequence, and the key offset: for
     the softmax map, keys are taken relative to the largest real key exponent of their (batch, head), a constant
     that cancels in N / D (keys of large norm would underflow at offset 0; no causality to keep here)."""
-    if kernel == "features":  # queries and keys may differ in length here: no chunking of either
+    if feature_map == "features":  # queries and keys may differ in length here: no chunking of either
         pq = q.to(work)
         pk = k.to(work) if key_weights is None else k.to(work) * key_weights
-    elif kernel == "relu":
-        pq = _features(q, w, scale, kernel, eps, is_query=True)
-        pk = _features(k, w, scale, kernel, eps, is_query=False, key_weights=key_weights)
+    elif feature_map == "relu":
+        pq = _features(q, w, scale, feature_map, eps, is_query=True)
+        pk = _features(k, w, scale, feature_map, eps, is_query=False, key_weights=key_weights)
     else:
-        pq = _features(q, w, scale, kernel, eps, is_query=True)
+        pq = _features(q, w, scale, feature_map, eps, is_query=True)
         u = _key_exponents(k, w, scale)
         if key_weights is not None:
             u = u.masked_fill_(key_weights == 0, -math.inf)
@@ -287,7 +289,7 @@ def _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, work, t
 
 
 class FavorBidirectionalChunked(torch.autograd.Function):
-    """Bidirectional FAVOR+ (or linear attention of given features, kernel "features") in whole-sequence batched
+    """Bidirectional FAVOR+ (or linear attention of given features, feature map "features") in whole-sequence batched
     products: KV = phi(K)ᵀ [V, 1], [N, D] = phi(Q) KV, a fixed number of ops at any length and no data-dependent
     branch (torch.compile traces it whole). Forward keeps q, k, v, the output, its denominator and the key offset;
     backward recomputes the features: dKV = phi(Q)ᵀ g_aug, dphi(Q) = g_aug KVᵀ, dphi(K) = [V, 1] dKVᵀ,
@@ -295,17 +297,17 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     _favor_blockwise holds one block of them. Same inputs as FavorCausalChunked, without chunk and s0."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, operands=None):
+    def forward(ctx, q, k, v, w, key_weights, feature_map, scale, eps, operands=None):
         d = v.shape[-1]
-        work = _work_dtype(q, k, v, kernel)
+        work = _work_dtype(q, k, v, feature_map)
         mm = _Products(operands, work)
         w = w if w is None else w.to(work)
         key_weights = None if key_weights is None else key_weights.to(work)
-        pq, pk, va, top = _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, work)
+        pq, pk, va, top = _bidirectional_features(q, k, v, w, key_weights, feature_map, scale, eps, work)
         num = mm(pq, mm(pk.transpose(-1, -2), va))
         den = num[..., d:].clamp_min(_TINY)
         out = num[..., :d] / den
-        ctx.settings = (kernel, scale, eps, operands)
+        ctx.settings = (feature_map, scale, eps, operands)
         ctx.save_for_backward(q, k, v, w, key_weights, out, den, top)
         return out.to(v.dtype)
 
@@ -314,10 +316,10 @@ class FavorBidirectionalChunked(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g):
         q, k, v, w, key_weights, out, den, top = ctx.saved_tensors
-        kernel, scale, eps, operands = ctx.settings
+        feature_map, scale, eps, operands = ctx.settings
         d = v.shape[-1]
         mm = _Products(operands, out.dtype)
-        pq, pk, va, _ = _bidirectional_features(q, k, v, w, key_weights, kernel, scale, eps, out.dtype, top)
+        pq, pk, va, _ = _bidirectional_features(q, k, v, w, key_weights, feature_map, scale, eps, out.dtype, top)
         kv = mm(pk.transpose(-1, -2), va)
         inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))  # rows with no real key: no gradient
         gf = g.to(out.dtype) * inv
@@ -327,7 +329,7 @@ class FavorBidirectionalChunked(torch.autograd.Function):
         d_pk = mm(va, d_kv.transpose(-1, -2))
         dv = mm(pk, d_kv[..., :d])
         dv = dv if key_weights is None else dv.mul_(key_weights)
-        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, kernel, scale, eps, mm)
+        dq, dk = _through_features(d_pq, d_pk, pq, pk, q, k, w, key_weights, feature_map, scale, eps, mm)
         return dq, dk, dv.to(v.dtype), None, None, None, None, None, None
 
 
@@ -367,7 +369,7 @@ def _decay(levels):
 
 
 def favor_causal_offsets(q, k, v, w, key_weights, scale, chunk=None, initial_state=None):
-    """Causal FAVOR+ (softmax kernel) with each position's keys taken relative to the prefix maximum M_t of the key
+    """Causal FAVOR+ (softmax feature map) with each position's keys taken relative to the prefix maximum M_t of the key
     exponents, for keys of large norm whose features underflow at offset 0 and for continued prefills: the math of
     favor._causal_stabilized, batched over all chunks (see the module docstring), so the number of dispatched ops
     does not depend on n. Every factor exp(.) taken is at most 1, and M_t reads nothing past t.

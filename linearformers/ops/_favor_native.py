@@ -23,14 +23,14 @@ class FavorCausalNative(torch.autograd.Function):
     queries whose every visible key underflowed at offset 0), the last three not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, key_weights, kernel, scale, eps, chunk, block_chunks=None):
+    def forward(ctx, q, k, v, w, key_weights, feature_map, scale, eps, chunk, block_chunks=None):
         n = v.shape[2]
         pad = (-n) % chunk
         qf, kf, vf, key_weights_2d = _native_inputs(q, k, v, key_weights, pad)
         out, den, starts, zstarts, s_final, z_final, lost, per_block = native_forward(
-            qf, kf, vf, w.float(), key_weights_2d, kernel, scale, eps, chunk, n, block_chunks
+            qf, kf, vf, w.float(), key_weights_2d, feature_map, scale, eps, chunk, n, block_chunks
         )
-        ctx.settings = (kernel, scale, eps, chunk, pad, per_block)
+        ctx.settings = (feature_map, scale, eps, chunk, pad, per_block)
         ctx.save_for_backward(q, k, v, w, key_weights, out, den, starts, zstarts)
         ctx.mark_non_differentiable(s_final, z_final, lost)
         return out[:, :, :n].to(v.dtype), s_final, z_final, lost
@@ -40,12 +40,26 @@ class FavorCausalNative(torch.autograd.Function):
     @outside_autocast  # loss.backward() may be called inside autocast
     def backward(ctx, g, _gs, _gz, _lost):
         q, k, v, w, key_weights, out, den, starts, zstarts = ctx.saved_tensors
-        kernel, scale, eps, chunk, pad, per_block = ctx.settings
+        feature_map, scale, eps, chunk, pad, per_block = ctx.settings
         n = v.shape[2]
         qf, kf, vf, key_weights_2d = _native_inputs(q, k, v, key_weights, pad)
         gf = _pad_rows(g.float(), pad).contiguous()
         dq, dk, dv = native_backward(
-            qf, kf, vf, w.float(), key_weights_2d, kernel, scale, eps, chunk, gf, out, den, starts, zstarts, per_block
+            qf,
+            kf,
+            vf,
+            w.float(),
+            key_weights_2d,
+            feature_map,
+            scale,
+            eps,
+            chunk,
+            gf,
+            out,
+            den,
+            starts,
+            zstarts,
+            per_block,
         )
         grads = (dq[:, :, :n].to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype))
         return (*grads, None, None, None, None, None, None, None)

@@ -1,4 +1,4 @@
-"""Causal linear attention of precomputed features on the compiled CPU walk (_native, kernel "features").
+"""Causal linear attention of precomputed features on the compiled CPU walk (_native, feature map "features").
 
     out_t = Σ_{s<=t} (phi_q,t · phi_k,s) v_s / Σ_{s<=t} phi_q,t · phi_k,s      (padded keys left out)
 

@@ -101,21 +101,21 @@ def _or(t, fallback):
     return fallback if t is None else t
 
 
-def _sums(kern, launch, x, y, g, w, keep, off, n, *, queries):
+def _sums(kern, launch, x, y, g, w, key_weights, off, n, *, queries):
     """Σ phi yᵀ (b·h, m, d) and Σ phi weight (b·h, m), float32, over n rows of x: keys (y = v, weight 1 for real
     keys) or queries (y = gn, weight gd)."""
     (count, length), b, h, m, d = launch.segments(n, y.device), launch.b, launch.h, launch.m, launch.d
     s = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
     z = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
     kern._sums[(b * h * count, m // launch.shape["BM"])](
-        x, y, _or(g, off), _or(w, off), _or(keep, off), off, s, z, n, h, count, length, launch.scale, launch.root,
-        launch.eps, HAS_KEEP=keep is not None, QUERIES=queries, num_warps=launch.warps, **launch.shape,
-        **launch.settings,
+        x, y, _or(g, off), _or(w, off), _or(key_weights, off), off, s, z, n, h, count, length, launch.scale,
+        launch.root, launch.eps, HAS_KEY_WEIGHTS=key_weights is not None, QUERIES=queries, num_warps=launch.warps,
+        **launch.shape, **launch.settings,
     )  # fmt: skip
     return s.view(b * h, count, m, d).sum(1), z.view(b * h, count, m).sum(1)
 
 
-def _offsets(kern, launch, q, k, w, keep, kernel):
+def _offsets(kern, launch, q, k, w, key_weights, kernel):
     """The queries' offsets (b·h, n_q) and the keys' (b·h,): zeros except for the softmax map (module docstring);
     a (batch, head) without a real key takes 0."""
     b, h, dev = launch.b, launch.h, q.device
@@ -129,27 +129,27 @@ def _offsets(kern, launch, q, k, w, keep, kernel):
     kern._offsets[(b * h, -(-launch.nq // c))](q, w, qoff, launch.nq, *args, True, *tail)
     rows = torch.empty(b * h, launch.nk, dtype=torch.float32, device=dev)
     kern._offsets[(b * h, -(-launch.nk // c))](k, w, rows, launch.nk, *args, False, *tail)
-    if keep is not None:
-        rows = rows.view(b, h, launch.nk).masked_fill(keep[:, None, :] == 0, -math.inf).view(b * h, launch.nk)
+    if key_weights is not None:
+        rows = rows.view(b, h, launch.nk).masked_fill(key_weights[:, None, :] == 0, -math.inf).view(b * h, launch.nk)
     top = rows.amax(1)
     return qoff, torch.where(torch.isfinite(top), top, koff)
 
 
-def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
+def _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk):
     q, k, v = (t.contiguous() for t in (q, k, v))
     w = None if w is None else w.float().contiguous()
-    keep = None if keep is None else keep.float().contiguous()
-    return q, k, v, w, keep, _Launch(q, k, v, w, kernel, chunk, scale, eps)
+    key_weights = None if key_weights is None else key_weights.float().contiguous()
+    return q, k, v, w, key_weights, _Launch(q, k, v, w, kernel, chunk, scale, eps)
 
 
-def _forward(q, k, v, w, keep, kernel, scale, eps, chunk):
+def _forward(q, k, v, w, key_weights, kernel, scale, eps, chunk):
     """(out float32 (b, h, n_q, d), D (b, h, n_q), the queries' offsets (b·h, n_q), the keys' (b·h,),
     S (b·h, m, d), z (b·h, m))."""
     kern = kernels()
-    q, k, v, w, keep, launch = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
     b, h, nq, d = launch.b, launch.h, launch.nq, launch.d
-    qoff, koff = _offsets(kern, launch, q, k, w, keep, kernel)
-    s, z = _sums(kern, launch, k, v, None, w, keep, koff, launch.nk, queries=False)
+    qoff, koff = _offsets(kern, launch, q, k, w, key_weights, kernel)
+    s, z = _sums(kern, launch, k, v, None, w, key_weights, koff, launch.nk, queries=False)
     out = torch.empty(b, h, nq, d, dtype=torch.float32, device=v.device)
     den = torch.empty(b, h, nq, dtype=torch.float32, device=v.device)
     kern._output[(b * h, -(-nq // chunk))](
@@ -159,10 +159,10 @@ def _forward(q, k, v, w, keep, kernel, scale, eps, chunk):
     return out, den, qoff, koff, s, z
 
 
-def _backward(g, q, k, v, w, keep, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
     """dL/dq, dL/dk, dL/dv in their dtypes."""
     kern = kernels()
-    q, k, v, w, keep, launch = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
     b, h = launch.b, launch.h
     inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))[..., None]  # no real key: no gradient
     gn = (g.float() * inv).contiguous()
@@ -176,23 +176,23 @@ def _backward(g, q, k, v, w, keep, qoff, koff, s, z, out, den, kernel, scale, ep
         q, w_arg, qoff, s, z, gn, gd, dq, launch.nq, launch.scale, launch.root, eps, **common
     )
     kern._grad_kv[(b * h, -(-launch.nk // chunk))](
-        k, v, w_arg, _or(keep, koff), koff, ds, dz, dk, dv, launch.nk, h, launch.scale, launch.root, eps,
-        HAS_KEEP=keep is not None, **common,
+        k, v, w_arg, _or(key_weights, koff), koff, ds, dz, dk, dv, launch.nk, h, launch.scale, launch.root, eps,
+        HAS_KEY_WEIGHTS=key_weights is not None, **common,
     )  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 _FORWARD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, str kernel, float scale, float eps, int chunk) "
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, str kernel, float scale, float eps, int chunk) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
-    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor koff, Tensor s, "
+    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor qoff, Tensor koff, Tensor s, "
     "Tensor z, Tensor out, Tensor den, str kernel, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _forward_fake(q, k, v, w, keep, kernel, scale, eps, chunk):
+def _forward_fake(q, k, v, w, key_weights, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     nq = q.shape[2]
     m = q.shape[-1] if kernel == "features" else w.shape[0]
@@ -200,15 +200,15 @@ def _forward_fake(q, k, v, w, keep, kernel, scale, eps, chunk):
     return tuple(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, keep, kernel, scale, eps, chunk = inputs
+    q, k, v, w, key_weights, kernel, scale, eps, chunk = inputs
     out, den, qoff, koff, s, z = output
     ctx.settings = (kernel, scale, eps, chunk)
-    ctx.save_for_backward(q, k, v, w, keep, qoff, koff, s, z, out, den)
+    ctx.save_for_backward(q, k, v, w, key_weights, qoff, koff, s, z, out, den)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
@@ -234,7 +234,7 @@ def triton_bidirectional_linear(
     k: torch.Tensor,
     v: torch.Tensor,
     w: torch.Tensor | None,
-    keep: torch.Tensor | None,
+    key_weights: torch.Tensor | None,
     kernel: str,
     scale: float,
     eps: float,
@@ -242,8 +242,8 @@ def triton_bidirectional_linear(
 ) -> torch.Tensor:
     """Bidirectional linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q
     (b, h, n_q, d), k (b, h, n_k, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q
-    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and kernel "features"; v (b, h, n_k, d_v); keep (b, n_k) float
-    (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two >= 16).
+    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and kernel "features"; v (b, h, n_k, d_v); key_weights (b, n_k)
+    float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two >= 16).
     Gradients reach q, k and v. Returns (b, h, n_q, d_v) in v's dtype; a query without a real key outputs 0."""
-    out = _forward_op(q, k, v, w, keep, kernel, float(scale), float(eps), int(chunk))[0]
+    out = _forward_op(q, k, v, w, key_weights, kernel, float(scale), float(eps), int(chunk))[0]
     return out.to(v.dtype)

@@ -54,9 +54,9 @@ def _phi(
 
 
 @triton.jit
-def _real_keys(KEEP, KOFF, bh, H, n, ot, tmask, C: tl.constexpr, HAS_KEEP: tl.constexpr):
+def _real_keys(KEY_WEIGHTS, KOFF, bh, H, n, ot, tmask, C: tl.constexpr, HAS_KEY_WEIGHTS: tl.constexpr):
     """Which of the keys ``ot`` are real (before n, kept), and their (C,) offset: the (batch, head)'s key offset."""
-    live = tmask & (_key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP) > 0)
+    live = tmask & (_key_weights(KEY_WEIGHTS, bh, H, n, ot, tmask, HAS_KEY_WEIGHTS) > 0)
     off = tl.zeros((C,), tl.float32) + tl.load(KOFF + bh)
     return live, off
 
@@ -101,7 +101,7 @@ def _sums(
     Y,
     G,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     OFF,
     S_OUT,
     Z_OUT,
@@ -120,7 +120,7 @@ def _sums(
     C: tl.constexpr,
     BM: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     QUERIES: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
@@ -146,7 +146,7 @@ def _sums(
             live = tmask
             weight = tl.load(G + qrow + ot, mask=tmask, other=0.0)
         else:
-            live, off = _real_keys(KEEP, OFF, bh, H, n, ot, tmask, C, HAS_KEEP)
+            live, off = _real_keys(KEY_WEIGHTS, OFF, bh, H, n, ot, tmask, C, HAS_KEY_WEIGHTS)
             weight = live.to(tl.float32)
         phi, _x, _w = _phi(X, W, row, ot, live, om, off, scale, root, eps, XD, XDP, MAP, QUERIES, OPS, PREC)
         y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
@@ -242,7 +242,7 @@ def _grad_kv(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     KOFF,
     DS,
     DZ,
@@ -261,14 +261,14 @@ def _grad_kv(
     C: tl.constexpr,
     BM: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """dL/dk and dL/dv for C keys: dphi_k = dS v + dz and dv = dSᵀ phi_k per m-block (0 for padded keys), the
     first through the map, both summed over the m-blocks."""
     bh, ot, tmask, od, dmask, row, vrow, _qrow = _tile(n, XD, D, C, DP)
-    live, off = _real_keys(KEEP, KOFF, bh, H, n, ot, tmask, C, HAS_KEEP)
+    live, off = _real_keys(KEY_WEIGHTS, KOFF, bh, H, n, ot, tmask, C, HAS_KEY_WEIGHTS)
     vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=live[:, None] & dmask[None, :], other=0.0)
     vv = vv.to(tl.float32)
     dv = tl.zeros((C, DP), tl.float32)

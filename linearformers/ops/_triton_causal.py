@@ -233,11 +233,11 @@ def _or(t, fallback):
 
 
 _FORWARD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor? s0, Tensor? z0, str kernel, float scale, "
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor? s0, Tensor? z0, str kernel, float scale, "
     "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
-    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? keep, Tensor qoff, Tensor? s0, Tensor? z0, "
+    "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor qoff, Tensor? s0, Tensor? z0, "
     "Tensor out, Tensor den, Tensor sums, Tensor z_sums, Tensor hs, Tensor hz, str kernel, float scale, float eps, "
     "int chunk) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor)"
@@ -270,7 +270,7 @@ def _segments(launch: _Launch, device: torch.device) -> tuple[int, int]:
     return -(-launch.n // length), length
 
 
-def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
+def _segment_sums(kern, launch, x, y, g, w, key_weights, qoff, segments, *, queries):
     """Each segment's sums, ((b·h·P, m, d), (b·h·P, m)) float32, which the walks add up to their starting states
     (:func:`_triton_causal_kernels._start_state`): keys (x = k, y = v), Σ phi_k vᵀ and Σ phi_k; queries (x = q, y = gn,
     g = gd), Σ phi_q gnᵀ and Σ phi_q gd."""
@@ -278,19 +278,19 @@ def _segment_sums(kern, launch, x, y, g, w, keep, qoff, segments, *, queries):
     sums = torch.empty(b * h * count, m, d, dtype=torch.float32, device=y.device)
     z_sums = torch.empty(b * h * count, m, dtype=torch.float32, device=y.device)
     kern._segment_sums[(b * h * count, *launch.grid[1:])](
-        x, y, _or(g, qoff), _or(w, qoff), _or(keep, qoff), qoff, sums, z_sums, launch.n, h, count, length,
-        launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEEP=keep is not None, QUERIES=queries,
+        x, y, _or(g, qoff), _or(w, qoff), _or(key_weights, qoff), qoff, sums, z_sums, launch.n, h, count, length,
+        launch.scale, math.sqrt(launch.scale), launch.eps, HAS_KEY_WEIGHTS=key_weights is not None, QUERIES=queries,
         **launch.options, **launch.constants,
     )  # fmt: skip
     return sums, z_sums
 
 
-def _prepare(q, k, v, w, keep, kernel, scale, eps, chunk):
+def _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk):
     q, k, v = (t.contiguous() for t in (q, k, v))
     w = None if w is None else w.float().contiguous()
-    keep = None if keep is None else keep.float().contiguous()
+    key_weights = None if key_weights is None else key_weights.float().contiguous()
     launch = _Launch(q, v, w, kernel, chunk, scale, eps)
-    return q, k, v, w, keep, launch, _segments(launch, v.device)
+    return q, k, v, w, key_weights, launch, _segments(launch, v.device)
 
 
 def _chunk_form(launch: _Launch) -> bool:
@@ -327,7 +327,7 @@ def _chunk_options(launch: _Launch) -> dict:
     return {**launch.options, "num_warps": TUNING["chunk_warps"] or DEFAULT_CHUNK_WARPS}
 
 
-def _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums):
+def _states(kern, launch, segments, k, v, w, key_weights, qoff, s0, z0, sums):
     """The keys' walk (chunk-parallel form): the state before every chunk, H (b·h, NC, m, d) (bf16 where the
     products take bf16 operands, else float32) and HZ (b·h, NC, m) float32, and the final S, z."""
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
@@ -337,20 +337,20 @@ def _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums):
     s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
     kern._states[(b * h * count, *launch.grid[1:])](
-        k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)), hs, hz,
-        s_out, z_out, n, nc, h, count, length, launch.scale, math.sqrt(launch.scale), launch.eps,
-        HAS_KEEP=keep is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **_chunk_options(launch),
-        **launch.constants,
+        k, v, _or(w, qoff), _or(key_weights, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
+        hs, hz, s_out, z_out, n, nc, h, count, length, launch.scale, math.sqrt(launch.scale), launch.eps,
+        HAS_KEY_WEIGHTS=key_weights is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None,
+        **_chunk_options(launch), **launch.constants,
     )  # fmt: skip
     return hs, hz, s_out, z_out
 
 
-def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normalize):
+def _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, *, normalize):
     """The forward in the chosen form (TUNING["form"]): (out in v's dtype when ``normalize``, else N (b·h, n, d)
     float32; D (b·h·n + 1) float32, whose last entry counts the lost positions when ``normalize``; the queries'
     offsets (b·h, n); final S, z; the keys' segment sums (b·h·P, m, d), (b·h·P, m), empty (0,) for one segment)."""
     kern = kernels()
-    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     cst = launch.constants
     dev = v.device
@@ -361,32 +361,33 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
             cst["PREC"],
         )  # fmt: skip
     count, length = segments
-    sums = _segment_sums(kern, launch, k, v, None, w, keep, qoff, segments, queries=False) if count > 1 else None
+    sums = _segment_sums(kern, launch, k, v, None, w, key_weights, qoff, segments, queries=False) if count > 1 else None
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
     den = torch.zeros(b * h * n + 1, dtype=torch.float32, device=dev)  # and the lost count
     # where the first real key is, per batch: positions before it see none, and are not lost
-    first = None if keep is None or not normalize else (keep.cumsum(1) == 0).sum(1, dtype=torch.int32)
+    first = None if key_weights is None or not normalize else (key_weights.cumsum(1) == 0).sum(1, dtype=torch.int32)
     chunked = _chunk_form(launch)
     if chunked:
-        hs, hz, s_out, z_out = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, sums)
+        hs, hz, s_out, z_out = _states(kern, launch, segments, k, v, w, key_weights, qoff, s0, z0, sums)
         result = (
             torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
             if normalize
             else torch.empty(b * h, n, d, dtype=torch.float32, device=dev)
         )
         kern._chunk_out[(b * h, -(-n // chunk))](
-            q, k, v, _or(w, qoff), _or(keep, qoff), qoff, hs, hz, _or(first, den), result, den, result, n, hs.shape[1],
-            h, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None, HAS_FIRST=first is not None,
-            NORMALIZE=normalize, **_chunk_constants(launch),
+            q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, hs, hz, _or(first, den), result, den, result, n,
+            hs.shape[1], h, scale, math.sqrt(scale), eps, HAS_KEY_WEIGHTS=key_weights is not None,
+            HAS_FIRST=first is not None, NORMALIZE=normalize, **_chunk_constants(launch),
         )  # fmt: skip
     else:
         result = torch.zeros(b * h, n, d, dtype=torch.float32, device=dev)
         s_out = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
         z_out = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
         kern._forward[(b * h * count, *launch.grid[1:])](
-            q, k, v, _or(w, qoff), _or(keep, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
-            result, den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps, HAS_KEEP=keep is not None,
-            HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options, **cst,
+            q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, _or(s0, s_out), _or(z0, z_out), *(sums or (s_out, z_out)),
+            result, den, s_out, z_out, n, h, count, length, scale, math.sqrt(scale), eps,
+            HAS_KEY_WEIGHTS=key_weights is not None, HAS_S0=s0 is not None, HAS_SUMS=sums is not None, **launch.options,
+            **cst,
         )  # fmt: skip
         if normalize:
             num, result = result, torch.empty(b, h, n, d, dtype=v.dtype, device=dev)
@@ -403,17 +404,17 @@ def _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, *, normali
     return result, den, qoff, s_out, z_out, *sums, hs, hz
 
 
-def linear_sums(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+def linear_sums(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
     """The forward's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32, the queries' offsets,
     final S, z, the keys' segment sums): the hybrid kernels divide them their own way."""
-    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=False)[:7]
+    return _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, normalize=False)[:7]
 
 
-def _forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+def _forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
     """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
     positions, the queries' offsets (b·h, n), final S, z, the segments' starting states (b·h·P, m, d), (b·h·P, m)
     for backward, empty (0,) for one segment, and the chunk form's per-chunk states H, HZ, empty for the walk)."""
-    return _run_forward(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk, normalize=True)
+    return _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, normalize=True)
 
 
 def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
@@ -422,7 +423,7 @@ def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
 
 
-def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
     b, h, n, d = v.shape
     gn = torch.empty(b * h, n, d, dtype=output_grad_dtype(v), device=v.device)
@@ -431,7 +432,7 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz,
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
     )  # rows with no real key (D = 0): no gradient
     dq, dk, dv, ds_first, dz_first = linear_grads(
-        gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True,
+        gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True,
         states=(hs, hz) if hs.numel() else None,
     )  # fmt: skip
     del gn, gd  # freed before any casts, and each float32 gradient as soon as it is cast: a lower peak
@@ -442,49 +443,53 @@ def _backward(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz,
 
 
 def linear_grads(
-    gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False, states=None
+    gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False, states=None
 ):
     """The backward from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq, dL/dk,
     dL/dv (b, h, n, ·), float32 or, ``final``, in q's, k's and v's dtypes where the form writes each once (the chunk
     form; the walk's are sums of atomic adds, float32), and dL/dS_0, dL/dz_0 (empty without a state). ``states``:
     the chunk form's per-chunk states (H, HZ) kept from forward, or None to make them again."""
     kern = kernels()
-    q, k, v, w, keep, launch, segments = _prepare(q, k, v, w, keep, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
     if not _chunk_form(launch):
-        return _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps)
+        return _walk_grads(
+            kern, launch, segments, gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, scale, eps
+        )
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     (count, length), nc, dev = segments, -(-n // chunk), v.device
     if states is None:
         keys = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
-        states = _states(kern, launch, segments, k, v, w, keep, qoff, s0, z0, keys)[:2]
+        states = _states(kern, launch, segments, k, v, w, key_weights, qoff, s0, z0, keys)[:2]
     hs, hz = states
     del states
-    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
+    later = _segment_sums(kern, launch, q, gn, gd, w, key_weights, qoff, segments, queries=True) if count > 1 else None
     dh = torch.empty_like(hs)
     dhz = torch.empty_like(hz)
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=dev)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=dev)
-    walk = {key: value for key, value in launch.constants.items() if key != "HAS_KEEP"}
+    walk = {key: value for key, value in launch.constants.items() if key != "HAS_KEY_WEIGHTS"}
     kern._dstates[(b * h * count, *launch.grid[1:])](
         q, _or(w, qoff), qoff, gn, gd, *(later or (ds0, dz0)), dh, dhz, ds0, dz0, n, nc, count, length, scale,
         math.sqrt(scale), eps, HAS_LATER=later is not None, **_chunk_options(launch), **walk,
     )  # fmt: skip
     del later
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype if final else torch.float32, device=dev) for t in (q, k, v))
-    common = dict(HAS_KEEP=keep is not None, **_chunk_constants(launch))
+    common = dict(HAS_KEY_WEIGHTS=key_weights is not None, **_chunk_constants(launch))
     args = (n, nc, h, scale, math.sqrt(scale), eps)
     grid = (b * h, nc)
-    kern._chunk_grads_q[grid](q, k, v, _or(w, qoff), _or(keep, qoff), qoff, hs, hz, gn, gd, dq, *args, **common)
+    kern._chunk_grads_q[grid](q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, hs, hz, gn, gd, dq, *args, **common)
     del hs, hz
-    kern._chunk_grads_kv[grid](q, k, v, _or(w, qoff), _or(keep, qoff), qoff, dh, dhz, gn, gd, dk, dv, *args, **common)
+    kern._chunk_grads_kv[grid](
+        q, k, v, _or(w, qoff), _or(key_weights, qoff), qoff, dh, dhz, gn, gd, dk, dv, *args, **common
+    )
     if s0 is None:  # no initial state to differentiate
         return dq, dk, dv, ds0.new_empty(0), dz0.new_empty(0)
     # the first segment's walk ends at the start
     return dq, dk, dv, ds0.view(b, h, count, m, d)[:, :, 0].contiguous(), dz0.view(b, h, count, m)[:, :, 0].contiguous()
 
 
-def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, sums, z_sums, scale, eps):
+def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, scale, eps):
     """The walk form's backward (see :func:`linear_grads`)."""
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     count, length = segments
@@ -492,10 +497,10 @@ def _walk_grads(kern, launch, segments, gn, gd, q, k, v, w, keep, qoff, s0, z0, 
     ds0 = torch.empty(b * h * count, m, d, dtype=torch.float32, device=v.device)
     dz0 = torch.empty(b * h * count, m, dtype=torch.float32, device=v.device)
     sums = (sums, z_sums) if count > 1 else None  # the keys' segment sums, kept from forward
-    later = _segment_sums(kern, launch, q, gn, gd, w, keep, qoff, segments, queries=True) if count > 1 else None
+    later = _segment_sums(kern, launch, q, gn, gd, w, key_weights, qoff, segments, queries=True) if count > 1 else None
     grid = (b * h * count, *launch.grid[1:])
-    w_arg, keep_arg = _or(w, qoff), _or(keep, qoff)
-    common = dict(HAS_KEEP=keep is not None, **launch.options, **launch.constants)
+    w_arg, keep_arg = _or(w, qoff), _or(key_weights, qoff)
+    common = dict(HAS_KEY_WEIGHTS=key_weights is not None, **launch.options, **launch.constants)
     root = math.sqrt(scale)
     kern._backward_q[grid](
         q, k, v, w_arg, keep_arg, qoff, _or(s0, ds0), _or(z0, dz0), *(sums or (ds0, dz0)), gn, gd, dq, n, h, count,
@@ -516,7 +521,7 @@ def _state_dtype(launch: _Launch) -> torch.dtype:
     return torch.bfloat16 if launch.constants["OPS"] == 1 and TUNING["state_dtype"] != "float32" else torch.float32
 
 
-def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
+def _forward_fake(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
     b, h, n, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     launch = _Launch(q, v, w, kernel, chunk, scale, eps)
@@ -532,7 +537,7 @@ def _forward_fake(q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk):
     return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes), *kept
 
 
-def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
     b, h, _, d = v.shape
     m = q.shape[-1] if kernel == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -542,12 +547,12 @@ def _backward_fake(g, q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, keep, s0, z0, kernel, scale, eps, chunk = inputs
+    q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk = inputs
     out, den, qoff, _, _, sums, z_sums, hs, hz = output
     ctx.settings = (kernel, scale, eps, chunk)
     ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
     # the chunk form's per-chunk states too: backward reads them rather than walking the keys again
-    ctx.save_for_backward(q, k, v, w, keep, qoff, s0, z0, out, den, sums, z_sums, hs, hz)
+    ctx.save_for_backward(q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz)
 
 
 @outside_autocast  # loss.backward() may be called inside autocast
@@ -572,13 +577,13 @@ _backward_op.register_fake(_backward_fake)
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def triton_causal_linear(q, k, v, w, keep, kernel, scale, eps, chunk, s0=None, z0=None):
+def triton_causal_linear(q, k, v, w, key_weights, kernel, scale, eps, chunk, s0=None, z0=None):
     """Causal linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q, k
     (b, h, n, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None
-    and kernel "features"; v (b, h, n, d_v); keep (b, n) float (1 real, 0 padded) or None; scale, eps (the maps');
-    chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
+    and kernel "features"; v (b, h, n, d_v); key_weights (b, n) float (1 real, 0 padded) or None; scale, eps (the
+    maps'); chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
     Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
     lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
     every visible key underflowed."""
-    out, den, _, s, z, *_ = _forward_op(q, k, v, w, keep, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    out, den, _, s, z, *_ = _forward_op(q, k, v, w, key_weights, s0, z0, kernel, float(scale), float(eps), int(chunk))
     return out, s.detach(), z.detach(), den[-1]

@@ -148,30 +148,30 @@ def _segment(n, P, L, XD: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: t
 
 
 @triton.jit
-def _key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP: tl.constexpr):
-    """The (C,) float32 weights of the keys at ``ot``: KEEP of bh's batch when given, else 1; 0 past n."""
-    if HAS_KEEP:
-        keep = tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)
+def _key_weights(KEY_WEIGHTS, bh, H, n, ot, tmask, HAS_KEY_WEIGHTS: tl.constexpr):
+    """The (C,) float32 weights of the keys at ``ot``: KEY_WEIGHTS of bh's batch when given, else 1; 0 past n."""
+    if HAS_KEY_WEIGHTS:
+        key_weights = tl.load(KEY_WEIGHTS + (bh // H) * n + ot, mask=tmask, other=0.0)
     else:
-        keep = tmask.to(tl.float32)
-    return keep
+        key_weights = tmask.to(tl.float32)
+    return key_weights
 
 
 @triton.jit
 def _chunk(
-    Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D: tl.constexpr,
-    XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr, HAS_KEEP: tl.constexpr, OPS: tl.constexpr,
+    Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D: tl.constexpr,
+    XD: tl.constexpr, XDP: tl.constexpr, MAP: tl.constexpr, HAS_KEY_WEIGHTS: tl.constexpr, OPS: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """What every causal kernel reads of the chunk ``ot``: its mask, the keys' weights, the query features and the
     weighted key features, each with the x, W' of :func:`_features`, and v (C, BD) float32."""
     tmask = ot < n
-    keep = _key_weights(KEEP, bh, H, n, ot, tmask, HAS_KEEP)
+    key_weights = _key_weights(KEY_WEIGHTS, bh, H, n, ot, tmask, HAS_KEY_WEIGHTS)
     pq, xq, wq = _features(Q, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, True, OPS, PREC)
     pk, xk, wk = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-    pk = pk * keep[:, None]
+    pk = pk * key_weights[:, None]
     vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-    return tmask, keep, pq, xq, wq, pk, xk, wk, vv
+    return tmask, key_weights, pq, xq, wq, pk, xk, wk, vv
 
 
 @triton.jit
@@ -233,7 +233,7 @@ def _forward(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     S0,
     Z0,
@@ -258,7 +258,7 @@ def _forward(
     BM: tl.constexpr,
     BD: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     HAS_S0: tl.constexpr,
     HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
@@ -268,9 +268,9 @@ def _forward(
     s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
-        tmask, _keep, pq, _x, _w, pk, _x, _w, vv = _chunk(
-            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
-            OPS, PREC,
+        tmask, _weights, pq, _x, _w, pk, _x, _w, vv = _chunk(
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         scores = tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
         scores = tl.where(ot[:, None] >= ot[None, :], scores, 0.0)
@@ -327,7 +327,7 @@ def _backward_q(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     S0,
     Z0,
@@ -351,7 +351,7 @@ def _backward_q(
     BM: tl.constexpr,
     BD: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     HAS_S0: tl.constexpr,
     HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
@@ -362,9 +362,9 @@ def _backward_q(
     s, z = _start_state(S0, Z0, SUMS, Z_SUMS, bh, seg % P, P, om, od, M, D, BM, BD, HAS_S0, HAS_SUMS, False)
     for c in range(start, end, C):
         ot = c + tl.arange(0, C)
-        tmask, _keep, pq, x, w, pk, _x, _w, vv = _chunk(
-            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
-            OPS, PREC,
+        tmask, _weights, pq, x, w, pk, _x, _w, vv = _chunk(
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
         gd = gd * first
@@ -384,7 +384,7 @@ def _backward_kv(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     GN,
     GD,
@@ -409,7 +409,7 @@ def _backward_kv(
     BM: tl.constexpr,
     BD: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     HAS_LATER: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
@@ -421,9 +421,9 @@ def _backward_kv(
     chunks = tl.cdiv(end - start, C)
     for i in range(0, chunks):
         ot = start + (chunks - 1 - i) * C + tl.arange(0, C)
-        tmask, keep, pq, _x, _w, pk, x, w, vv = _chunk(
-            Q, K, V, W, KEEP, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP, HAS_KEEP,
-            OPS, PREC,
+        tmask, key_weights, pq, _x, _w, pk, x, w, vv = _chunk(
+            Q, K, V, W, KEY_WEIGHTS, QOFF, bh, H, n, row, vrow, qrow, ot, om, od, scale, root, eps, D, XD, XDP, MAP,
+            HAS_KEY_WEIGHTS, OPS, PREC,
         )  # fmt: skip
         gn, gd = _output_grads(GN, GD, vrow, qrow, ot, od, tmask, D)
         causal = ot[:, None] <= ot[None, :]  # rows: keys s, columns: queries t
@@ -431,14 +431,14 @@ def _backward_kv(
         d_scores_t = tl.where(causal, d_scores_t + first * gd[None, :], 0.0)
         dpk = tl.dot(_operand(d_scores_t, OPS), _operand(pq, OPS), input_precision=PREC)
         dpk += tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC)
-        dpk = (dpk + first * dz[None, :]) * keep[:, None]
+        dpk = (dpk + first * dz[None, :]) * key_weights[:, None]
         scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
         scores_t = tl.where(causal, scores_t, 0.0)
         dv = tl.dot(_operand(scores_t, OPS), _operand(gn, OPS), input_precision=PREC)
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
         dk = _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
         _add_input_grad(DK, row, ot, tmask, om, dk, XD, XDP, MAP, True)
-        tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None])
+        tl.atomic_add(DV + vrow + ot[:, None] * D + od[None, :], dv * key_weights[:, None], mask=tmask[:, None])
         ds += tl.dot(_operand(tl.trans(pq), OPS), _operand(gn, OPS), input_precision=PREC)
         dz += tl.sum(pq * gd[:, None], 0)
     _store_state(DS0, DZ0, seg, om, od, ds, dz, M, D)
@@ -450,7 +450,7 @@ def _segment_sums(
     Y,
     G,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     S_OUT,
     Z_OUT,
@@ -469,7 +469,7 @@ def _segment_sums(
     BM: tl.constexpr,
     BD: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     QUERIES: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
@@ -489,8 +489,8 @@ def _segment_sums(
             weight = tl.load(G + qrow + ot, mask=tmask, other=0.0)
         else:
             weight = tmask.to(tl.float32)
-            if HAS_KEEP:
-                phi = phi * tl.load(KEEP + (bh // H) * n + ot, mask=tmask, other=0.0)[:, None]
+            if HAS_KEY_WEIGHTS:
+                phi = phi * tl.load(KEY_WEIGHTS + (bh // H) * n + ot, mask=tmask, other=0.0)[:, None]
         y = tl.load(Y + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         s += tl.dot(_operand(tl.trans(phi), OPS), _operand(y, OPS), input_precision=PREC)
         z += tl.sum(phi * weight[:, None], 0)
@@ -547,7 +547,7 @@ def _states(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     S0,
     Z0,
@@ -573,7 +573,7 @@ def _states(
     BM: tl.constexpr,
     BD: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     HAS_S0: tl.constexpr,
     HAS_SUMS: tl.constexpr,
     OPS: tl.constexpr,
@@ -589,9 +589,9 @@ def _states(
         chunk = (bh * NC + c // C).to(tl.int64)
         tl.store(H + chunk * M * D + om[:, None] * D + od[None, :], s.to(H.dtype.element_ty))
         tl.store(HZ + chunk * M + om, z, mask=om * 0 + tl.program_id(2) == 0)
-        keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+        key_weights = _key_weights(KEY_WEIGHTS, bh, HH, n, ot, tmask, HAS_KEY_WEIGHTS)
         pk, _x, _w = _features(K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, XD, XDP, MAP, False, OPS, PREC)
-        pk = pk * keep[:, None]
+        pk = pk * key_weights[:, None]
         vv = tl.load(V + vrow + ot[:, None] * D + od[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         s, z = _advance(s, z, pk, vv, OPS, PREC)
     _store_state(S_OUT, Z_OUT, seg, om, od, s, z, M, D)
@@ -667,7 +667,7 @@ def _chunk_features(
 
 @triton.jit
 def _chunk_pair(
-    Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M: tl.constexpr, XD: tl.constexpr,
+    Q, K, W, QOFF, row, qrow, ot, tmask, om, key_weights, scale, root, eps, M: tl.constexpr, XD: tl.constexpr,
     XDP: tl.constexpr, MAP: tl.constexpr, OPS: tl.constexpr, PREC: tl.constexpr, MASK_M: tl.constexpr,
 ):  # fmt: skip
     """The chunk's query and weighted key features of the m-block ``om`` (:func:`_chunk_features`), each with the
@@ -678,7 +678,7 @@ def _chunk_pair(
     pk, xk, wk = _chunk_features(
         K, W, QOFF, row, qrow, ot, tmask, om, scale, root, eps, M, XD, XDP, MAP, False, OPS, PREC, MASK_M
     )  # fmt: skip
-    return pq, xq, wq, pk * keep[:, None], xk, wk
+    return pq, xq, wq, pk * key_weights[:, None], xk, wk
 
 
 @triton.jit
@@ -711,7 +711,7 @@ def _chunk_out(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     H,
     HZ,
@@ -733,7 +733,7 @@ def _chunk_out(
     C: tl.constexpr,
     BM: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     NORMALIZE: tl.constexpr,
     OPS: tl.constexpr,
@@ -746,14 +746,14 @@ def _chunk_out(
     stored as they are. Grid (b·h, NC)."""
     bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
     dmask = od < D
-    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    key_weights = _key_weights(KEY_WEIGHTS, bh, HH, n, ot, tmask, HAS_KEY_WEIGHTS)
     scores = tl.zeros((C, C), tl.float32)
     num = tl.zeros((C, DP), tl.float32)
     den = tl.zeros((C,), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pq, _xq, _wq, pk, _xk, _wk = _chunk_pair(
-            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, key_weights, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
         scores += tl.dot(_operand(pq, OPS), _operand(tl.trans(pk), OPS), input_precision=PREC)
         s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
@@ -796,7 +796,7 @@ def _chunk_grads_q(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     H,
     HZ,
@@ -817,7 +817,7 @@ def _chunk_grads_q(
     C: tl.constexpr,
     BM: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
     MASK_M: tl.constexpr,
@@ -825,13 +825,13 @@ def _chunk_grads_q(
     """One chunk's dL/dq: dphi_q = tril(gn vᵀ + gd) phi_k + gn Sᵀ + gd z per m-block, through the map, summed in
     registers (given features: each m-block's columns stored). Grid (b·h, NC)."""
     bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
-    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    key_weights = _key_weights(KEY_WEIGHTS, bh, HH, n, ot, tmask, HAS_KEY_WEIGHTS)
     gn, gd, _v, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
     dq = tl.zeros((C, XDP), tl.float32)
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pq, x, w, pk, _xk, _wk = _chunk_pair(
-            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, key_weights, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
         s, hz = _state_rows(H, HZ, chunk, om, od, M, D, MASK_M)
         dpq = tl.dot(_operand(d_scores, OPS), _operand(pk, OPS), input_precision=PREC)
@@ -851,7 +851,7 @@ def _chunk_grads_kv(
     K,
     V,
     W,
-    KEEP,
+    KEY_WEIGHTS,
     QOFF,
     DH,
     DHZ,
@@ -873,17 +873,17 @@ def _chunk_grads_kv(
     C: tl.constexpr,
     BM: tl.constexpr,
     MAP: tl.constexpr,
-    HAS_KEEP: tl.constexpr,
+    HAS_KEY_WEIGHTS: tl.constexpr,
     OPS: tl.constexpr,
     PREC: tl.constexpr,
     MASK_M: tl.constexpr,
 ):
-    """One chunk's dL/dk and dL/dv: dphi_k = (tril(gn vᵀ + gd)ᵀ phi_q + v dSᵀ + dz) keep and
-    dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) keep per m-block, summed in registers, with dS, dz the queries' sums
-    over the later chunks (DH, DHZ). Grid (b·h, NC)."""
+    """One chunk's dL/dk and dL/dv: dphi_k = (tril(gn vᵀ + gd)ᵀ phi_q + v dSᵀ + dz) key_weights and
+    dv = (tril(phi_q phi_kᵀ)ᵀ gn + phi_k dS) key_weights per m-block, summed in registers, with dS, dz the queries'
+    sums over the later chunks (DH, DHZ). Grid (b·h, NC)."""
     bh, ot, tmask, chunk, od, row, vrow, qrow = _chunk_ids(n, NC, XD, D, C, DP)
     dmask = od < D
-    keep = _key_weights(KEEP, bh, HH, n, ot, tmask, HAS_KEEP)
+    key_weights = _key_weights(KEY_WEIGHTS, bh, HH, n, ot, tmask, HAS_KEY_WEIGHTS)
     gn, _gd, vv, d_scores = _chunk_grad_inputs(GN, GD, V, vrow, qrow, ot, tmask, od, D, OPS, PREC)
     d_scores_t = tl.trans(d_scores)
     dk = tl.zeros((C, XDP), tl.float32)
@@ -892,7 +892,7 @@ def _chunk_grads_kv(
     for mb in range(0, M, BM):
         om = mb + tl.arange(0, BM)
         pq, _xq, _wq, pk, x, w = _chunk_pair(
-            Q, K, W, QOFF, row, qrow, ot, tmask, om, keep, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
+            Q, K, W, QOFF, row, qrow, ot, tmask, om, key_weights, scale, root, eps, M, XD, XDP, MAP, OPS, PREC, MASK_M
         )  # fmt: skip
         ds, dhz = _state_rows(DH, DHZ, chunk, om, od, M, D, MASK_M)
         scores_t = tl.dot(_operand(pk, OPS), _operand(tl.trans(pq), OPS), input_precision=PREC)
@@ -901,11 +901,11 @@ def _chunk_grads_kv(
         dv += tl.dot(_operand(pk, OPS), _operand(ds, OPS), input_precision=PREC)
         dpk = tl.dot(_operand(d_scores_t, OPS), _operand(pq, OPS), input_precision=PREC)
         dpk += tl.dot(_operand(vv, OPS), _operand(tl.trans(ds), OPS), input_precision=PREC)
-        dpk = (dpk + dhz[None, :]) * keep[:, None]
+        dpk = (dpk + dhz[None, :]) * key_weights[:, None]
         if MAP == 0:
             _add_input_grad(DK, row, ot, tmask, om, dpk, XD, XDP, MAP, False)
         else:
             dk += _feature_grad(dpk, pk, x, w, scale, eps, MAP, False, OPS, PREC)
     if MAP != 0:
         _add_input_grad(DK, row, ot, tmask, 0, dk, XD, XDP, MAP, False)
-    tl.store(DV + vrow + ot[:, None] * D + od[None, :], dv * keep[:, None], mask=tmask[:, None] & dmask[None, :])
+    tl.store(DV + vrow + ot[:, None] * D + od[None, :], dv * key_weights[:, None], mask=tmask[:, None] & dmask[None, :])

@@ -46,33 +46,35 @@ from ._precision import outside_autocast
 from ._triton_bidirectional import triton_bidirectional_linear
 from ._triton_causal import triton_causal_linear
 from .backends import NATIVE_CHUNK, TRITON_CHUNK, choose_backend
-from .feature_maps import KERNELS, compute_dtype, favor_exponents, random_feature_map
+from .feature_maps import RANDOM_FEATURE_MAPS, compute_dtype, favor_exponents, random_feature_map
 from .reference import favor_reference
 
 _TINY = 1e-30  # floor for denominators that are exactly zero (every key padded), never reached otherwise
 
 
-@renamed_keywords("0.3.0", projection="random_features")
+@renamed_keywords("0.3.0", projection="random_features", kernel="feature_map", kernel_eps="feature_eps")
 @outside_autocast
 def favor_features(
     x: torch.Tensor,
     random_features: torch.Tensor,
     *,
     is_query: bool,
-    kernel: str = "softmax",
+    feature_map: str = "softmax",
     scale: float | None = None,
-    kernel_eps: float = 1e-3,
+    feature_eps: float = 1e-3,
 ) -> torch.Tensor:
     """Feature map phi: (batch, heads, length, head_dim) -> (batch, heads, length, num_features), float32 (float64
     for float64 x).
 
-    ``kernel="softmax"``: the stabilized positive random features of Lemma 1 (:func:`feature_maps.favor_positive`);
+    ``feature_map="softmax"``: the stabilized positive random features of Lemma 1 (:func:`feature_maps.favor_positive`);
     phi_q(q)·phi_k(k) is proportional, per query, to the unbiased estimate of exp(scale * q·k).
-    ``kernel="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
+    ``feature_map="relu"``: the generalized kernel phi(x) = ReLU(W x') + eps (Section 2.2,
     :func:`feature_maps.relu_features`), the same map for queries and keys; x' = x * scale**0.5.
     ``random_features``: the random features W (num_features, head_dim) drawn by :func:`draw_random_features`.
     """
-    features = random_feature_map(x, random_features, is_query=is_query, kernel=kernel, scale=scale, eps=kernel_eps)
+    features = random_feature_map(
+        x, random_features, is_query=is_query, feature_map=feature_map, scale=scale, eps=feature_eps
+    )
     return features.to(compute_dtype(x))
 
 
@@ -93,12 +95,12 @@ def _masked_inputs(
     return phi_k * key_weights, v * key_weights
 
 
-def _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, *, causal: bool) -> torch.Tensor | None:
+def _check_favor_args(q, k, v, random_features, key_padding_mask, feature_map, *, causal: bool) -> torch.Tensor | None:
     check_qkv(q, k, v, same_length=causal)
     if not isinstance(random_features, torch.Tensor):
         raise TypeError(f"random_features must be a torch.Tensor, got {type(random_features).__name__}")
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    if feature_map not in RANDOM_FEATURE_MAPS:
+        raise ValueError(f"unknown FAVOR+ feature map {feature_map!r}; choose one of {RANDOM_FEATURE_MAPS}")
     if random_features.dim() != 2 or random_features.shape[1] != q.shape[-1]:
         raise ValueError(
             f"random_features must be shaped (num_features, head_dim={q.shape[-1]}), got {tuple(random_features.shape)}"
@@ -148,7 +150,7 @@ def _chosen_backend(q, k, v, random_features, causal, chunk_size, initial_state,
     return "chunked" if state_in else chosen
 
 
-@renamed_keywords("0.3.0", projection="random_features")
+@renamed_keywords("0.3.0", projection="random_features", kernel="feature_map", kernel_eps="feature_eps")
 @outside_autocast
 def favor_attention(
     q: torch.Tensor,
@@ -158,11 +160,11 @@ def favor_attention(
     *,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
-    kernel: str = "softmax",
+    feature_map: str = "softmax",
     scale: float | None = None,
     chunk_size: int | None = None,
     block_size: int | None = None,
-    kernel_eps: float = 1e-3,
+    feature_eps: float = 1e-3,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
     backend: str | None = None,
@@ -200,7 +202,7 @@ def favor_attention(
     Returns:
         (batch, heads, length, head_dim) in v's dtype, and the state when ``return_state``.
     """
-    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, causal=causal)
+    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, feature_map, causal=causal)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal FAVOR+ only")
     for name, value in (("chunk_size", chunk_size), ("block_size", block_size)):
@@ -223,25 +225,29 @@ def favor_attention(
             random_features,
             causal=causal,
             key_padding_mask=mask,
-            kernel=kernel,
+            feature_map=feature_map,
             scale=scale,
-            kernel_eps=kernel_eps,
+            feature_eps=feature_eps,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = random_features.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     key_weights = None if mask is None else mask[:, None, :, None].float()
     if chosen == "blockwise":  # hand-written backwards that recompute the feature maps, in both
         return FavorBidirectional.apply(
-            q, k, v, w, key_weights, kernel, scale, kernel_eps, block_size or BIDIRECTIONAL_BLOCK
+            q, k, v, w, key_weights, feature_map, scale, feature_eps, block_size or BIDIRECTIONAL_BLOCK
         )
     if not causal and chosen == "triton":  # both products with the feature maps computed inside the kernels
         mask_f = None if mask is None else mask.float()
-        return triton_bidirectional_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk_size or TRITON_CHUNK)
+        return triton_bidirectional_linear(
+            q, k, v, w, mask_f, feature_map, scale, feature_eps, chunk_size or TRITON_CHUNK
+        )
     if not causal:
-        return FavorBidirectionalChunked.apply(q, k, v, w, key_weights, kernel, scale, kernel_eps, half_operands(v))
+        return FavorBidirectionalChunked.apply(
+            q, k, v, w, key_weights, feature_map, scale, feature_eps, half_operands(v)
+        )
     if state_in:
         initial_state = _unpack_state(initial_state, q, v, w)
-        if kernel == "softmax":  # offsets per position, continuing from the state's own
+        if feature_map == "softmax":  # offsets per position, continuing from the state's own
             out, state = favor_causal_offsets(q, k, v, w, key_weights, scale, chunk_size, initial_state)
         else:  # ReLU features need no offset: the chunked backend takes the state as true sums (offset 0)
             s0, z0 = _at_offset_zero(initial_state)
@@ -251,9 +257,9 @@ def favor_attention(
                 v,
                 w,
                 key_weights,
-                kernel,
+                feature_map,
                 scale,
-                kernel_eps,
+                feature_eps,
                 chunk_size or DEFAULT_CHUNK,
                 torch.cat([s0, z0[..., None]], -1),
                 half_operands(v),
@@ -264,18 +270,28 @@ def favor_attention(
         chunk = chunk_size or NATIVE_CHUNK
         block_chunks = None if block_size is None else max(1, block_size // chunk)
         out, s, z, lost = FavorCausalNative.apply(
-            q, k, v, w, key_weights, kernel, scale, kernel_eps, chunk, block_chunks
+            q, k, v, w, key_weights, feature_map, scale, feature_eps, chunk, block_chunks
         )
     elif chosen == "triton":  # the feature maps computed inside the kernels
         mask_f = None if mask is None else mask.float()
         chunk = chunk_size or TRITON_CHUNK
-        out, s, z, lost = triton_causal_linear(q, k, v, w, mask_f, kernel, scale, kernel_eps, chunk, None, None)
+        out, s, z, lost = triton_causal_linear(q, k, v, w, mask_f, feature_map, scale, feature_eps, chunk, None, None)
     else:
         out, s, z, lost = FavorCausalChunked.apply(
-            q, k, v, w, key_weights, kernel, scale, kernel_eps, chunk_size or DEFAULT_CHUNK, None, half_operands(v)
+            q,
+            k,
+            v,
+            w,
+            key_weights,
+            feature_map,
+            scale,
+            feature_eps,
+            chunk_size or DEFAULT_CHUNK,
+            None,
+            half_operands(v),
         )
     state = (s, z, s.new_zeros(s.shape[:2]))  # both run at offset M = 0
-    if kernel == "softmax":
+    if feature_map == "softmax":
         out, state = _redone_if_lost(lost, out, state, q, k, v, w, key_weights, scale, chunk_size)
     return (out, state) if return_state else out
 
@@ -368,7 +384,7 @@ def _moved_offset(offset, top, level):
     return torch.where(move, target, offset)
 
 
-@renamed_keywords("0.3.0", projection="random_features")
+@renamed_keywords("0.3.0", projection="random_features", kernel="feature_map", kernel_eps="feature_eps")
 @outside_autocast
 def favor_step(
     q: torch.Tensor,
@@ -378,9 +394,9 @@ def favor_step(
     state: tuple[torch.Tensor, ...] | None,
     *,
     key_padding_mask: torch.Tensor | None = None,
-    kernel: str = "softmax",
+    feature_map: str = "softmax",
     scale: float | None = None,
-    kernel_eps: float = 1e-3,
+    feature_eps: float = 1e-3,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One recurrent decoding step of causal FAVOR+ for new tokens of length 1.
 
@@ -395,14 +411,18 @@ def favor_step(
     :func:`draw_random_features`, the same draw as the prefill's. ``key_padding_mask`` (batch, 1) drops a padded
     new token from the state. Returns (out, (S, z, M)).
     """
-    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, kernel, causal=True)
+    mask = _check_favor_args(q, k, v, random_features, key_padding_mask, feature_map, causal=True)
     if q.shape[2] != 1:
         raise ValueError(f"favor_step takes one new token, got length {q.shape[2]}; use favor_attention to prefill")
     w = random_features.to(device=q.device, dtype=compute_dtype(v))  # float64 inputs: float64 math throughout
     s0, z0, offset = _unpack_state(state, q, v, w)
-    phi_q = favor_features(q, random_features, is_query=True, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
-    if kernel == "relu":  # bounded features: the state stays at offset 0
-        phi_k = favor_features(k, random_features, is_query=False, kernel=kernel, scale=scale, kernel_eps=kernel_eps)
+    phi_q = favor_features(
+        q, random_features, is_query=True, feature_map=feature_map, scale=scale, feature_eps=feature_eps
+    )
+    if feature_map == "relu":  # bounded features: the state stays at offset 0
+        phi_k = favor_features(
+            k, random_features, is_query=False, feature_map=feature_map, scale=scale, feature_eps=feature_eps
+        )
         (s0, z0), offset = _at_offset_zero((s0, z0, offset)), torch.zeros_like(offset)
     else:
         u = _exponents(k, w, q.shape[-1] ** -0.5 if scale is None else scale, is_query=False)  # (b, h, 1, m)

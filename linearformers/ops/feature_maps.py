@@ -40,9 +40,9 @@ from ..seeds import mix_seed
 from ._checks import renamed_keywords
 from ._precision import outside_autocast
 
-KERNELS = ("softmax", "relu")  # the random-feature kernels of favor_attention
-# PerformerConfig.kernel's choices: the random-feature kernels and the learned Hedgehog map (HedgehogFeatureMap)
-PERFORMER_KERNELS = (*KERNELS, "hedgehog")
+RANDOM_FEATURE_MAPS = ("softmax", "relu")  # the feature maps of favor_attention, both over drawn random features
+# PerformerConfig.feature_map's choices: the random-feature maps and the learned Hedgehog map (HedgehogFeatureMap)
+FEATURE_MAPS = (*RANDOM_FEATURE_MAPS, "hedgehog")
 
 
 def draw_random_features(
@@ -180,23 +180,24 @@ def relu_features(
     return phi
 
 
+@renamed_keywords("0.3.0", kernel="feature_map")
 def random_feature_map(
     x: torch.Tensor,
     random_features: torch.Tensor,
     *,
     is_query: bool,
-    kernel: str = "softmax",
+    feature_map: str = "softmax",
     scale: float | None = None,
     eps: float = 1e-3,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The FAVOR+ map named by ``kernel`` ("softmax": :func:`favor_positive`, "relu": :func:`relu_features`)."""
-    if kernel == "softmax":
+    """The FAVOR+ map named by ``feature_map`` ("softmax": :func:`favor_positive`, "relu": :func:`relu_features`)."""
+    if feature_map == "softmax":
         return favor_positive(x, random_features, is_query=is_query, scale=scale, key_padding_mask=key_padding_mask)
-    if kernel == "relu":
+    if feature_map == "relu":
         mask = None if is_query else key_padding_mask
         return relu_features(x, random_features, scale=scale, eps=eps, key_padding_mask=mask)
-    raise ValueError(f"unknown FAVOR+ kernel {kernel!r}; choose one of {KERNELS}")
+    raise ValueError(f"unknown FAVOR+ feature map {feature_map!r}; choose one of {RANDOM_FEATURE_MAPS}")
 
 
 class FavorPositive:

@@ -59,7 +59,7 @@ def softmax_reference(
     return _attend(q @ k.transpose(-1, -2) * scale, allowed, v)
 
 
-@renamed_keywords("0.3.0", projection="random_features")
+@renamed_keywords("0.3.0", projection="random_features", kernel="feature_map", kernel_eps="feature_eps")
 def favor_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,23 +68,23 @@ def favor_reference(
     *,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
-    kernel: str = "softmax",
+    feature_map: str = "softmax",
     scale: float | None = None,
-    kernel_eps: float = 1e-3,
+    feature_eps: float = 1e-3,
 ) -> torch.Tensor:
     """FAVOR+ as the (n x n) matrix A = phi(Q) phi(K)ᵀ, row-normalized:  out = D⁻¹ A V,  D = diag(A 1)
     (Choromanski et al. 2021, Eq. 7-9), with A lower-triangular when causal and padded keys' columns removed.
 
     x' = x · scale^½ and w_i the rows of ``random_features`` (m of them).
 
-    * ``kernel="softmax"``: the positive random features of Lemma 1, phi(x)_i = exp(w_i·x' - |x'|²/2) / √m, whose
-      product estimates exp(q'·k'). Factors that depend on the query alone (exp(-|q'|²/2) / m, and any
+    * ``feature_map="softmax"``: the positive random features of Lemma 1, phi(x)_i = exp(w_i·x' - |x'|²/2) / √m,
+      whose product estimates exp(q'·k'). Factors that depend on the query alone (exp(-|q'|²/2) / m, and any
       stabilizer of favor.py) cancel in D⁻¹ A, so A is taken in log space, per (query t, key s):
 
           log A_ts = logsumexp_i (w_i·q'_t + w_i·k'_s - |k'_s|²/2)
 
       and the row normalization is a softmax of log A over the allowed keys: exact for keys of any norm.
-    * ``kernel="relu"``: phi(x) = ReLU(W x') + kernel_eps for queries and keys alike (Section 2.2),
+    * ``feature_map="relu"``: phi(x) = ReLU(W x') + feature_eps for queries and keys alike (Section 2.2),
       :func:`feature_maps.relu_features`.
 
     Returns (batch, heads, n_q, head_dim) in v's dtype.
@@ -92,16 +92,16 @@ def favor_reference(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = random_features.to(device=q.device, dtype=q.dtype)
     qs, ks = q * math.sqrt(scale), k * math.sqrt(scale)
-    if kernel == "softmax":
+    if feature_map == "softmax":
         u_q = qs @ w.T  # (b, h, n_q, m)
         u_k = ks @ w.T - 0.5 * ks.pow(2).sum(-1, keepdim=True)  # (b, h, n_k, m)
         log_a = torch.logsumexp(u_q[:, :, :, None, :] + u_k[:, :, None, :, :], dim=-1)  # (b, h, n_q, n_k)
-    elif kernel == "relu":
-        phi_q = relu_features(q, w, scale=scale, eps=kernel_eps).to(q.dtype)
-        phi_k = relu_features(k, w, scale=scale, eps=kernel_eps).to(q.dtype)
+    elif feature_map == "relu":
+        phi_q = relu_features(q, w, scale=scale, eps=feature_eps).to(q.dtype)
+        phi_k = relu_features(k, w, scale=scale, eps=feature_eps).to(q.dtype)
         log_a = torch.log(phi_q @ phi_k.transpose(-1, -2))
     else:
-        raise ValueError(f"unknown FAVOR+ kernel {kernel!r}")
+        raise ValueError(f"unknown FAVOR+ feature map {feature_map!r}")
     n_q, n_k = q.shape[2], k.shape[2]
     allowed = _key_mask(key_padding_mask, k.shape[0], n_k, q.device)
     if causal:

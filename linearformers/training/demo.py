@@ -28,7 +28,7 @@ from ..hub_cards import save_for_hub
 from .loop import ModelDataArguments, train
 
 MODELS = {
-    "performer": 'num_random_features=64,position_embedding_type="rotary",num_local_heads=1,local_window=32,'
+    "performer": 'num_features=64,position_embedding_type="rotary",num_local_heads=1,local_window=32,'
     "feature_redraw_interval=100",
     "linformer": 'projected_length=64,sharing="key_value"',
 }

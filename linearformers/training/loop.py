@@ -163,7 +163,8 @@ def parse_overrides(overrides: str | None, config_class: type[PreTrainedConfig])
         key, value = key.strip(), value.strip()
         if not equals or not key:
             raise ValueError(f"config_overrides item {item!r} is not of the form field=value")
-        if key not in config_class.__dataclass_fields__:
+        # a renamed field's old name passes on: the config warns and takes it under its new name
+        if key not in config_class.__dataclass_fields__ and key not in config_class.old_names:
             raise ValueError(f"config_overrides names {key!r}, which is not a {config_class.__name__} field")
         if value in ("", "None", "null"):
             fields[key] = None

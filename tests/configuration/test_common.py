@@ -10,7 +10,7 @@ from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel
 
 from linearformers import LinformerConfig, PerformerConfig
-from linearformers.ops.feature_maps import PERFORMER_KERNELS
+from linearformers.ops.feature_maps import FEATURE_MAPS
 from linearformers.ops.linformer import METHODS
 
 
@@ -68,8 +68,8 @@ def _refused(cls, kwargs, cause):
 @pytest.mark.parametrize(
     "cls,kwargs",
     [
-        (PerformerConfig, dict(num_random_features=-3)),
-        (PerformerConfig, dict(num_random_features=0)),
+        (PerformerConfig, dict(num_features=-3)),
+        (PerformerConfig, dict(num_features=0)),
         (PerformerConfig, dict(causal_chunk_size=0)),
         (LinformerConfig, dict(causal_chunk_size=-4)),
         (PerformerConfig, dict(feature_redraw_interval=-1)),
@@ -94,7 +94,7 @@ def _refused(cls, kwargs, cause):
         (LinformerConfig, dict(initializer_range=-0.02)),
         (PerformerConfig, dict(hidden_dropout_prob=float("nan"))),
         (PerformerConfig, dict(classifier_dropout=1.0)),
-        (PerformerConfig, dict(kernel_eps=-1e-3)),
+        (PerformerConfig, dict(feature_eps=-1e-3)),
         (PerformerConfig, dict(hybrid_window=0)),
         (PerformerConfig, dict(hybrid_window=-1)),
     ],
@@ -106,7 +106,7 @@ def test_a_value_out_of_its_field_range_is_refused_naming_the_field_and_the_valu
 @pytest.mark.parametrize(
     "cls,name,value,choices",
     [
-        (PerformerConfig, "kernel", "cosine", PERFORMER_KERNELS),
+        (PerformerConfig, "feature_map", "cosine", FEATURE_MAPS),
         (LinformerConfig, "projection", "fft", METHODS),
         (LinformerConfig, "sharing", "everything", ("per_head", "headwise", "key_value", "layerwise")),
         (PerformerConfig, "position_embedding_type", "alibi", ("absolute", "sinusoidal", "rotary")),
@@ -129,7 +129,7 @@ def test_every_field_we_declare_has_an_annotation_strict_checks(cls):
 
 def test_the_config_choices_are_the_attention_floor_tuples():
     fields = {f.name: f.type for f in dataclasses.fields(PerformerConfig)}
-    assert typing.get_args(fields["kernel"]) == PERFORMER_KERNELS
+    assert typing.get_args(fields["feature_map"]) == FEATURE_MAPS
     fields = {f.name: f.type for f in dataclasses.fields(LinformerConfig)}
     assert typing.get_args(fields["projection"]) == METHODS
 
@@ -139,10 +139,10 @@ def test_configs_round_trip_through_json(tmp_path):
     cfg.save_pretrained(tmp_path)
     again = LinformerConfig.from_pretrained(tmp_path)
     assert (again.projected_length, again.sharing, again.max_seq_length) == (64, "key_value", 512)
-    pc = PerformerConfig(num_random_features=64, kernel="relu", feature_seed=7, hybrid_window=64)
+    pc = PerformerConfig(num_features=64, feature_map="relu", feature_seed=7, hybrid_window=64)
     pc.save_pretrained(tmp_path / "p")
     again = PerformerConfig.from_pretrained(tmp_path / "p")
-    assert (again.num_random_features, again.kernel, again.feature_seed, again.hybrid_window) == (64, "relu", 7, 64)
+    assert (again.num_features, again.feature_map, again.feature_seed, again.hybrid_window) == (64, "relu", 7, 64)
     assert PerformerConfig().hybrid_window is None
 
 
@@ -152,11 +152,11 @@ def test_configs_round_trip_through_json(tmp_path):
         (PerformerConfig, dict(hidden_size=16.0), "expected int, got float (value: 16.0)"),
         (PerformerConfig, dict(vocab_size="50"), "expected int, got str (value: '50')"),
         (PerformerConfig, dict(is_decoder="yes"), "expected bool, got str (value: 'yes')"),
-        (PerformerConfig, dict(num_random_features=True), "expected int, got bool (value: True)"),
+        (PerformerConfig, dict(num_features=True), "expected int, got bool (value: True)"),
         (PerformerConfig, dict(feature_redraw_interval=2.5), "expected int, got float (value: 2.5)"),
         (PerformerConfig, dict(hybrid_window=2.5), "expected int, got float (value: 2.5)"),
         (PerformerConfig, dict(hybrid_window=True), "expected int, got bool (value: True)"),
-        (PerformerConfig, dict(kernel=3), "got 3"),
+        (PerformerConfig, dict(feature_map=3), "got 3"),
         (LinformerConfig, dict(sharing=None), "got None"),
         (
             LinformerConfig,
@@ -180,11 +180,11 @@ def test_assignment_after_construction_is_checked_and_models_recheck_values():
     assert cfg.hidden_size == 32, "a refused assignment leaves the field as it was"
     with pytest.raises(StrictDataclassFieldValidationError, match="field 'projection'"):
         LinformerConfig().projection = 3
-    with pytest.raises(StrictDataclassFieldValidationError, match="(?s)field 'kernel'.*got bad"):
-        cfg.kernel = "bad"
+    with pytest.raises(StrictDataclassFieldValidationError, match="(?s)field 'feature_map'.*got bad"):
+        cfg.feature_map = "bad"
     with pytest.raises(StrictDataclassFieldValidationError, match="(?s)field 'hidden_dropout_prob'.*got 1.5"):
         cfg.hidden_dropout_prob = 1.5
-    assert (cfg.kernel, cfg.hidden_dropout_prob) == ("softmax", 0.1)
+    assert (cfg.feature_map, cfg.hidden_dropout_prob) == ("softmax", 0.1)
     cfg.hidden_dropout_prob = 0  # an int is a float
     cfg.custom_note = "anything"  # attributes that are not fields are not checked
     cfg.num_attention_heads = 5  # a value that only fails together with hidden_size
@@ -207,7 +207,7 @@ def _float_fields(cls):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=str)
 def test_every_float_field_refuses_nan_and_infinity_naming_the_field(cls, bad):
     names = _float_fields(cls)
-    assert "layer_norm_eps" in names and (cls is LinformerConfig or "kernel_eps" in names)
+    assert "layer_norm_eps" in names and (cls is LinformerConfig or "feature_eps" in names)
     for name in names:
         _refused(cls, {name: bad}, ValueError)
 
@@ -268,8 +268,8 @@ def test_attention_fields_are_the_familys_own_and_the_local_heads_not_the_stacks
     performer = {f.name for f in PerformerConfig.attention_fields()}
     linformer = {f.name for f in LinformerConfig.attention_fields()}
     local = {"num_local_heads", "local_window", "local_relative_bias"}
-    assert local | {"num_random_features", "kernel", "hybrid_window", "hybrid_key_scale"} <= performer
+    assert local | {"num_features", "feature_map", "hybrid_window", "hybrid_key_scale"} <= performer
     assert local | {"projected_length", "sharing", "projection", "hybrid_window"} <= linformer
     shape = {"hidden_size", "vocab_size", "num_hidden_layers", "max_position_embeddings", "is_decoder", "pad_token_id"}
     assert not (performer | linformer) & shape
-    assert "num_random_features" not in linformer and "projected_length" not in performer
+    assert "num_features" not in linformer and "projected_length" not in performer

@@ -77,7 +77,7 @@ def test_bert_to_performer_error_falls_with_more_features():
     def error(m):
         errs = []
         for seed in range(3):
-            model, _ = convert_bert(bert, "performer", num_random_features=m, feature_seed=seed)
+            model, _ = convert_bert(bert, "performer", num_features=m, feature_seed=seed)
             out = model(ids).last_hidden_state
             errs.append(((out - ref).norm() / ref.norm()).item())
         return sum(errs) / len(errs)
@@ -106,7 +106,7 @@ def test_gpt2_to_performer_approximates_the_original():
         GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     ).eval()
     ids = torch.randint(1, 60, (2, 30))
-    model, report = convert_gpt2(gpt2, "performer", num_random_features=256)
+    model, report = convert_gpt2(gpt2, "performer", num_features=256)
     ref = gpt2(ids).logits
     out = model(ids, use_cache=False).logits
     assert ((out - ref).norm() / ref.norm()).item() < 0.05
@@ -116,7 +116,7 @@ def test_gpt2_to_performer_approximates_the_original():
 def test_conversion_from_a_folder_and_the_cli(tmp_path):
     torch.manual_seed(0)
     BertForMaskedLM(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
-    model, _ = convert_bert(str(tmp_path / "bert"), "performer", num_random_features=64)
+    model, _ = convert_bert(str(tmp_path / "bert"), "performer", num_features=64)
     assert type(model).__name__ == "PerformerForMaskedLM"
     done = subprocess.run(
         [
@@ -171,7 +171,7 @@ def test_real_pretrained_minilm_bert_converts(tokenizer_dir):
         def error(m):
             errs = []
             for seed in range(2):
-                performer, _ = convert_bert(bert, "performer", num_random_features=m, feature_seed=seed)
+                performer, _ = convert_bert(bert, "performer", num_features=m, feature_seed=seed)
                 approx = performer(**enc).last_hidden_state
                 errs.append(((approx[keep] - ref[keep]).norm() / ref[keep].norm()).item())
             return sum(errs) / len(errs)
@@ -197,22 +197,22 @@ def test_linformer_below_n_starts_from_window_means():
 
 def test_none_overrides_are_kept_so_redraws_can_be_turned_off():
     bert = BertModel(BertConfig(**SMALL_BERT))
-    model, _ = convert_bert(bert, "performer", num_random_features=16, feature_redraw_interval=None)
+    model, _ = convert_bert(bert, "performer", num_features=16, feature_redraw_interval=None)
     assert model.config.feature_redraw_interval is None
-    assert convert_bert(bert, "performer", num_random_features=16)[0].config.feature_redraw_interval == 1000
+    assert convert_bert(bert, "performer", num_features=16)[0].config.feature_redraw_interval == 1000
 
 
 def test_misspelt_or_foreign_overrides_raise_naming_the_close_match():
     bert = BertModel(BertConfig(**SMALL_BERT))
-    with pytest.raises(ValueError, match=r"num_random_feature.*did you mean 'num_random_features'"):
+    with pytest.raises(ValueError, match=r"num_random_feature.*did you mean 'num_features'"):
         convert_bert(bert, "performer", num_random_feature=64)
     with pytest.raises(ValueError, match=r"projected_lenght.*did you mean 'projected_length'"):
         convert_bert(bert, "linformer", projected_lenght=16)
     with pytest.raises(ValueError, match=r"projected_length.*LinformerConfig field.*family='linformer'"):
         convert_bert(bert, "performer", projected_length=16)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, n_positions=64))
-    with pytest.raises(ValueError, match=r"kernal.*did you mean 'kernel'"):
-        convert_gpt2(gpt2, "performer", kernal="relu")
+    with pytest.raises(ValueError, match=r"feature_mapp.*did you mean 'feature_map'"):
+        convert_gpt2(gpt2, "performer", feature_mapp="relu")
 
 
 def test_converters_refuse_folders_of_other_model_types_naming_them(tmp_path):
@@ -238,7 +238,7 @@ def test_converters_refuse_folders_of_other_model_types_naming_them(tmp_path):
 @pytest.mark.parametrize("cls", [BertForTokenClassification, BertForQuestionAnswering], ids=lambda c: c.__name__)
 def test_span_heads_convert_without_a_pooler(cls, family):
     bert = cls(BertConfig(**SMALL_BERT))
-    overrides = {"num_random_features": 16} if family == "performer" else {}
+    overrides = {"num_features": 16} if family == "performer" else {}
     model, report = convert_bert(bert, family, **overrides)
     assert model.model.pooler is None
     assert not any("pooler" in name for name in report.initialized)
@@ -290,12 +290,12 @@ def test_hedgehog_conversion_maps_every_weight_and_starts_the_maps_at_their_init
     torch.manual_seed(0)
     if convert == "bert":
         source = BertModel(BertConfig(**SMALL_BERT))
-        model, report = convert_bert(source, "performer", kernel="hedgehog", num_random_features=16)
+        model, report = convert_bert(source, "performer", feature_map="hedgehog", num_features=16)
     else:
         source = GPT2LMHeadModel(
             GPT2Config(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
         )
-        model, report = convert_gpt2(source, "performer", kernel="hedgehog", num_random_features=16)
+        model, report = convert_gpt2(source, "performer", feature_map="hedgehog", num_features=16)
     maps = [name for name in model.state_dict() if ".feature_map." in name]
     assert len(maps) == 2 * 4 and set(maps) <= set(report.initialized)
     fresh = type(model)(model.config)
@@ -310,18 +310,18 @@ def test_transfer_requests_of_the_converters_are_checked_before_converting(token
     with pytest.raises(ValueError, match=r"transfer_texts and tokenizer are for attention transfer"):
         convert_bert(bert, "performer", transfer_texts=["some text"])
     with pytest.raises(ValueError, match=r"needs transfer_texts"):
-        convert_bert(bert, "performer", kernel="hedgehog", transfer=TransferArguments())
+        convert_bert(bert, "performer", feature_map="hedgehog", transfer=TransferArguments())
     with pytest.raises(TypeError, match=r"transfer must be TransferArguments, got dict"):
         convert_bert(bert, "performer", transfer={"steps": 5}, transfer_texts=["some text"])
     with pytest.raises(ValueError, match=r"comes with no tokenizer.*pass tokenizer="):
-        convert_bert(bert, "performer", kernel="hedgehog", transfer=TransferArguments(), transfer_texts=["text"])
+        convert_bert(bert, "performer", feature_map="hedgehog", transfer=TransferArguments(), transfer_texts=["text"])
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     with pytest.raises(ValueError, match=r"input_ids hold \d+, outside 0 \.\. 59 of the vocabulary"):
         convert_bert(
             bert,
             "performer",
-            kernel="hedgehog",
-            num_random_features=16,
+            feature_map="hedgehog",
+            num_features=16,
             transfer=TransferArguments(max_length=16, batch_size=2, progress=False),
             transfer_texts=["Linear attention lets transformers read long documents."] * 20,
             tokenizer=tokenizer,
@@ -344,8 +344,8 @@ def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, conv
     model, report = (convert_bert if convert == "bert" else convert_gpt2)(
         source,
         "performer",
-        kernel="hedgehog",
-        num_random_features=16,
+        feature_map="hedgehog",
+        num_features=16,
         transfer=args,
         transfer_texts=texts,
         tokenizer=tokenizer,
@@ -357,15 +357,65 @@ def test_converters_run_the_attention_transfer_and_report_it(tokenizer_dir, conv
     assert not torch.equal(model.state_dict()[name], start)
 
 
-def test_cli_passes_kernel_and_refuses_the_other_familys_flags(tmp_path):
+def test_cli_passes_the_feature_map_and_the_hybrid_flags(tmp_path):
     from linearformers.conversion.convert import main
 
     BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
-    main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "hedgehog", "--num_random_features", "16"])
-    assert AutoModel.from_pretrained(tmp_path / "out").config.kernel == "hedgehog"
+    main([str(tmp_path / "bert"), str(tmp_path / "out"), "--feature_map", "hedgehog", "--num_features", "16"])
+    assert AutoModel.from_pretrained(tmp_path / "out").config.feature_map == "hedgehog"
     main([str(tmp_path / "bert"), str(tmp_path / "hybrid"), "--hybrid_window", "4", "--hybrid_sinks", "1"])
     config = AutoModel.from_pretrained(tmp_path / "hybrid").config
     assert (config.hybrid_window, config.hybrid_sinks) == (4, 1)
+
+
+@pytest.mark.parametrize("convert", ["bert", "gpt2"])
+def test_the_converters_take_the_old_field_keywords_with_a_future_warning_until_0_3_0(convert):
+    if convert == "bert":
+        source, converter = BertModel(BertConfig(**SMALL_BERT)), convert_bert
+    else:
+        gpt2 = GPT2Config(vocab_size=60, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)
+        source, converter = GPT2LMHeadModel(gpt2), convert_gpt2
+    with pytest.warns(FutureWarning, match=r"kernel= is renamed feature_map=; the name kernel= goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match="num_random_features= is renamed num_features="):
+            model, _ = converter(source, "performer", kernel="relu", num_random_features=16)
+    assert (model.config.feature_map, model.config.num_features) == ("relu", 16)
+    with pytest.raises(TypeError, match="got both kernel= and feature_map="):
+        converter(source, "performer", kernel="relu", feature_map="relu")
+
+
+def test_cli_takes_the_old_flags_hidden_with_one_deprecation_line(tmp_path, capsys):
+    from linearformers.conversion.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--kernel" not in capsys.readouterr().out
+    main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "relu", "--num_random_features", "16"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [
+        "python -m linearformers.conversion.convert: warning: --num_random_features is renamed --num_features; "
+        "--num_random_features goes away in linearformers 0.3.0",
+        "python -m linearformers.conversion.convert: warning: --kernel is renamed --feature_map; --kernel goes away "
+        "in linearformers 0.3.0",
+    ]
+    config = AutoModel.from_pretrained(tmp_path / "out").config
+    assert (config.feature_map, config.num_features) == ("relu", 16)
+
+
+def test_cli_refuses_an_old_flag_beside_its_new_name_in_one_line(tmp_path, capsys):
+    from linearformers.conversion.convert import main
+
+    BertModel(BertConfig(**SMALL_BERT)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "bert"), str(tmp_path / "out"), "--kernel", "relu", "--feature_map", "relu"])
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .endswith("error: --kernel and --feature_map both given; pass only --feature_map (the new name of --kernel)")
+    )
 
 
 def test_cli_offers_a_flag_for_every_attention_field_of_every_family(capsys):

@@ -218,7 +218,7 @@ def _long_folder(tokenizer_dir, tmp_path, capsys) -> str:
     text.write_text("Linear attention reads long documents at a cost linear in their length. " * 120)
     out = str(tmp_path / "out")
     transfer = ["--transfer_file", str(text), "--transfer_steps", "2", "--transfer_batch_size", "2"]
-    main([str(tmp_path / "bert"), out, "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window", "4",
+    main([str(tmp_path / "bert"), out, "--feature_map", "hedgehog", "--num_features", "16", "--hybrid_window", "4",
           "--hybrid_sinks", "1", "--max_length", str(N), *transfer])  # fmt: skip
     assert "relative error of each layer's attention output" in capsys.readouterr().out
     return out
@@ -270,7 +270,7 @@ def test_the_real_minilm_converts_to_1024_tokens_and_transfers_on_long_blocks(to
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     args = TransferArguments(steps=2, batch_size=1, progress=False)
     model, report = convert_bert(
-        bert, "performer", max_length=1024, kernel="hedgehog", num_random_features=64, hybrid_window=64,
+        bert, "performer", max_length=1024, feature_map="hedgehog", num_features=64, hybrid_window=64,
         hybrid_sinks=1, hybrid_query_scale=True, transfer=args, transfer_texts=[inspect.getsource(typing)],
         tokenizer=tokenizer,
     )  # fmt: skip

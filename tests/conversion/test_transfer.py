@@ -27,7 +27,7 @@ from tests.conversion.test_convert import SMALL_BERT
 # the BERT of the conversion tests, without its head's label count
 TINY_BERT = {k: v for k, v in SMALL_BERT.items() if k != "num_labels"}
 TINY_GPT2 = dict(vocab_size=60, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
-HEDGEHOG = dict(kernel="hedgehog", num_random_features=16)  # head_dim 8: the map starts at the identity
+HEDGEHOG = dict(feature_map="hedgehog", num_features=16)  # head_dim 8: the map starts at the identity
 # the hybrid with a sink and the learned query scale (hybrid_query_scale), which transfer calibrates first
 SCALED = dict(hybrid_window=4, hybrid_sinks=1, hybrid_query_scale=True, **HEDGEHOG)
 
@@ -129,7 +129,7 @@ def test_transfer_lowers_every_layers_attention_error(convert, family, overrides
 
 def test_a_random_feature_hybrid_trains_its_window_balances_alone():
     bert = tiny_bert()
-    model, _ = convert_bert(bert, "performer", hybrid_window=4, num_random_features=16)
+    model, _ = convert_bert(bert, "performer", hybrid_window=4, num_features=16)
     features = [layer.attention.random_features.clone() for layer in model.layers]
     report = attention_transfer(model, bert, blocks(), args=quick(steps=60))
     assert report.parameters == ["layers.0.attention.window_balance", "layers.1.attention.window_balance"]
@@ -290,8 +290,10 @@ def test_bad_arguments_raise_naming_the_problem():
 
 def test_nothing_to_train_names_the_ways_to_get_new_parameters():
     bert = tiny_bert()
-    model, _ = convert_bert(bert, "performer", num_random_features=16)
-    with pytest.raises(ValueError, match=r"no new attention parameters.*kernel='hedgehog'.*hybrid_window.*linformer"):
+    model, _ = convert_bert(bert, "performer", num_features=16)
+    with pytest.raises(
+        ValueError, match=r"no new attention parameters.*feature_map='hedgehog'.*hybrid_window.*linformer"
+    ):
         attention_transfer(model, bert, blocks(), args=quick())
 
 
@@ -362,16 +364,16 @@ def test_the_cli_runs_the_transfer_before_saving(tokenizer_dir, tmp_path, capsys
     text.write_text("Performers approximate softmax attention with positive random features. " * 60)
     source, out = str(tmp_path / "bert"), str(tmp_path / "out")
     common = ["--transfer_file", str(text), "--transfer_steps", "5", "--transfer_batch_size", "2"]
-    main([source, out, "--kernel", "hedgehog", "--num_random_features", "16", *common, "--transfer_length", "32"])
+    main([source, out, "--feature_map", "hedgehog", "--num_features", "16", *common, "--transfer_length", "32"])
     printed = capsys.readouterr().out
     assert "BertModel -> PerformerModel" in printed and "relative error of each layer's attention output" in printed
     import linearformers  # noqa: F401
 
     loaded = AutoModel.from_pretrained(out)
-    assert loaded.config.kernel == "hedgehog" and type(loaded).__name__ == "PerformerModel"
+    assert loaded.config.feature_map == "hedgehog" and type(loaded).__name__ == "PerformerModel"
     assert AutoTokenizer.from_pretrained(out).cls_token_id == 101
     with pytest.raises(SystemExit):
-        main([source, str(tmp_path / "failed"), "--num_random_features", "16", *common])
+        main([source, str(tmp_path / "failed"), "--num_features", "16", *common])
     assert "no new attention parameters" in capsys.readouterr().err
     assert not (tmp_path / "failed").exists()  # nothing written when the transfer fails
     with pytest.raises(SystemExit):
@@ -568,7 +570,7 @@ def test_query_scale_calibration_refuses_what_it_cannot_do():
 
 def test_the_cli_converts_with_a_query_scale_and_calibrates_it(tokenizer_dir, tmp_path, capsys):
     out = _convert_with_a_short_transfer(
-        tokenizer_dir, tmp_path, "--kernel", "hedgehog", "--num_random_features", "16", "--hybrid_window", "4",
+        tokenizer_dir, tmp_path, "--feature_map", "hedgehog", "--num_features", "16", "--hybrid_window", "4",
         "--hybrid_query_scale", "--hybrid_key_scale",
     )  # fmt: skip
     assert "query scale fitted by least squares" in capsys.readouterr().out

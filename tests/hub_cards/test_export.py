@@ -240,3 +240,37 @@ def test_push_to_hub_uploads_the_export(monkeypatch, tokenizer_dir):
     assert {"model.safetensors", "config.json", "README.md", "modeling_performer.py"} <= set(files)
     with pytest.raises(ValueError, match="owner/name"):
         push_to_hub(model, tokenizer, "tiny")
+
+
+OLD_CONFIG_LOADER = """
+import json, sys, warnings
+import transformers
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    model = transformers.AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+c = model.config
+print(json.dumps({"fields": [c.feature_map, c.num_features, c.feature_eps], "module": type(model).__module__,
+                  "warned": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]}))
+"""
+
+
+def test_exported_code_loads_a_config_json_with_the_old_keys_where_the_package_is_missing(tokenizer_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_config("performer", vocab_size=tokenizer.vocab_size, feature_map="relu", num_features=16)
+    folder = save_for_hub(AutoModel.from_config(config), tokenizer, tmp_path / "export", repo_id="me/tiny")
+    saved = json.loads((folder / "config.json").read_text())
+    for old, new in {
+        "kernel": "feature_map",
+        "num_random_features": "num_features",
+        "kernel_eps": "feature_eps",
+    }.items():
+        saved[old] = saved.pop(new)
+    (folder / "config.json").write_text(json.dumps(saved))
+    script = tmp_path / "load.py"
+    script.write_text(OLD_CONFIG_LOADER)
+    done = _isolated_python(script, str(folder), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    assert loaded["fields"] == ["relu", 16, config.feature_eps]
+    assert any("kernel is renamed feature_map" in message for message in loaded["warned"])

@@ -92,18 +92,18 @@ def _check(op, dtype, tensors, params=(), backward_inside=False, inputs_dtype=No
         _close(a.grad, b.grad, dtype, f"gradient of input {index}")
 
 
-KERNEL_PADDING = [("softmax", None), ("softmax", "left"), ("softmax", "right"), ("relu", "left")]
+MAP_PADDING = [("softmax", None), ("softmax", "left"), ("softmax", "right"), ("relu", "left")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel, padding", KERNEL_PADDING)
+@pytest.mark.parametrize("feature_map, padding", MAP_PADDING)
 @pytest.mark.parametrize("walk", WALKS, indirect=True)
-def test_causal_favor_under_autocast_matches_float32(walk, kernel, padding, dtype):
+def test_causal_favor_under_autocast_matches_float32(walk, feature_map, padding, dtype):
     w = draw_random_features(32, 16, seed=1)
     mask = _mask(padding)
 
     def op(q, k, v):
-        return favor_attention(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=16)
+        return favor_attention(q, k, v, w, causal=True, feature_map=feature_map, key_padding_mask=mask, chunk_size=16)
 
     _check(op, dtype, _inputs())
     chosen = {
@@ -127,27 +127,29 @@ def test_causal_favor_with_left_padding_and_keys_of_large_norm_under_autocast(wa
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel, padding", KERNEL_PADDING)
+@pytest.mark.parametrize("feature_map, padding", MAP_PADDING)
 @pytest.mark.parametrize("key_scale", [1.0, 10.0])
-def test_bidirectional_favor_under_autocast_matches_float32(key_scale, kernel, padding, dtype):
+def test_bidirectional_favor_under_autocast_matches_float32(key_scale, feature_map, padding, dtype):
     w = draw_random_features(32, 16, seed=1)
     mask = _mask(padding)
-    op = lambda q, k, v: favor_attention(q, k, v, w, kernel=kernel, key_padding_mask=mask)  # noqa: E731
+    op = lambda q, k, v: favor_attention(q, k, v, w, feature_map=feature_map, key_padding_mask=mask)  # noqa: E731
     _check(op, dtype, _inputs(key_scale=key_scale))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("key_scale", [1.0, 10.0])
-def test_favor_step_under_autocast_matches_float32(key_scale, kernel, dtype):
+def test_favor_step_under_autocast_matches_float32(key_scale, feature_map, dtype):
     w = draw_random_features(32, 16, seed=1)
     q, k, v = _inputs(key_scale=key_scale)
     mask = _mask("left")
-    _, state = favor_attention(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, return_state=True)
+    _, state = favor_attention(
+        q, k, v, w, causal=True, feature_map=feature_map, key_padding_mask=mask, return_state=True
+    )
     step_mask = torch.tensor([[True], [False]])
 
     def op(q1, k1, v1):
-        out, _ = favor_step(q1, k1, v1, w, state, key_padding_mask=step_mask, kernel=kernel)
+        out, _ = favor_step(q1, k1, v1, w, state, key_padding_mask=step_mask, feature_map=feature_map)
         return out
 
     _check(op, dtype, _inputs(n=1, seed=2, key_scale=key_scale))

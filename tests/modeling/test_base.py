@@ -184,7 +184,7 @@ def test_the_shared_stack_has_no_family_branch():
     family_fields = {
         field.name for cls in (lf.LinformerConfig, lf.PerformerConfig) for field in dataclasses.fields(cls)
     } - shared
-    assert {"sharing", "projection", "feature_redraw_interval", "num_random_features"} <= family_fields
+    assert {"sharing", "projection", "feature_redraw_interval", "num_features"} <= family_fields
     for module in (base, layers):
         source = inspect.getsource(module)
         for name in ("PerformerAttention", "LinformerAttention", "build_attention", "model_type ==", "redraw"):
@@ -433,7 +433,12 @@ def test_new_tensors_lists_what_the_modules_declare_and_have_by_state_dict_name(
     scale (no query scale: the module has none), the redraw counter once; nothing the checkpoint would hold."""
     model = lf.PerformerModel(
         tiny_config(
-            "performer", kernel="hedgehog", hybrid_window=4, hybrid_key_scale=True, num_local_heads=1, local_window=8
+            "performer",
+            feature_map="hedgehog",
+            hybrid_window=4,
+            hybrid_key_scale=True,
+            num_local_heads=1,
+            local_window=8,
         )
     )
     new = base.new_tensors(model)

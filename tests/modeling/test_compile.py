@@ -95,7 +95,7 @@ DROPOUT = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)  # the
 WHOLE_MODELS = {  # every configuration README.md says compiles whole: id -> (family, decoder, overrides)
     "performer-encoder-local": ("performer", False, LOCAL),
     "performer-causal-local": ("performer", True, LOCAL),
-    "performer-encoder-relu": ("performer", False, dict(kernel="relu")),
+    "performer-encoder-relu": ("performer", False, dict(feature_map="relu")),
     "linformer-encoder-local": ("linformer", False, LOCAL),
     "linformer-causal-local": ("linformer", True, LOCAL),
     "linformer-encoder-pool": ("linformer", False, dict(projection="pool")),

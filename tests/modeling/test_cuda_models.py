@@ -18,9 +18,9 @@ pytestmark = [
 VARIANTS = {
     "performer": {
         "softmax": {},
-        "relu": {"kernel": "relu"},
-        "hedgehog": {"kernel": "hedgehog"},
-        "hybrid": {"kernel": "hedgehog", "hybrid_window": 16, "hybrid_sinks": 1},
+        "relu": {"feature_map": "relu"},
+        "hedgehog": {"feature_map": "hedgehog"},
+        "hybrid": {"feature_map": "hedgehog", "hybrid_window": 16, "hybrid_sinks": 1},
     },
     "linformer": {"learned": {}, "hybrid": {"hybrid_window": 16, "hybrid_sinks": 1}},
 }
@@ -33,7 +33,7 @@ def _config(family, variant, **overrides):
     if family == "linformer":
         base["projected_length"] = 64
     else:
-        base["num_random_features"] = 64
+        base["num_features"] = 64
     base.update(VARIANTS[family][variant])
     base.update(overrides)
     return tiny_config(family, **base)

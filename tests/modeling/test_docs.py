@@ -15,9 +15,9 @@ from tests.conftest import tiny_config
 
 
 def test_print_model_shows_the_performer_attention_settings():
-    cfg = tiny_config("performer", num_random_features=16, kernel="relu", num_local_heads=1, local_window=4)
+    cfg = tiny_config("performer", num_features=16, feature_map="relu", num_local_heads=1, local_window=4)
     text = repr(AutoModel.from_config(cfg))
-    for part in ("num_random_features=16", "kernel='relu'", "num_local_heads=1", "local_window=4", "causal=False"):
+    for part in ("num_features=16", "feature_map='relu'", "num_local_heads=1", "local_window=4", "causal=False"):
         assert part in text
 
 

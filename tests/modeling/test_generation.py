@@ -333,8 +333,8 @@ def test_generate_fills_a_cache_the_caller_hands_it(family):
 
 CONTINUED = {
     "performer_softmax": ("performer", {}),
-    "performer_relu": ("performer", {"kernel": "relu"}),
-    "performer_hedgehog": ("performer", {"kernel": "hedgehog"}),
+    "performer_relu": ("performer", {"feature_map": "relu"}),
+    "performer_hedgehog": ("performer", {"feature_map": "hedgehog"}),
     "performer_hybrid_window": ("performer", {"hybrid_window": 3}),
     "linformer": ("linformer", {}),
 }

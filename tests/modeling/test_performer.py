@@ -1,6 +1,6 @@
 """The Performer models (modeling/performer.py): the random features (saved, drawn from the seed, redrawn in
-training only), the learned Hedgehog map (kernel="hedgehog"), and the hybrid (hybrid_window): sliding-window softmax
-beside the linear attention in the same heads (LoLCATs)."""
+training only), the learned Hedgehog map (feature_map="hedgehog"), and the hybrid (hybrid_window): sliding-window
+softmax beside the linear attention in the same heads (LoLCATs)."""
 
 import itertools
 import math
@@ -85,17 +85,17 @@ def test_performer_without_learned_positions_runs_past_max_position_embeddings(p
     assert out.shape == (1, 100, 32) and torch.isfinite(out).all()
 
 
-# the learned map (kernel="hedgehog")
+# the learned map (feature_map="hedgehog")
 
 
 def _hedgehog_encoder(**overrides):
     torch.manual_seed(0)
-    return AutoModel.from_config(tiny_config("performer", kernel="hedgehog", **overrides)).eval()
+    return AutoModel.from_config(tiny_config("performer", feature_map="hedgehog", **overrides)).eval()
 
 
 def _hedgehog_lm(**overrides):
     torch.manual_seed(0)
-    cfg = tiny_config("performer", kernel="hedgehog", is_decoder=True, max_position_embeddings=128, **overrides)
+    cfg = tiny_config("performer", feature_map="hedgehog", is_decoder=True, max_position_embeddings=128, **overrides)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -184,7 +184,7 @@ def test_save_and_reload_gives_identical_outputs(decoder, tmp_path):
     model.save_pretrained(tmp_path)
     cls = AutoModelForCausalLM if decoder else AutoModel
     reloaded = cls.from_pretrained(tmp_path).eval()
-    assert reloaded.config.kernel == "hedgehog"
+    assert reloaded.config.feature_map == "hedgehog"
     with torch.no_grad():
         a, b = model(ids, attention_mask=mask), reloaded(ids, attention_mask=mask)
     key = "logits" if decoder else "last_hidden_state"
@@ -209,7 +209,7 @@ def test_a_learned_map_export_loads_with_remote_code_where_the_package_is_missin
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = tiny_config(
         "performer",
-        kernel="hedgehog",
+        feature_map="hedgehog",
         vocab_size=tokenizer.vocab_size,
         is_decoder=True,
         num_local_heads=1,
@@ -229,7 +229,7 @@ def test_model_card_describes_the_learned_map(tokenizer_dir, tmp_path):
     from linearformers.hub_cards import save_for_hub
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = AutoModel.from_config(tiny_config("performer", kernel="hedgehog", vocab_size=tokenizer.vocab_size))
+    model = AutoModel.from_config(tiny_config("performer", feature_map="hedgehog", vocab_size=tokenizer.vocab_size))
     folder = save_for_hub(model, tokenizer, tmp_path / "export", repo_id="me/tiny")
     card = (folder / "README.md").read_text()
     assert "Hedgehog" in card and "m=32" in card and "random features" not in card
@@ -237,8 +237,8 @@ def test_model_card_describes_the_learned_map(tokenizer_dir, tmp_path):
 
 # the hybrid (hybrid_window)
 
-KERNELS = ("softmax", "hedgehog")  # the random map, which takes the softmax's scale, and a learned one
-ALL_KERNELS = ("softmax", "relu", "hedgehog")
+TWO_MAPS = ("softmax", "hedgehog")  # the random map, which takes the softmax's scale, and a learned one
+ALL_FEATURE_MAPS = ("softmax", "relu", "hedgehog")
 WINDOW = 3
 
 
@@ -252,17 +252,17 @@ SCALES = {
 BOTH = SCALES["both"]
 
 
-def _config(kernel, decoder, **overrides):
+def _config(feature_map, decoder, **overrides):
     overrides.setdefault("hybrid_window", WINDOW)
     if decoder:
         overrides.setdefault("max_position_embeddings", 128)
-    return tiny_config("performer", kernel=kernel, is_decoder=decoder, **overrides)
+    return tiny_config("performer", feature_map=feature_map, is_decoder=decoder, **overrides)
 
 
-def _model(kernel="softmax", decoder=False, **overrides):
+def _model(feature_map="softmax", decoder=False, **overrides):
     torch.manual_seed(0)
     cls = AutoModelForCausalLM if decoder else AutoModel
-    return cls.from_config(_config(kernel, decoder, **overrides)).eval()
+    return cls.from_config(_config(feature_map, decoder, **overrides)).eval()
 
 
 def _layers(model):
@@ -318,10 +318,10 @@ def _reference_map_features(attention, q, k):
     learned = None
     if config.hybrid_query_scale:
         learned = (q * attention.query_scale_weight[None, :, None, :]).sum(-1) + attention.query_scale_bias[:, None]
-    if config.kernel == "hedgehog":
+    if config.feature_map == "hedgehog":
         return attention.feature_map(q, is_query=True), attention.feature_map(k, is_query=False), learned
-    if config.kernel == "relu":
-        eps = config.kernel_eps
+    if config.feature_map == "relu":
+        eps = config.feature_eps
         return relu_features(q, projection, eps=eps), relu_features(k, projection, eps=eps), learned
     log_scale = favor_exponents(q, projection, is_query=True).amax(-1) - math.log(projection.shape[0])
     log_scale = log_scale if learned is None else log_scale + learned
@@ -330,10 +330,10 @@ def _reference_map_features(attention, q, k):
 
 @pytest.mark.parametrize("scale", list(SCALES))
 @pytest.mark.parametrize("sinks", [0, 2], ids=["no-sinks", "sinks"])
-@pytest.mark.parametrize("kernel", ALL_KERNELS)
+@pytest.mark.parametrize("feature_map", ALL_FEATURE_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_global_heads_equal_the_hybrid_reference(kernel, decoder, sinks, scale):
-    model = _model(kernel, decoder, hybrid_sinks=sinks, **SCALES[scale])
+def test_global_heads_equal_the_hybrid_reference(feature_map, decoder, sinks, scale):
+    model = _model(feature_map, decoder, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     attention = _layers(model)[0].attention
     g = torch.Generator().manual_seed(3)
@@ -355,11 +355,11 @@ def _projected(attention, x):
     return [attention._split(p(x)) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_a_window_covering_the_sequence_is_exact_softmax_attention(kernel, decoder):
+def test_a_window_covering_the_sequence_is_exact_softmax_attention(feature_map, decoder):
     n = 9
-    model = _model(kernel, decoder, hybrid_window=n, initializer_range=0.2)
+    model = _model(feature_map, decoder, hybrid_window=n, initializer_range=0.2)
     _move_balance(model)  # gamma cancels when the linear part is empty
     attention = _layers(model)[0].attention
     x = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(4))
@@ -373,12 +373,12 @@ def test_a_window_covering_the_sequence_is_exact_softmax_attention(kernel, decod
     torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-6)  # rows of padding: no real key
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
+def test_a_large_balance_leaves_the_softmax_on_the_window(feature_map, decoder):
     """gamma = e^30: the linear part vanishes next to the window's, which is local softmax attention over the
     last w keys (causal) or |s - t| < w (bidirectional: local_reference's window 2w - 1)."""
-    model = _model(kernel, decoder, initializer_range=0.2)
+    model = _model(feature_map, decoder, initializer_range=0.2)
     attention = _layers(model)[0].attention
     with torch.no_grad():
         attention.window_balance.fill_(30.0)
@@ -393,14 +393,14 @@ def test_a_large_balance_leaves_the_softmax_on_the_window(kernel, decoder):
     assert (balanced - local).abs().max() > 1e-2  # at gamma = 1 the linear part counts
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(
     ("sinks", "scale"), [(0, ""), (2, ""), (2, "query"), (2, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
 )
-def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, sinks, scale):
-    model = _model(kernel, decoder, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
+def test_padding_does_not_change_the_real_tokens_outputs(feature_map, decoder, side, sinks, scale):
+    model = _model(feature_map, decoder, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     n, pad = 8, 4
     ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
@@ -417,9 +417,9 @@ def test_padding_does_not_change_the_real_tokens_outputs(kernel, decoder, side, 
 @pytest.mark.parametrize(
     ("sinks", "scale"), [(0, ""), (2, ""), (2, "query"), (2, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
 )
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_causal_outputs_never_read_the_future(feature_map, sinks, scale):
+    model = _model(feature_map, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids = torch.randint(1, 99, (2, 12), generator=torch.Generator().manual_seed(4))
     changed = ids.clone()
@@ -431,9 +431,9 @@ def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
 
 
 @pytest.mark.parametrize(
-    ("kernel", "window", "sinks", "scale"),
+    ("feature_map", "window", "sinks", "scale"),
     [
-        *((k, w, 0, "") for k in ALL_KERNELS for w in (1, WINDOW)),
+        *((k, w, 0, "") for k in ALL_FEATURE_MAPS for w in (1, WINDOW)),
         ("softmax", 1, 2, ""),
         ("hedgehog", WINDOW, 4, ""),
         ("softmax", WINDOW, 1, "query"),
@@ -443,11 +443,11 @@ def test_causal_outputs_never_read_the_future(kernel, sinks, scale):
         ("hedgehog", WINDOW, 1, "both"),
     ],
 )
-def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kernel, window, sinks, scale):
+def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(feature_map, window, sinks, scale):
     """A left-padded batch fed as 2 tokens (fewer than the window), 3 more (a continued prefill), then one at a
     time (decoding steps): the same logits as one uncached forward. With sinks, row 1's padding puts its sinks
     across the pieces and steps."""
-    model = _model(kernel, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
+    model = _model(feature_map, True, hybrid_window=window, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids, mask = _left_padded()
     cuts = [0, 2, 5, *range(6, ids.shape[1] + 1)]
@@ -467,9 +467,9 @@ def test_a_prompt_in_pieces_then_steps_with_the_cache_equals_a_full_forward(kern
 @pytest.mark.parametrize(
     ("sinks", "scale"), [(0, ""), (1, ""), (1, "query"), (1, "both")], ids=["", "sinks", "sinks-query", "sinks-both"]
 )
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_cached_greedy_generation_equals_uncached(kernel, sinks, scale):
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_cached_greedy_generation_equals_uncached(feature_map, sinks, scale):
+    model = _model(feature_map, True, initializer_range=0.2, hybrid_sinks=sinks, **SCALES[scale])
     _move_balance(model)
     ids, mask = _left_padded(n=6, pad=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -498,10 +498,10 @@ def test_the_cache_does_not_grow_with_the_context():
     assert torch.equal(long[9], torch.full_like(long[9], 60) - torch.arange(2))  # sinks at positions 0, 1
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_save_and_reload_keeps_the_balance_and_the_outputs(kernel, decoder, tmp_path):
-    model = _model(kernel, decoder, hybrid_sinks=1, **BOTH)
+def test_save_and_reload_keeps_the_balance_and_the_outputs(feature_map, decoder, tmp_path):
+    model = _model(feature_map, decoder, hybrid_sinks=1, **BOTH)
     _move_balance(model)
     ids, mask = _left_padded()
     model.save_pretrained(tmp_path)
@@ -526,10 +526,10 @@ def test_a_plain_checkpoint_loads_into_a_hybrid_with_the_balance_at_its_init(tmp
         assert not theirs.attention.window_balance.any()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_gradients_reach_the_balance_the_scales_and_the_feature_map(kernel, decoder):
-    model = _model(kernel, decoder, initializer_range=0.2, **BOTH).train()
+def test_gradients_reach_the_balance_the_scales_and_the_feature_map(feature_map, decoder):
+    model = _model(feature_map, decoder, initializer_range=0.2, **BOTH).train()
     _move_balance(model)  # the key scale's weight gets no gradient while the key scale's input is all zero
     ids, mask = _left_padded()
     _output(model, ids, attention_mask=mask).float().pow(2).mean().backward()
@@ -544,10 +544,10 @@ def test_gradients_reach_the_balance_the_scales_and_the_feature_map(kernel, deco
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_bf16_autocast_forward_is_finite(kernel, decoder):
-    model = _model(kernel, decoder, hybrid_sinks=1, **BOTH)
+def test_bf16_autocast_forward_is_finite(feature_map, decoder):
+    model = _model(feature_map, decoder, hybrid_sinks=1, **BOTH)
     _move_balance(model)
     ids, mask = _left_padded()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -560,15 +560,15 @@ def test_bf16_autocast_forward_is_finite(kernel, decoder):
     assert torch.isfinite(out.float()).all()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
 @pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "causal"])
-def test_compiled_model_has_no_graph_breaks_and_equals_eager(kernel, decoder):
+def test_compiled_model_has_no_graph_breaks_and_equals_eager(feature_map, decoder):
     """fullgraph=True: a graph break (the op's host-syncing gamma check, say) would raise. Training mode, so the
     backward is traced too (the learned map's own autograd function included). aot_eager keeps the test quick;
     inductor compiles the same graph."""
-    eager = _model(kernel, decoder, hybrid_sinks=1, **BOTH).train()  # the sinks' path too
+    eager = _model(feature_map, decoder, hybrid_sinks=1, **BOTH).train()  # the sinks' path too
     _move_balance(eager)
-    compiled_model = _model(kernel, decoder, hybrid_sinks=1, **BOTH).train()
+    compiled_model = _model(feature_map, decoder, hybrid_sinks=1, **BOTH).train()
     compiled_model.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     ids, mask = _left_padded()
@@ -581,7 +581,7 @@ def test_compiled_model_has_no_graph_breaks_and_equals_eager(kernel, decoder):
     for mine, theirs in zip(_layers(compiled_model), _layers(eager)):
         for name in ("window_balance", "key_scale_weight"):
             torch.testing.assert_close(getattr(mine.attention, name).grad, getattr(theirs.attention, name).grad)
-        if kernel == "hedgehog":
+        if feature_map == "hedgehog":
             for a, b in zip(mine.attention.feature_map.parameters(), theirs.attention.feature_map.parameters()):
                 assert b.grad is not None
                 torch.testing.assert_close(a.grad, b.grad)
@@ -668,34 +668,36 @@ def test_hub_export_loads_with_remote_code_where_the_package_is_missing(tokenize
     assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_model_card_names_the_window(kernel, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_model_card_names_the_window(feature_map, tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from linearformers.hub_cards import save_for_hub
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size))
+    model = AutoModel.from_config(_config(feature_map, False, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(model, tokenizer, tmp_path / "export", repo_id="me/tiny") / "README.md").read_text()
     assert f"window of {WINDOW} tokens" in card and "LoLCATs" in card and "sinks" not in card
-    sinks = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_sinks=1))
+    sinks = AutoModel.from_config(_config(feature_map, False, vocab_size=tokenizer.vocab_size, hybrid_sinks=1))
     card = (save_for_hub(sinks, tokenizer, tmp_path / "sinks", repo_id="me/tiny") / "README.md").read_text()
     assert "first 1 real token(s) of each sequence are attention sinks" in card and "log scale" not in card
-    scaled = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_query_scale=True))
+    scaled = AutoModel.from_config(
+        _config(feature_map, False, vocab_size=tokenizer.vocab_size, hybrid_query_scale=True)
+    )
     card = (save_for_hub(scaled, tokenizer, tmp_path / "scaled", repo_id="me/tiny") / "README.md").read_text()
     assert "learned log scale per query (hybrid_query_scale)" in card and "hybrid_key_scale" not in card
-    keyed = AutoModel.from_config(_config(kernel, False, vocab_size=tokenizer.vocab_size, hybrid_key_scale=True))
+    keyed = AutoModel.from_config(_config(feature_map, False, vocab_size=tokenizer.vocab_size, hybrid_key_scale=True))
     card = (save_for_hub(keyed, tokenizer, tmp_path / "keyed", repo_id="me/tiny") / "README.md").read_text()
     assert "learned log scale (hybrid_key_scale)" in card
-    plain = AutoModel.from_config(tiny_config("performer", kernel=kernel, vocab_size=tokenizer.vocab_size))
+    plain = AutoModel.from_config(tiny_config("performer", feature_map=feature_map, vocab_size=tokenizer.vocab_size))
     card = (save_for_hub(plain, tokenizer, tmp_path / "plain", repo_id="me/tiny") / "README.md").read_text()
     assert "LoLCATs" not in card
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_beam_search_with_the_cache_equals_beam_search_without(kernel):
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_beam_search_with_the_cache_equals_beam_search_without(feature_map):
     # beams reorder every state of the cache, the sinks' validity (bool) and distance (int64) among them
-    model = _model(kernel, True, initializer_range=0.2, hybrid_sinks=2)
+    model = _model(feature_map, True, initializer_range=0.2, hybrid_sinks=2)
     _move_balance(model)
     ids, mask = _left_padded(n=6, pad=2)
     kwargs = dict(
@@ -708,12 +710,12 @@ def test_beam_search_with_the_cache_equals_beam_search_without(kernel):
     torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ALL_KERNELS)
-def test_the_linear_parts_features_and_scales_ignore_bf16_autocast(kernel):
+@pytest.mark.parametrize("feature_map", ALL_FEATURE_MAPS)
+def test_the_linear_parts_features_and_scales_ignore_bf16_autocast(feature_map):
     """Under bf16 autocast (a model trained with it) the features, the queries' log scale and the keys' scale are
     the float32 ones: a bf16 product anywhere in them would carry bf16's rounding into every score of the linear
     part and into dq / dk."""
-    model = _model(kernel, decoder=False, **BOTH)
+    model = _model(feature_map, decoder=False, **BOTH)
     _move_balance(model)
     attention = _layers(model)[0].attention
     g = torch.Generator().manual_seed(3)

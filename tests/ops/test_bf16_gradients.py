@@ -75,10 +75,10 @@ def _hybrid(causal, sinks, features):
     return run
 
 
-def _favor(causal, kernel):
+def _favor(causal, feature_map):
     def run(q, k, v):
         projection = draw_random_features(M, D, seed=3, device=q.device)
-        return favor_attention(q, k, v, projection, causal=causal, kernel=kernel)
+        return favor_attention(q, k, v, projection, causal=causal, feature_map=feature_map)
 
     return run
 

@@ -81,9 +81,9 @@ def test_orthogonal_features_beat_iid_on_average():
 def test_relu_kernel_equals_its_closed_form():
     q, k, v = _qkv(n=20)
     w = draw_random_features(32, 16, seed=1)
-    out = favor_attention(q, k, v, w, kernel="relu")
+    out = favor_attention(q, k, v, w, feature_map="relu")
     # phi(x) = relu(x' Wᵀ) + 1e-3, x' = x d^(-1/4), out = (A V) / (A 1) with A = phi(Q) phi(K)ᵀ
-    torch.testing.assert_close(out, favor_reference(q, k, v, w, kernel="relu"), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, favor_reference(q, k, v, w, feature_map="relu"), rtol=1e-4, atol=1e-5)
 
 
 def test_relu_features_estimate_the_arc_cosine_kernel():
@@ -97,16 +97,16 @@ def test_relu_features_estimate_the_arc_cosine_kernel():
     assert abs(est - closed) / closed < 0.02
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_causal_favor_never_reads_the_future(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_causal_favor_never_reads_the_future(feature_map):
     q, k, v = _qkv(n=50)
     w = draw_random_features(64, 16, seed=0)
-    out = favor_attention(q, k, v, w, causal=True, kernel=kernel, chunk_size=16)
+    out = favor_attention(q, k, v, w, causal=True, feature_map=feature_map, chunk_size=16)
     t = 23
     q2, k2, v2 = (x.clone() for x in (q, k, v))
     for x in (q2, k2, v2):
         x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 10
-    out2 = favor_attention(q2, k2, v2, w, causal=True, kernel=kernel, chunk_size=16)
+    out2 = favor_attention(q2, k2, v2, w, causal=True, feature_map=feature_map, chunk_size=16)
     torch.testing.assert_close(out2[:, :, : t + 1], out[:, :, : t + 1], rtol=0, atol=1e-6)
     assert not torch.allclose(out2[:, :, t + 1 :], out[:, :, t + 1 :])
 
@@ -181,8 +181,8 @@ def test_bad_arguments_raise_clear_errors():
         favor_attention(q, k, v, torch.randn(32, 8))
     with pytest.raises(ValueError, match="key_padding_mask must be shaped"):
         favor_attention(q, k, v, w, key_padding_mask=torch.ones(2, 39))
-    with pytest.raises(ValueError, match="unknown FAVOR\\+ kernel"):
-        favor_attention(q, k, v, w, kernel="cosine")
+    with pytest.raises(ValueError, match="unknown FAVOR\\+ feature map .cosine."):
+        favor_attention(q, k, v, w, feature_map="cosine")
     with pytest.raises(ValueError, match="batch, heads, length, head_dim"):
         favor_attention(q[0], k[0], v[0], w)
     with pytest.raises(ValueError, match="num_features and head_dim must be positive"):
@@ -192,21 +192,21 @@ def test_bad_arguments_raise_clear_errors():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_hand_written_backward_matches_autograd_of_the_naive_formula(causal, kernel, masked):
+def test_hand_written_backward_matches_autograd_of_the_naive_formula(causal, feature_map, masked):
     q, k, v = (x.double().requires_grad_() for x in _qkv(n=37))
     w = draw_random_features(24, 16, seed=2)
     mask = torch.ones(2, 37, dtype=torch.bool)
     if masked:
         mask[0, :5] = False
         mask[1, 30:] = False
-    out = favor_attention(q, k, v, w, causal=causal, kernel=kernel, chunk_size=8, key_padding_mask=mask)
+    out = favor_attention(q, k, v, w, causal=causal, feature_map=feature_map, chunk_size=8, key_padding_mask=mask)
     g = torch.randn_like(out)
     fast = torch.autograd.grad(out, (q, k, v), g)
 
     # plain autograd through the (n x n) formula, in float64; queries that see only padding output 0, as in the kernel
-    naive = favor_reference(q, k, v, w, causal=causal, kernel=kernel, key_padding_mask=mask)
+    naive = favor_reference(q, k, v, w, causal=causal, feature_map=feature_map, key_padding_mask=mask)
     torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-5)
     slow = torch.autograd.grad(naive, (q, k, v), g)
     for name, f, s in zip("qkv", fast, slow):
@@ -526,6 +526,36 @@ def test_the_old_keyword_projection_still_works_with_a_future_warning_until_0_3_
     with pytest.warns(FutureWarning, match=r"projection= is renamed random_features=; .* goes away in 0\.3\.0"):
         got = op(q, k, v, projection=w, causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", [favor_attention, favor_reference])
+def test_the_old_keywords_kernel_and_kernel_eps_still_work_with_a_future_warning_until_0_3_0(op):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    w = draw_random_features(16, 8, seed=0)
+    want = op(q, k, v, w, causal=True, feature_map="relu", feature_eps=0.1)
+    with pytest.warns(FutureWarning, match=r"kernel= is renamed feature_map=; .* goes away in 0\.3\.0"):
+        with pytest.warns(FutureWarning, match=r"kernel_eps= is renamed feature_eps=; .* goes away in 0\.3\.0"):
+            got = op(q, k, v, w, causal=True, kernel="relu", kernel_eps=0.1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_favor_step_and_favor_features_take_the_old_keyword_kernel_with_a_future_warning():
+    q = torch.randn(1, 2, 1, 8)
+    w = draw_random_features(16, 8, seed=0)
+    want = favor_step(q, q, q, w, None, feature_map="relu")[0]
+    with pytest.warns(FutureWarning, match=r"favor_step\(\): kernel= is renamed feature_map="):
+        torch.testing.assert_close(favor_step(q, q, q, w, None, kernel="relu")[0], want, rtol=0, atol=0)
+    with pytest.warns(FutureWarning, match=r"favor_features\(\): kernel= is renamed feature_map="):
+        got = favor_features(q, w, is_query=True, kernel="relu")
+    torch.testing.assert_close(got, favor_features(q, w, is_query=True, feature_map="relu"), rtol=0, atol=0)
+
+
+def test_the_old_keyword_kernel_beside_feature_map_is_a_type_error():
+    q = torch.randn(1, 2, 12, 8)
+    w = draw_random_features(16, 8, seed=0)
+    with pytest.raises(TypeError, match="got both kernel= and feature_map="):
+        favor_attention(q, q, q, w, kernel="relu", feature_map="relu")
 
 
 def test_the_old_keyword_projection_beside_random_features_is_a_type_error():

@@ -54,14 +54,14 @@ def _run(backend, q, k, v, w, g, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_chunked_matches_the_quadratic_formula(padding, kernel, dtype):
+def test_chunked_matches_the_quadratic_formula(padding, feature_map, dtype):
     q, k, v = _qkv(dtype=dtype)  # n = 37: not a multiple of the chunk
     w = draw_random_features(32, 16, seed=1)
     mask = _mask(2, 37, padding)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
-    kwargs = dict(kernel=kernel, key_padding_mask=mask)
+    kwargs = dict(feature_map=feature_map, key_padding_mask=mask)
     chunked = _run("chunked", q, k, v, w, g, chunk_size=8, **kwargs)
     exact = _run("reference", *(x.double() for x in (q, k, v)), w.double(), g.double(), **kwargs)
     assert chunked[0].dtype == dtype
@@ -82,8 +82,8 @@ def test_half_inputs_stay_finite_and_close_to_float32(dtype):
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_gradcheck_in_float64(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_gradcheck_in_float64(feature_map):
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=11, d=4, dtype=torch.float64))
     w = draw_random_features(8, 4, seed=2, dtype=torch.float64)
     mask = torch.ones(1, 11, dtype=torch.bool)
@@ -91,7 +91,7 @@ def test_gradcheck_in_float64(kernel):
 
     def op(q, k, v):
         return favor_attention(
-            q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=4, backend="chunked"
+            q, k, v, w, causal=True, feature_map=feature_map, key_padding_mask=mask, chunk_size=4, backend="chunked"
         )
 
     assert torch.autograd.gradcheck(op, (q, k, v), atol=1e-6, rtol=1e-4)
@@ -117,14 +117,16 @@ def test_keys_of_large_norm_take_the_stabilized_fallback():
     assert (_offset(q, k / 40.0, v, w, chunk_size=8) == 0).all(), "moderate keys never take the fallback"
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_continued_prefill_and_returned_state(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_continued_prefill_and_returned_state(feature_map):
     q, k, v = _qkv()
     w = draw_random_features(32, 16, seed=1)
-    kwargs = dict(kernel=kernel, chunk_size=8)
+    kwargs = dict(feature_map=feature_map, chunk_size=8)
     whole, state = favor_attention(q, k, v, w, causal=True, backend="chunked", return_state=True, **kwargs)
     assert (state[2] == 0).all()
-    phi_k = favor_module.favor_features(k, w, is_query=False, kernel=kernel)  # the sums over every key, at offset 0
+    phi_k = favor_module.favor_features(
+        k, w, is_query=False, feature_map=feature_map
+    )  # the sums over every key, at offset 0
     torch.testing.assert_close(state[0], phi_k.transpose(-1, -2) @ v, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1], phi_k.sum(2), rtol=1e-5, atol=1e-5)
     head, mid = favor_attention(
@@ -151,11 +153,11 @@ def test_relu_initial_state_carries_gradient():
     w = draw_random_features(32, 16, seed=1)
     s0 = torch.rand(2, 2, 32, 16, requires_grad=True)
     z0 = (torch.rand(2, 2, 32) + 1).requires_grad_()
-    out = favor_attention(q, k, v, w, causal=True, kernel="relu", chunk_size=8, initial_state=(s0, z0))
+    out = favor_attention(q, k, v, w, causal=True, feature_map="relu", chunk_size=8, initial_state=(s0, z0))
     ds, dz = torch.autograd.grad(out.sum(), (s0, z0))
     # the same through plain autograd on the formula: out_t = phi_t (S0 + Σ_{s<=t} phi_s v_sᵀ) / phi_t (z0 + Σ phi_s)
-    phi_q = favor_module.favor_features(q, w, is_query=True, kernel="relu")
-    phi_k = favor_module.favor_features(k, w, is_query=False, kernel="relu")
+    phi_q = favor_module.favor_features(q, w, is_query=True, feature_map="relu")
+    phi_k = favor_module.favor_features(k, w, is_query=False, feature_map="relu")
     mask = torch.ones(12, 12).tril()
     a = phi_q @ phi_k.transpose(-1, -2) * mask
     num = a @ v + phi_q @ s0
@@ -166,17 +168,22 @@ def test_relu_initial_state_carries_gradient():
     torch.testing.assert_close(dz, dz_ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_decoding_after_a_chunked_prefill_equals_the_full_pass(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_decoding_after_a_chunked_prefill_equals_the_full_pass(feature_map):
     q, k, v = _qkv(n=30)
     w = draw_random_features(32, 16, seed=1)
-    full = favor_attention(q, k, v, w, causal=True, kernel=kernel, backend="chunked")
+    full = favor_attention(q, k, v, w, causal=True, feature_map=feature_map, backend="chunked")
     head, state = favor_attention(
-        *(x[:, :, :21] for x in (q, k, v)), w, causal=True, kernel=kernel, backend="chunked", return_state=True
+        *(x[:, :, :21] for x in (q, k, v)),
+        w,
+        causal=True,
+        feature_map=feature_map,
+        backend="chunked",
+        return_state=True,
     )
     steps = [head]
     for t in range(21, 30):
-        out, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state, kernel=kernel)
+        out, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state, feature_map=feature_map)
         steps.append(out)
     torch.testing.assert_close(torch.cat(steps, 2), full, rtol=1e-5, atol=1e-5)
 
@@ -211,9 +218,9 @@ def test_reference_backend_is_the_quadratic_formula():
 
 
 @pytest.mark.parametrize("large", [False, True], ids=["moderate-keys", "large-keys"])
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_bidirectional_chunked_and_blockwise_match_the_quadratic_formula(padding, kernel, large):
+def test_bidirectional_chunked_and_blockwise_match_the_quadratic_formula(padding, feature_map, large):
     """Bidirectional FAVOR+ in whole-sequence products (the GPU and torch.compile path) and block by block (the CPU
     path) against the float64 formula; large keys (|k'| ~ 40) are taken relative to the largest real key exponent."""
     q, k, v = _qkv()
@@ -224,7 +231,9 @@ def test_bidirectional_chunked_and_blockwise_match_the_quadratic_formula(padding
 
     def run(backend, dtype):
         x = tuple(t.to(dtype).detach().requires_grad_() for t in (q, k, v))
-        out = favor_attention(*x, w.to(dtype), key_padding_mask=mask, kernel=kernel, backend=backend, block_size=8)
+        out = favor_attention(
+            *x, w.to(dtype), key_padding_mask=mask, feature_map=feature_map, backend=backend, block_size=8
+        )
         return (out, *torch.autograd.grad(out, x, g.to(dtype)))
 
     exact = run("reference", torch.float64)
@@ -237,15 +246,15 @@ def test_bidirectional_chunked_and_blockwise_match_the_quadratic_formula(padding
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=atol, msg=f"{backend} {name}")
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_bidirectional_chunked_gradcheck_in_float64(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_bidirectional_chunked_gradcheck_in_float64(feature_map):
     q, k, v = (x.requires_grad_() for x in _qkv(b=1, h=1, n=11, d=4, dtype=torch.float64))
     w = draw_random_features(8, 4, seed=2, dtype=torch.float64)
     mask = torch.ones(1, 11, dtype=torch.bool)
     mask[0, 1] = False
 
     def op(q, k, v):
-        return favor_attention(q, k, v, w, kernel=kernel, key_padding_mask=mask, backend="chunked")
+        return favor_attention(q, k, v, w, feature_map=feature_map, key_padding_mask=mask, backend="chunked")
 
     assert torch.autograd.gradcheck(op, (q, k, v), atol=1e-6, rtol=1e-4)
 
@@ -289,10 +298,10 @@ def test_bf16_products_keep_sums_and_denominators_in_float32(causal):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * float(b.float().abs().max()), msg=name)
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("backend", [None, "chunked"])
-def test_float64_inputs_are_computed_in_float64(backend, causal, kernel):
+def test_float64_inputs_are_computed_in_float64(backend, causal, feature_map):
     """float64 in, float64 math: outputs and gradients agree with the float64 formula to 1e-12 (float32 anywhere
     inside would leave ~1e-7), at a length of several chunks with padding; a decoding step continues in float64."""
     q, k, v = (t.requires_grad_() for t in _qkv(b=1, n=300, dtype=torch.float64))
@@ -300,7 +309,7 @@ def test_float64_inputs_are_computed_in_float64(backend, causal, kernel):
     mask = torch.ones(1, 300, dtype=torch.bool)
     mask[0, :7] = False
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    kwargs = dict(causal=causal, kernel=kernel, key_padding_mask=mask)
+    kwargs = dict(causal=causal, feature_map=feature_map, key_padding_mask=mask)
     got = favor_attention(q, k, v, w, backend=backend, **kwargs)
     want = favor_reference(q, k, v, w, **kwargs)
     for a, b in zip((got, *torch.autograd.grad(got, (q, k, v), g)), (want, *torch.autograd.grad(want, (q, k, v), g))):
@@ -308,9 +317,10 @@ def test_float64_inputs_are_computed_in_float64(backend, causal, kernel):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * float(b.abs().max()))
     if causal:
         with torch.no_grad():
-            _, state = favor_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], w, kernel=kernel, causal=True,
-                                       key_padding_mask=mask[:, :-1], backend=backend, return_state=True)  # fmt: skip
-            step, _ = favor_step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], w, state, kernel=kernel)
+            _, state = favor_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], w, feature_map=feature_map,
+                                       causal=True, key_padding_mask=mask[:, :-1], backend=backend,
+                                       return_state=True)  # fmt: skip
+            step, _ = favor_step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], w, state, feature_map=feature_map)
         torch.testing.assert_close(step, want[:, :, -1:].detach(), rtol=0, atol=1e-12 * float(want.abs().max()))
 
 

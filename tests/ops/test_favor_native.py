@@ -43,9 +43,9 @@ def _default_is_native(q, k, v, w, chunk_size=None):
     return favor_backend(q, k, v, w, causal=True, chunk_size=chunk_size, return_state=True) == "native"
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_native_walk_matches_the_chunked_backend(kernel, padding):
+def test_native_walk_matches_the_chunked_backend(feature_map, padding):
     q, k, v = _inputs()
     w = draw_random_features(48, 16, seed=1)
     mask = None
@@ -53,7 +53,7 @@ def test_native_walk_matches_the_chunked_backend(kernel, padding):
         mask = torch.ones(2, 300, dtype=torch.bool)
         mask[1, :37] = False if padding == "left" else mask[1, :37]
         mask[1, 250:] = False if padding == "right" else mask[1, 250:]
-    kwargs = dict(kernel=kernel, key_padding_mask=mask, chunk_size=32)
+    kwargs = dict(feature_map=feature_map, key_padding_mask=mask, chunk_size=32)
     # a saved state every 3 chunks: 300 positions span 4 blocks
     assert _default_is_native(q, k, v, w, chunk_size=32)
     out, state, grads = _run(None, q, k, v, w, block_size=96, **kwargs)

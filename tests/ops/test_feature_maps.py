@@ -267,3 +267,15 @@ def test_the_random_maps_take_the_old_keyword_projection_with_a_future_warning_u
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.warns(FutureWarning, match=r"projection= is renamed random_features="):
         assert FavorPositive(projection=w).random_features is w
+
+
+def test_random_feature_map_takes_the_old_keyword_kernel_with_a_future_warning_until_0_3_0():
+    from linearformers.ops import draw_random_features
+    from linearformers.ops.feature_maps import random_feature_map
+
+    x = torch.randn(1, 2, 6, 8)
+    w = draw_random_features(16, 8, seed=0)
+    want = random_feature_map(x, w, is_query=True, feature_map="relu")
+    with pytest.warns(FutureWarning, match=r"kernel= is renamed feature_map=; .* goes away in 0\.3\.0"):
+        got = random_feature_map(x, w, is_query=True, kernel="relu")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -166,18 +166,18 @@ def test_learned_map_gradcheck_through_the_chunked_backend():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_known_maps_equal_favor_attention(kernel, causal):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_known_maps_equal_favor_attention(feature_map, causal):
     q, k, v = (x.float() for x in _data())  # moderate keys
     w = draw_random_features(M, D, seed=3)
-    phi = FavorPositive(w) if kernel == "softmax" else ReluFeatures(w)
+    phi = FavorPositive(w) if feature_map == "softmax" else ReluFeatures(w)
     assert isinstance(phi, FeatureMap) and phi.num_features == M
     mask = _mask("left")
     backends = ["chunked", None] + (["native"] if causal and NATIVE else [])
     g = _cotangent(v.shape, torch.float32)
     for backend in backends:
         x = [t.detach().requires_grad_() for t in (q, k, v)]
-        fused = favor_attention(*x, w, causal=causal, kernel=kernel, key_padding_mask=mask, backend=backend)
+        fused = favor_attention(*x, w, causal=causal, feature_map=feature_map, key_padding_mask=mask, backend=backend)
         fused_grads = torch.autograd.grad(fused, x, g)
         y = [t.detach().requires_grad_() for t in (q, k, v)]
         out = linear_attention(

@@ -113,18 +113,18 @@ def test_bad_block_chunks_are_refused(block_chunks):
         LinearCausalNative.apply(phi_q, phi_k, v, None, 16, block_chunks)
 
 
-def test_bad_kernel_names_are_refused():
+def test_bad_feature_map_names_are_refused():
     x = torch.zeros(1, 1, 16, 16)
     for entry in (
         lambda: _native.forward(x, x, x, None, None, "linear", 1.0, 0.0, 16, 16),
         lambda: _native.backward(x, x, x, None, None, "exp", 1.0, 0.0, 16, x, x, x, x, x, 1),
     ):
-        with pytest.raises(ValueError, match="kernel"):
+        with pytest.raises(ValueError, match="unknown native feature map .(linear|exp)."):
             entry()
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_fused_kernels_still_match_the_reference(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_fused_kernels_still_match_the_reference(feature_map):
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 2, 45, 16, generator=g).requires_grad_() for _ in range(3))
     w = draw_random_features(32, 16, seed=5)
@@ -132,7 +132,7 @@ def test_fused_kernels_still_match_the_reference(kernel):
     mask[1, :7] = False
     outs, grads = [], []
     for backend in ("native", "reference"):
-        out = favor_attention(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask, backend=backend)
+        out = favor_attention(q, k, v, w, causal=True, feature_map=feature_map, key_padding_mask=mask, backend=backend)
         outs.append(out)
         grads.append(torch.autograd.grad(out, (q, k, v), _cotangent(out)))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)

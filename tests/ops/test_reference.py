@@ -135,7 +135,9 @@ def _causal_references():
     return {
         "softmax": lambda q, k, v, m: softmax_reference(q, k, v, causal=True, key_padding_mask=m),
         "favor-softmax": lambda q, k, v, m: favor_reference(q, k, v, w, causal=True, key_padding_mask=m),
-        "favor-relu": lambda q, k, v, m: favor_reference(q, k, v, w, causal=True, key_padding_mask=m, kernel="relu"),
+        "favor-relu": lambda q, k, v, m: favor_reference(
+            q, k, v, w, causal=True, key_padding_mask=m, feature_map="relu"
+        ),
         "linformer": lambda q, k, v, m: causal_linformer_reference(q, k, v, e, e.flip(0), key_padding_mask=m),
         "local": lambda q, k, v, m: local_reference(q, k, v, 4, causal=True, key_padding_mask=m, relative_bias=bias),
     }
@@ -171,7 +173,7 @@ def test_references_give_real_tokens_the_same_outputs_with_any_padding(padding):
     conv = torch.randn(8, 8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     cases = [
         lambda q, k, v, m: favor_reference(q, k, v, w, key_padding_mask=m),
-        lambda q, k, v, m: favor_reference(q, k, v, w, causal=True, key_padding_mask=m, kernel="relu"),
+        lambda q, k, v, m: favor_reference(q, k, v, w, causal=True, key_padding_mask=m, feature_map="relu"),
         lambda q, k, v, m: linformer_reference(q, k, v, e, key_padding_mask=m),
         lambda q, k, v, m: linformer_reference(q, k, v, None, projection="pool", pool_stride=3, key_padding_mask=m),
         lambda q, k, v, m: linformer_reference(q, k, v, conv, projection="conv", pool_stride=3, key_padding_mask=m),
@@ -198,12 +200,12 @@ def _agree(fast, reference, inputs, *, rtol=1e-5, atol=1e-6):
 
 
 @pytest.mark.parametrize("padding", PADDINGS)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_favor_attention_equals_its_reference(causal, kernel, padding):
+def test_favor_attention_equals_its_reference(causal, feature_map, padding):
     mask = _mask(padding)
     w = draw_random_features(16, 8, seed=1)
-    kwargs = dict(causal=causal, kernel=kernel, key_padding_mask=mask)
+    kwargs = dict(causal=causal, feature_map=feature_map, key_padding_mask=mask)
     _agree(
         lambda q, k, v: favor_attention(q, k, v, w, chunk_size=4, **kwargs),
         lambda q, k, v: favor_reference(q, k, v, w, **kwargs),
@@ -211,15 +213,15 @@ def test_favor_attention_equals_its_reference(causal, kernel, padding):
     )
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_favor_steps_equal_the_causal_reference(kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_favor_steps_equal_the_causal_reference(feature_map):
     q, k, v = _qkv()
     w = draw_random_features(16, 8, seed=1)
     state, steps = None, []
     for t in range(11):
-        out, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state, kernel=kernel)
+        out, state = favor_step(*(x[:, :, t : t + 1] for x in (q, k, v)), w, state, feature_map=feature_map)
         steps.append(out)
-    ref = favor_reference(q, k, v, w, causal=True, kernel=kernel)
+    ref = favor_reference(q, k, v, w, causal=True, feature_map=feature_map)
     torch.testing.assert_close(torch.cat(steps, 2), ref, rtol=1e-5, atol=1e-6)
 
 

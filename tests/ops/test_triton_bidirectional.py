@@ -40,8 +40,8 @@ B, H, M, D, TILE = 2, 1, 32, 48, 16  # CPU sizes: two m-blocks of 16, several ti
 
 @ON_CPU
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
-def test_fused_maps_match_the_reference(dtype, kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_fused_maps_match_the_reference(dtype, feature_map):
     """favor_attention(causal=False, backend="triton"), the map computed inside the kernels: output and dq, dk, dv
     as the float64 reference of the same (rounded) inputs, at one position, an odd length below one tile and one
     past two tiles, keys padded left and right."""
@@ -50,12 +50,12 @@ def test_fused_maps_match_the_reference(dtype, kernel):
         inputs = [randn(B, H, n, D, seed=s, dtype=dtype) for s in (6, 7, 8)]
         grad = randn(B, H, n, D, seed=9, dtype=torch.float64)
         mask = padding_mask(B, n)
-        kw = dict(kernel=kernel, key_padding_mask=mask)
+        kw = dict(feature_map=feature_map, key_padding_mask=mask)
         got = run_with_grads(
             lambda *x, kw=kw: favor_attention(*x, w, chunk_size=TILE, backend="triton", **kw), inputs, grad
         )
         expected = run_with_grads(lambda *x, kw=kw: favor_reference(*x, w, **kw), [t.double() for t in inputs], grad)
-        assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n={n}", QKV)
+        assert_close(got, expected, TOLERANCE[dtype], f"{feature_map} n={n}", QKV)
 
 
 @ON_CPU
@@ -141,11 +141,11 @@ def test_refusals_and_never_the_default_off_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_long_sequences_match_the_chunked_backend_on_cuda(dtype, kernel, padded):
+def test_long_sequences_match_the_chunked_backend_on_cuda(dtype, feature_map, padded):
     """n = 4099 (64 tiles and a partial one), 12 heads x 64, m = 256: output and gradients as the chunked PyTorch
     backend's (whose float64 reference would not fit in memory)."""
     b, h, m, d, n = 1, 12, 256, 64, 4099
@@ -153,12 +153,12 @@ def test_long_sequences_match_the_chunked_backend_on_cuda(dtype, kernel, padded)
     inputs = [randn(b, h, n, d, seed=s, device="cuda", dtype=dtype) for s in (6, 7, 8)]
     grad = randn(b, h, n, d, seed=9, device="cuda")
     mask = padding_mask(b, n, "cuda") if padded else None
-    kw = dict(kernel=kernel, key_padding_mask=mask)
+    kw = dict(feature_map=feature_map, key_padding_mask=mask)
     got, expected = (
         run_with_grads(lambda *x, backend=backend: favor_attention(*x, w, backend=backend, **kw), inputs, grad)
         for backend in ("triton", "chunked")
     )
-    assert_close(got, expected, TOLERANCE[dtype], f"{kernel} n=4099", QKV)
+    assert_close(got, expected, TOLERANCE[dtype], f"{feature_map} n=4099", QKV)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -48,10 +48,10 @@ DEVICES = [pytest.param("cpu", marks=ON_CPU), pytest.param("cuda", marks=ON_CUDA
 CASES = [("cpu", dtype, ON_CPU) for dtype in DTYPES] + [("cuda", torch.bfloat16, ON_CUDA)]
 FEATURE_CASES = [pytest.param(dev, dtype, marks=on, id=f"{dev}-{str(dtype)[6:]}") for dev, dtype, on in CASES]
 MAP_CASES = [
-    pytest.param(dev, dtype, kernel, marks=on, id=f"{dev}-{str(dtype)[6:]}-{kernel}")
+    pytest.param(dev, dtype, feature_map, marks=on, id=f"{dev}-{str(dtype)[6:]}-{feature_map}")
     for dev, dtype, on in [*CASES, ("cuda", torch.float32, ON_CUDA)]
-    for kernel in ("softmax", "relu")
-    if dev == "cpu" or dtype == torch.bfloat16 or kernel == "softmax"
+    for feature_map in ("softmax", "relu")
+    if dev == "cpu" or dtype == torch.bfloat16 or feature_map == "softmax"
 ]
 # (batch, heads, m, head_dim, chunk) per device; the CPU's m and head_dim give several m-blocks or d-blocks of 16
 SIZES = {"cpu": (2, 1, 48, 32, 16), "cuda": (1, 12, 256, 64, None)}
@@ -87,8 +87,8 @@ def test_given_features_match_the_reference(device, dtype):
         assert_close(got, expected, TOLERANCE[dtype], f"n={n}")
 
 
-@pytest.mark.parametrize(("device", "dtype", "kernel"), MAP_CASES)
-def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
+@pytest.mark.parametrize(("device", "dtype", "feature_map"), MAP_CASES)
+def test_fused_favor_maps_match_the_reference(device, dtype, feature_map):
     """favor_attention(backend="triton"), its feature map computed inside the kernels: output and dq, dk, dv as the
     float64 reference of the same (rounded) inputs, keys padded left and right."""
     b, h, m, d, chunk = FAVOR_SIZES[device]
@@ -99,7 +99,7 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
     mask = padding_mask(b, n, device)
     got = run_with_grads(
         lambda *x: favor_attention(
-            *x, w, causal=True, kernel=kernel, key_padding_mask=mask, chunk_size=chunk, backend="triton"
+            *x, w, causal=True, feature_map=feature_map, key_padding_mask=mask, chunk_size=chunk, backend="triton"
         ),
         inputs,
         grad,
@@ -107,13 +107,15 @@ def test_fused_favor_maps_match_the_reference(device, dtype, kernel):
 
     def reference(q, k, v):
         if device == "cpu":
-            return favor_reference(q, k, v, w, causal=True, kernel=kernel, key_padding_mask=mask)
+            return favor_reference(q, k, v, w, causal=True, feature_map=feature_map, key_padding_mask=mask)
         # the same attention through float64 features (the log-space reference holds n² m values)
-        pq, pk = (random_feature_map(x, w.double(), is_query=t, kernel=kernel) for x, t in ((q, True), (k, False)))
+        pq, pk = (
+            random_feature_map(x, w.double(), is_query=t, feature_map=feature_map) for x, t in ((q, True), (k, False))
+        )
         return linear_reference(pq, pk, v, causal=True, key_padding_mask=mask)
 
     expected = run_with_grads(reference, [t.double() for t in inputs], grad)
-    assert_close(got, expected, TOLERANCE[dtype], kernel)
+    assert_close(got, expected, TOLERANCE[dtype], feature_map)
 
 
 @pytest.mark.cuda
@@ -195,25 +197,25 @@ def test_the_chunk_form_is_taken_where_it_was_checked_on_a_gpu(cuda, d, m, ops, 
         assert _triton_causal._chunk_form(launch) is chunks
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "features"])
+@pytest.mark.parametrize("feature_map", ["softmax", "features"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel):
+def test_both_forms_give_the_same_outputs_state_and_gradients(device, feature_map):
     """The chunk-parallel form (states stored per chunk) and the walk form (the default) agree: output, final state and
     the gradients of q, k, v and the initial state, with padding, at lengths that cross segments."""
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = 37 if device == "cpu" else 1000
     q, k, v = (randn(b, h, n, d, device=device, seed=s) for s in (1, 2, 3))
     w = draw_random_features(m, d, seed=4, device=device)
-    if kernel == "features":
+    if feature_map == "features":
         q, k, w = random_feature_map(q, w, is_query=True), random_feature_map(k, w, is_query=False), None
     keep = padding_mask(b, n, device).float()
     scale = d**-0.5 if w is not None else 1.0
     # the initial state: a prefix's, on the scale of what the chunks add (keys' features at offset 0 are small)
-    _, s0, z0, _ = triton_causal_linear(q[:, :, :11], k[:, :, :11], v[:, :, :11], w, None, kernel, scale, 1e-6, 16)
+    _, s0, z0, _ = triton_causal_linear(q[:, :, :11], k[:, :, :11], v[:, :, :11], w, None, feature_map, scale, 1e-6, 16)
     grad = randn(b, h, n, d, device=device, seed=7, dtype=torch.float64)
 
     def call(q, k, v, s0, z0):
-        out, s, z, _ = triton_causal_linear(q, k, v, w, keep, kernel, scale, 1e-6, chunk or 64, s0, z0)
+        out, s, z, _ = triton_causal_linear(q, k, v, w, keep, feature_map, scale, 1e-6, chunk or 64, s0, z0)
         call.state = (s, z)
         return out
 
@@ -222,29 +224,29 @@ def test_both_forms_give_the_same_outputs_state_and_gradients(device, kernel):
         got_state = call.state
     with kernel_form("walk"):
         expected = run_with_grads(call, [q, k, v, s0, z0], grad)
-    assert_close(got, expected, 1e-4, f"{kernel}: chunks vs walk", ("out", "dq", "dk", "dv", "dS0", "dz0"))
+    assert_close(got, expected, 1e-4, f"{feature_map}: chunks vs walk", ("out", "dq", "dk", "dv", "dS0", "dz0"))
     for a, e in zip(got_state, call.state):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6 * float(e.abs().max()))
 
 
-@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_fused_maps_final_state_is_the_chunked_backends_so_decoding_continues_it(device, kernel):
+def test_the_fused_maps_final_state_is_the_chunked_backends_so_decoding_continues_it(device, feature_map):
     """The state a fused-map prefill returns is at the chunked backend's scale (softmax keys at offset 0, their
     features exp(-|w - k'|²/2) <= 1), so favor_step continues it: the next token's output equals a full call's."""
     b, h, m, d, chunk = FAVOR_SIZES[device]
     n = 37 if device == "cpu" else 1000  # several segments
     q, k, v = (randn(b, h, n + 1, d, device=device, seed=s) for s in (1, 2, 3))
     w = draw_random_features(m, d, seed=4, device=device)
-    kw = dict(causal=True, kernel=kernel, chunk_size=chunk, return_state=True)
+    kw = dict(causal=True, feature_map=feature_map, chunk_size=chunk, return_state=True)
     _, (s_fused, z_fused, m_fused) = favor_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], w, backend="triton", **kw)
     _, (s_chunked, z_chunked, _) = favor_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], w, backend="chunked", **kw)
     for got, want in ((s_fused, s_chunked), (z_fused, z_chunked)):  # softmax states are ~1e-8: a relative atol
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
     step, _ = favor_step(
-        q[:, :, n:], k[:, :, n:], v[:, :, n:], w, (s_fused, z_fused, m_fused), kernel=kernel
+        q[:, :, n:], k[:, :, n:], v[:, :, n:], w, (s_fused, z_fused, m_fused), feature_map=feature_map
     )  # fmt: skip
-    full = favor_attention(q, k, v, w, causal=True, kernel=kernel, backend="chunked")
+    full = favor_attention(q, k, v, w, causal=True, feature_map=feature_map, backend="chunked")
     torch.testing.assert_close(step, full[:, :, n:], rtol=1e-4, atol=1e-5)
 
 
@@ -308,16 +310,16 @@ def test_compiles_without_graph_break(device, form):
 
 @ON_CPU
 @pytest.mark.parametrize("form", ["walk", "chunks"])
-@pytest.mark.parametrize("kernel", ["softmax", "features"])
-def test_the_custom_ops_fake_shapes_and_dtypes_are_the_kernels(form, kernel):
+@pytest.mark.parametrize("feature_map", ["softmax", "features"])
+def test_the_custom_ops_fake_shapes_and_dtypes_are_the_kernels(form, feature_map):
     """torch.library.opcheck: the forward op's schema, its fake implementation (shapes and dtypes of every output,
     the chunk form's kept states included) and its autograd registration agree with what the kernels return."""
     q, k, v = (randn(1, 2, 37, 16, seed=s, dtype=torch.float32).requires_grad_() for s in (1, 2, 3))
     w = draw_random_features(32, 16, seed=4)
-    if kernel == "features":
+    if feature_map == "features":
         q, k, w = random_feature_map(q, w, is_query=True), random_feature_map(k, w, is_query=False), None
         q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    args = (q, k, v, w, None, None, None, kernel, 0.25 if w is not None else 1.0, 1e-6, 16)
+    args = (q, k, v, w, None, None, None, feature_map, 0.25 if w is not None else 1.0, 1e-6, 16)
     with kernel_form(form):
         checks = ("test_schema", "test_faketensor", "test_autograd_registration")
         assert set(torch.library.opcheck(_triton_causal._forward_op, args, test_utils=checks).values()) == {"SUCCESS"}
@@ -375,8 +377,8 @@ def _triton_by_default(original, calls):
 
 @ON_CPU
 @pytest.mark.parametrize("decoder", [True, False], ids=["causal-lm", "mlm"])
-@pytest.mark.parametrize("kernel", ["softmax", "relu", "hedgehog"])
-def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel, decoder, monkeypatch):
+@pytest.mark.parametrize("feature_map", ["softmax", "relu", "hedgehog"])
+def test_a_model_trains_through_the_kernels_with_activation_checkpointing(feature_map, decoder, monkeypatch):
     """A Performer whose attention runs the Triton kernels (here interpreted), with gradient checkpointing on, gives
     the loss and gradients of the same model on the PyTorch backends: the kernels' custom ops recompute under
     torch.utils.checkpoint like any op (their backward reads its saved tensors once, as non-reentrant checkpointing
@@ -388,7 +390,7 @@ def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel
     from tests.conftest import tiny_config
 
     cfg = tiny_config(
-        "performer", kernel=kernel, is_decoder=decoder, hidden_size=64, num_attention_heads=4, num_random_features=32
+        "performer", feature_map=feature_map, is_decoder=decoder, hidden_size=64, num_attention_heads=4, num_features=32
     )
     torch.manual_seed(0)
     model = (AutoModelForCausalLM if decoder else AutoModelForMaskedLM).from_config(cfg).train()
@@ -415,7 +417,7 @@ def test_a_model_trains_through_the_kernels_with_activation_checkpointing(kernel
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()) + 1e-9)
 
 
-def _ddp_worker(rank, world, port, folder, kernel):
+def _ddp_worker(rank, world, port, folder, feature_map):
     """One rank: a Performer LM whose attention runs the Triton kernels, under DistributedDataParallel (gloo), on
     its shard of the batch; saves its parameters' gradients after the all-reduce."""
     import torch.distributed as dist
@@ -433,7 +435,7 @@ def _ddp_worker(rank, world, port, folder, kernel):
         calls = []
         for module in (favor, linear):
             module.choose_backend = _triton_by_default(module.choose_backend, calls)
-        model = _ddp_model(tiny_config, AutoModelForCausalLM, kernel)
+        model = _ddp_model(tiny_config, AutoModelForCausalLM, feature_map)
         ids = _ddp_batch()[2 * rank : 2 * rank + 2]
         ddp = DistributedDataParallel(model)  # kept: its reducer all-reduces during backward
         ddp(ids, labels=ids).loss.backward()
@@ -444,9 +446,9 @@ def _ddp_worker(rank, world, port, folder, kernel):
         dist.destroy_process_group()
 
 
-def _ddp_model(tiny_config, cls, kernel):
+def _ddp_model(tiny_config, cls, feature_map):
     cfg = tiny_config(
-        "performer", kernel=kernel, is_decoder=True, hidden_size=64, num_attention_heads=4, num_random_features=32,
+        "performer", feature_map=feature_map, is_decoder=True, hidden_size=64, num_attention_heads=4, num_features=32,
         feature_redraw_interval=None,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -458,8 +460,8 @@ def _ddp_batch():
 
 
 @ON_CPU
-@pytest.mark.parametrize("kernel", ["softmax", "hedgehog"])
-def test_ddp_through_the_kernels_gives_the_gradient_of_the_whole_batch(kernel, tmp_path):
+@pytest.mark.parametrize("feature_map", ["softmax", "hedgehog"])
+def test_ddp_through_the_kernels_gives_the_gradient_of_the_whole_batch(feature_map, tmp_path):
     """Two gloo ranks, each running its half of the batch through the Triton kernels (here interpreted) under
     DistributedDataParallel: after the all-reduce every rank holds the mean of the two halves' gradients, as one
     process computes them on the PyTorch backends."""
@@ -473,14 +475,14 @@ def test_ddp_through_the_kernels_gives_the_gradient_of_the_whole_batch(kernel, t
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), kernel), nprocs=2, join=False)
+    ranks = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), feature_map), nprocs=2, join=False)
     deadline = time.monotonic() + 600  # a hung rank fails the test instead of holding the suite
     while not ranks.join(timeout=5):
         if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
             pytest.fail("the two DDP ranks did not finish within 600 s")
-    model = _ddp_model(tiny_config, AutoModelForCausalLM, kernel)
+    model = _ddp_model(tiny_config, AutoModelForCausalLM, feature_map)
     ids = _ddp_batch()
     loss = (model(ids[:2], labels=ids[:2]).loss + model(ids[2:], labels=ids[2:]).loss) / 2
     loss.backward()

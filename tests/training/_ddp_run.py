@@ -23,7 +23,7 @@ if __name__ == "__main__":
     loop.build_model = _recording_build_model
     dump = sys.argv[1]
     out = train(*parse_arguments(sys.argv[2:]))
-    # learned feature maps (kernel="hedgehog") have no random features: the buffer is None there
+    # learned feature maps (feature_map="hedgehog") have no random features: the buffer is None there
     features = [
         layer.attention.random_features.clone()
         for layer in out["model"].model.layers

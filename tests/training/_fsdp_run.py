@@ -27,7 +27,7 @@ if __name__ == "__main__":
         num_attention_heads=2,
         intermediate_size=64,
         is_decoder=True,
-        num_random_features=16,
+        num_features=16,
         feature_redraw_interval=2,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,

@@ -39,7 +39,7 @@ COMMON = [
 
 @pytest.mark.parametrize("script,family", [("run_clm.py", "performer"), ("run_mlm.py", "linformer")])
 def test_language_modelling_examples_run(script, family, text_file, tmp_path):
-    overrides = TINY + (",projected_length=8" if family == "linformer" else ",num_random_features=16")
+    overrides = TINY + (",projected_length=8" if family == "linformer" else ",num_features=16")
     subprocess.run(
         [
             sys.executable,

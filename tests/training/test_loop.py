@@ -20,11 +20,11 @@ WORKER = Path(__file__).parent / "_ddp_run.py"
 
 # the kernel part of the Performer's --config_overrides: FAVOR+ random features redrawn every 3 forwards, or a
 # learned hedgehog map (8 features) inside sliding-window softmax + linear heads (window 4, a learned balance)
-RANDOM_FEATURES = "num_random_features=16,feature_redraw_interval=3"
-HEDGEHOG_HYBRID = "kernel=hedgehog,num_random_features=8,hybrid_window=4"
+RANDOM_FEATURES = "num_features=16,feature_redraw_interval=3"
+HEDGEHOG_HYBRID = "feature_map=hedgehog,num_features=8,hybrid_window=4"
 
 
-def _cli(text_file, out, *extra, kernel=RANDOM_FEATURES):
+def _cli(text_file, out, *extra, attention=RANDOM_FEATURES):
     return [
         "--task",
         "clm",
@@ -35,7 +35,7 @@ def _cli(text_file, out, *extra, kernel=RANDOM_FEATURES):
         "--output_dir",
         str(out),
         "--config_overrides",
-        f"{TINY},{kernel},hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+        f"{TINY},{attention},hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
         "--block_size",
         "32",
         "--max_steps",
@@ -61,16 +61,16 @@ def _env():
 
 
 @pytest.mark.parametrize(
-    ("kernel", "port"), [(RANDOM_FEATURES, 29533), (HEDGEHOG_HYBRID, 29534)], ids=["favor", "hedgehog-hybrid"]
+    ("attention", "port"), [(RANDOM_FEATURES, 29533), (HEDGEHOG_HYBRID, 29534)], ids=["favor", "hedgehog-hybrid"]
 )
-def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path, kernel, port):
+def test_two_processes_match_one_process_with_the_same_global_batch(text_file, tmp_path, attention, port):
     single = tmp_path / "single"
     subprocess.run(
         [
             sys.executable,
             str(WORKER),
             str(single),
-            *_cli(text_file, tmp_path / "o1", "--per_device_train_batch_size", "8", kernel=kernel),
+            *_cli(text_file, tmp_path / "o1", "--per_device_train_batch_size", "8", attention=attention),
         ],
         check=True,
         env=_env(),
@@ -90,7 +90,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
             str(port),
             str(WORKER),
             str(double),
-            *_cli(text_file, tmp_path / "o2", "--per_device_train_batch_size", "4", kernel=kernel),
+            *_cli(text_file, tmp_path / "o2", "--per_device_train_batch_size", "4", attention=attention),
         ],
         check=True,
         env=_env(),
@@ -101,7 +101,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(text_file, t
     one = torch.load(f"{single}-rank0.pt")
     rank0, rank1 = torch.load(f"{double}-rank0.pt"), torch.load(f"{double}-rank1.pt")
     assert rank0["distributed_type"].endswith("MULTI_CPU") and rank0["num_processes"] == 2
-    if kernel == RANDOM_FEATURES:
+    if attention == RANDOM_FEATURES:
         # 8 training forwards with redraws every 3: features were redrawn twice, the same draw on both ranks (to
         # float32 rounding: each process draws its own, and a QR may sum in another order on another thread count)
         assert len(one["features"]) == 2  # one per layer: the dump must not be empty, or zip below checks nothing
@@ -262,7 +262,7 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(
 
     args = [
         *("--task", "mlm", "--family", "performer", "--train_file", text_file, "--block_size", "32"),
-        *("--config_overrides", TINY + ",num_random_features=16,feature_redraw_interval=3"),
+        *("--config_overrides", TINY + ",num_features=16,feature_redraw_interval=3"),
         *("--max_steps", "12", "--save_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4"),
         *("--use_cpu", "true", "--disable_tqdm", "true"),
     ]
@@ -495,6 +495,19 @@ def test_config_overrides_take_plain_strings_lists_and_reject_items_without_a_va
         LinformerConfig(**parse_overrides("hidden_size=12a", LinformerConfig))
     assert isinstance(raised.value.__cause__, TypeError)
     assert "expected int, got str (value: '12a')" in str(raised.value)
+
+
+def test_config_overrides_take_a_renamed_fields_old_name_which_the_config_warns_of():
+    from linearformers import PerformerConfig
+    from linearformers.training.loop import parse_overrides
+
+    parsed = parse_overrides("kernel=relu,num_random_features=16", PerformerConfig)
+    assert parsed == {"kernel": "relu", "num_random_features": 16}
+    with pytest.warns(FutureWarning, match="kernel is renamed feature_map"):
+        config = PerformerConfig(**parsed)
+    assert (config.feature_map, config.num_features) == ("relu", 16)
+    with pytest.raises(ValueError, match="'kernal', which is not a PerformerConfig field"):
+        parse_overrides("kernal=relu", PerformerConfig)
 
 
 def test_a_max_position_embeddings_override_moves_max_seq_length_as_the_config_does(tokenizer_dir):

@@ -93,7 +93,7 @@ def test_a_resume_into_the_output_dir_of_a_running_training_is_refused(tmp_path,
 
 def test_resume_refuses_changes_that_break_exactness_naming_each(tmp_path, text_file):
     train(*_args(tmp_path, train_file=text_file, max_steps=2, save_steps=2))
-    changed = TINY + ",feature_redraw_interval=3,kernel=relu"
+    changed = TINY + ",feature_redraw_interval=3,feature_map=relu"
     with pytest.raises(ValueError) as caught:
         train(
             *_args(
@@ -115,7 +115,7 @@ def test_resume_refuses_changes_that_break_exactness_naming_each(tmp_path, text_
         "block_size: 16 → 32",
         "per_device_train_batch_size: 8 → 4",  # Trainer would skip the steps done in batches of another size
         "feature_redraw_interval: 1000 → 3",
-        "kernel: 'softmax' →",
+        "feature_map: 'softmax' →",
     ):
         assert difference in message
     assert "learning_rate" not in message  # a legitimate change: warned about, not refused
@@ -285,7 +285,7 @@ def test_the_cli_trains_a_performer_and_a_linformer_with_mixed_precision_on_cpu(
     """A causal Performer and a masked-LM Linformer train in autocast's dtype with finite losses. Accelerate leaves
     fp16 on CPU off without a word; the run turns on autocast and a GradScaler itself."""
     runs = {  # m = 24 is no multiple of 16: the causal Performer takes the PyTorch walk, the one autocast crashed
-        "performer": ["--task", "clm", "--config_overrides", TINY + ",num_random_features=24"],
+        "performer": ["--task", "clm", "--config_overrides", TINY + ",num_features=24"],
         "linformer": ["--task", "mlm", "--config_overrides", TINY + ",projected_length=8"],
     }
     worker_args = [str(tmp_path / "dump.json")]

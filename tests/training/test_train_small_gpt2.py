@@ -76,7 +76,7 @@ def test_splits_are_disjoint_and_saved_with_the_held_out_text(script, tiny_run):
 def test_the_trained_folder_converts_to_a_performer_close_to_it(tiny_run):
     output_dir, _ = tiny_run
     gpt2 = GPT2LMHeadModel.from_pretrained(output_dir).eval()
-    model, report = convert_gpt2(str(output_dir), "performer", num_random_features=256)
+    model, report = convert_gpt2(str(output_dir), "performer", num_features=256)
     assert type(model).__name__ == "PerformerForCausalLM" and len(report.mapped) > 0
     ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -13,13 +13,16 @@ import warnings
 from ... import ops
 from ...ops import *  # noqa: F403
 from ...ops.backends import BACKENDS, BIDIRECTIONAL_BACKENDS, CAUSAL_BACKENDS
-from ...ops.feature_maps import KERNELS, PERFORMER_KERNELS
+from ...ops.feature_maps import FEATURE_MAPS, RANDOM_FEATURE_MAPS
 from ...ops.linformer import BACKENDS as LINFORMER_BACKENDS
 from ...ops.linformer import CAUSAL_BACKENDS as LINFORMER_CAUSAL_BACKENDS
 from ...ops.linformer import METHODS, compact, uncompact
 from ...ops.local import causal_local_attention, num_relative_positions
 
 FAVOR_BACKENDS = BACKENDS
+# the feature maps' tuples under their names here: linearformers.ops.feature_maps names them by what they hold
+KERNELS = RANDOM_FEATURE_MAPS
+PERFORMER_KERNELS = FEATURE_MAPS
 
 # what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules),
 # and the deprecated path offers none of the ops' newer ones

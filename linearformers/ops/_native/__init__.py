@@ -2,7 +2,7 @@
 and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
 num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
-portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Kernel "features" takes
+portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Feature map "features" takes
 precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see
 ``_linear_native``).
 
@@ -45,14 +45,14 @@ _BLOCK_CHUNKS = 16
 MAP_CODES = {"softmax": 0, "relu": 1, "features": 2}
 
 
-def _map_code(kernel: str) -> int:
-    if kernel not in MAP_CODES:
-        raise ValueError(f"unknown native kernel {kernel!r}; choose one of {sorted(MAP_CODES)}")
-    return MAP_CODES[kernel]
+def _map_code(feature_map: str) -> int:
+    if feature_map not in MAP_CODES:
+        raise ValueError(f"unknown native feature map {feature_map!r}; choose one of {sorted(MAP_CODES)}")
+    return MAP_CODES[feature_map]
 
 
 def _check_features(q, k, v) -> None:
-    """Kernel "features": phi(q), phi(k) (b, h, n, m) alike and v (b, h, n, d); the library trusts these shapes."""
+    """Feature map "features": phi(q), phi(k) (b, h, n, m) alike and v (b, h, n, d); the library trusts these shapes."""
     if k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"features mode takes phi_q, phi_k (b, h, n, m) and v (b, h, n, d), got "
@@ -243,26 +243,26 @@ def _launch(entry: str, tensors, rows: int, settings, counts: torch.Tensor | Non
     _run(lambda b0, b1: fn(*pointers, b0, b1, *settings), rows)
 
 
-def _geometry(q, k, v, w, kernel):
-    """(b, h, n, d, m, w as the kernel reads it): m from the features (kernel "features", w None) or from w."""
+def _geometry(q, k, v, w, feature_map):
+    """(b, h, n, d, m, w as the kernel reads it): m from the features (feature map "features", w None) or from w."""
     b, h, n = q.shape[:3]
-    if kernel == "features":
+    if feature_map == "features":
         _check_features(q, k, v)
         return b, h, n, v.shape[-1], q.shape[-1], None
     return b, h, n, v.shape[-1], w.shape[0], w.contiguous()
 
 
 def forward(
-    q, k, v, w, key_weights, kernel: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None
+    q, k, v, w, key_weights, feature_map: str, scale: float, eps: float, chunk: int, n_valid: int, block_chunks=None
 ):
     """q, k, v: float32 contiguous (b, h, n, d), n a multiple of chunk; key_weights: float32 (b, n) or None.
-    kernel "features": q, k are phi(q), phi(k) (b, h, n, m), m = q.shape[-1], and w is None (scale, eps unused).
+    feature map "features": q, k are phi(q), phi(k) (b, h, n, m), m = q.shape[-1], and w is None (scale, eps unused).
     block_chunks: chunks per saved state, None for ``_BLOCK_CHUNKS``.
     Returns out (b, h, n, d), den (b, h, n, 1), starts (b h, blocks, m, d), zstarts (b h, blocks, m),
     S (b, h, m, d), z (b, h, m), the lost count (0-dim) and the spacing of the saved states in chunks, for
     backward."""
-    code, per_block = _map_code(kernel), _block_chunks(block_chunks)
-    b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
+    code, per_block = _map_code(feature_map), _block_chunks(block_chunks)
+    b, h, n, d, m, w = _geometry(q, k, v, w, feature_map)
     blocks = -(-(n // chunk) // per_block)
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
     out, den = new(b, h, n, d), new(b, h, n, 1)
@@ -280,7 +280,7 @@ def backward(
     v,
     w,
     key_weights,
-    kernel: str,
+    feature_map: str,
     scale: float,
     eps: float,
     chunk: int,
@@ -292,9 +292,9 @@ def backward(
     per_block: int,
 ):
     """Gradients dq, dk, dv (float32, (b, h, n, d)) of forward's outputs; g: float32 contiguous like out.
-    kernel "features": dq, dk are d phi(q), d phi(k) (b, h, n, m) (0 for padded keys), w is None."""
-    code, per_block = _map_code(kernel), _block_chunks(per_block)
-    b, h, n, d, m, w = _geometry(q, k, v, w, kernel)
+    feature map "features": dq, dk are d phi(q), d phi(k) (b, h, n, m) (0 for padded keys), w is None."""
+    code, per_block = _map_code(feature_map), _block_chunks(per_block)
+    b, h, n, d, m, w = _geometry(q, k, v, w, feature_map)
     dq, dk = (torch.empty(q.shape, dtype=torch.float32) for _ in range(2))
     dv = torch.empty(b, h, n, d, dtype=torch.float32)
     tensors = (q, k, v, key_weights, w, g, out, den, starts, zstarts, dq, dk, dv)
