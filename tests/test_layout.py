@@ -78,3 +78,15 @@ def test_a_hybrid_performer_training_forward_reads_in_the_model_the_family_the_m
     }
     path = [name for name in entered if name in ("modeling/base.py", "modeling/performer.py", "ops/hybrid.py")]
     assert path == ["modeling/base.py", "modeling/performer.py", "ops/hybrid.py"]
+
+
+def test_the_forward_files_benchmark_traces_the_hybrid_performer_and_llama_alike(capsys):
+    """benchmarks/forward_files.py: the same trace as above, printed for the package and for transformers' Llama."""
+    from tests.conftest import load_script
+
+    script = load_script(ROOT / "benchmarks" / "forward_files.py")
+    assert script.main([]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("4 hold the forward's code") == 2
+    assert "models/llama/modeling_llama.py" in printed
+    assert "integrations/sdpa_attention.py" in printed
