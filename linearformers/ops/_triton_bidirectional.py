@@ -74,16 +74,16 @@ def _pow2(size: int) -> int:
 class _Launch:
     """One call's shapes and the kernels' compile-time settings."""
 
-    def __init__(self, q, k, v, w, kernel, chunk, scale, eps):
+    def __init__(self, q, k, v, w, feature_map, chunk, scale, eps):
         b, h, nk, d = v.shape
         self.b, self.h, self.nq, self.nk, self.d = b, h, q.shape[2], nk, d
         self.chunk, self.scale, self.root, self.eps = chunk, scale, math.sqrt(scale), eps
-        self.m = q.shape[-1] if kernel == "features" else w.shape[0]
+        self.m = q.shape[-1] if feature_map == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
         ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0  # see _triton_causal
         self.warps = 8 if chunk * _block(self.m) >= 64 * 64 else 4
         self.shape = dict(M=self.m, D=d, DP=_pow2(d), XD=xd, XDP=_pow2(xd), C=chunk, BM=_block(self.m))
-        self.settings = dict(MAP=MAPS[kernel], OPS=ops, PREC="tf32" if ops == 1 else "ieee")
+        self.settings = dict(MAP=MAPS[feature_map], OPS=ops, PREC="tf32" if ops == 1 else "ieee")
 
     def segments(self, n: int, device: torch.device) -> tuple[int, int]:
         """(P, L): pass 1's n positions cut into P segments of L (whole tiles), about two programs per
@@ -115,13 +115,13 @@ def _sums(kern, launch, x, y, g, w, key_weights, off, n, *, queries):
     return s.view(b * h, count, m, d).sum(1), z.view(b * h, count, m).sum(1)
 
 
-def _offsets(kern, launch, q, k, w, key_weights, kernel):
+def _offsets(kern, launch, q, k, w, key_weights, feature_map):
     """The queries' offsets (b·h, n_q) and the keys' (b·h,): zeros except for the softmax map (module docstring);
     a (batch, head) without a real key takes 0."""
     b, h, dev = launch.b, launch.h, q.device
     qoff = torch.zeros(b * h, launch.nq, dtype=torch.float32, device=dev)
     koff = torch.zeros(b * h, dtype=torch.float32, device=dev)
-    if kernel != "softmax":
+    if feature_map != "softmax":
         return qoff, koff
     shape, c = launch.shape, launch.chunk
     args = (launch.scale, launch.root, shape["M"], shape["XD"], shape["XDP"], c, shape["BM"])
@@ -135,20 +135,20 @@ def _offsets(kern, launch, q, k, w, key_weights, kernel):
     return qoff, torch.where(torch.isfinite(top), top, koff)
 
 
-def _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk):
+def _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk):
     q, k, v = (t.contiguous() for t in (q, k, v))
     w = None if w is None else w.float().contiguous()
     key_weights = None if key_weights is None else key_weights.float().contiguous()
-    return q, k, v, w, key_weights, _Launch(q, k, v, w, kernel, chunk, scale, eps)
+    return q, k, v, w, key_weights, _Launch(q, k, v, w, feature_map, chunk, scale, eps)
 
 
-def _forward(q, k, v, w, key_weights, kernel, scale, eps, chunk):
+def _forward(q, k, v, w, key_weights, feature_map, scale, eps, chunk):
     """(out float32 (b, h, n_q, d), D (b, h, n_q), the queries' offsets (b·h, n_q), the keys' (b·h,),
     S (b·h, m, d), z (b·h, m))."""
     kern = kernels()
-    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk)
     b, h, nq, d = launch.b, launch.h, launch.nq, launch.d
-    qoff, koff = _offsets(kern, launch, q, k, w, key_weights, kernel)
+    qoff, koff = _offsets(kern, launch, q, k, w, key_weights, feature_map)
     s, z = _sums(kern, launch, k, v, None, w, key_weights, koff, launch.nk, queries=False)
     out = torch.empty(b, h, nq, d, dtype=torch.float32, device=v.device)
     den = torch.empty(b, h, nq, dtype=torch.float32, device=v.device)
@@ -159,10 +159,10 @@ def _forward(q, k, v, w, key_weights, kernel, scale, eps, chunk):
     return out, den, qoff, koff, s, z
 
 
-def _backward(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, feature_map, scale, eps, chunk):
     """dL/dq, dL/dk, dL/dv in their dtypes."""
     kern = kernels()
-    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk)
     b, h = launch.b, launch.h
     inv = torch.where(den > _TINY, den.reciprocal(), torch.zeros_like(den))[..., None]  # no real key: no gradient
     gn = (g.float() * inv).contiguous()
@@ -183,31 +183,31 @@ def _backward(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, kernel, sc
 
 
 _FORWARD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, str kernel, float scale, float eps, int chunk) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, str feature_map, float scale, float eps, "
+    "int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor qoff, Tensor koff, Tensor s, "
-    "Tensor z, Tensor out, Tensor den, str kernel, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor)"
+    "Tensor z, Tensor out, Tensor den, str feature_map, float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _forward_fake(q, k, v, w, key_weights, kernel, scale, eps, chunk):
+def _forward_fake(q, k, v, w, key_weights, feature_map, scale, eps, chunk):
     b, h, _, d = v.shape
     nq = q.shape[2]
-    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    m = q.shape[-1] if feature_map == "features" else w.shape[0]
     shapes = ((b, h, nq, d), (b, h, nq), (b * h, nq), (b * h,), (b * h, m, d), (b * h, m))
     return tuple(v.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
-def _backward_fake(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, kernel, scale, eps, chunk):
+def _backward_fake(g, q, k, v, w, key_weights, qoff, koff, s, z, out, den, feature_map, scale, eps, chunk):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, key_weights, kernel, scale, eps, chunk = inputs
+    q, k, v, w, key_weights, feature_map, scale, eps, chunk = inputs
     out, den, qoff, koff, s, z = output
-    ctx.settings = (kernel, scale, eps, chunk)
+    ctx.settings = (feature_map, scale, eps, chunk)
     ctx.save_for_backward(q, k, v, w, key_weights, qoff, koff, s, z, out, den)
 
 
@@ -235,15 +235,15 @@ def triton_bidirectional_linear(
     v: torch.Tensor,
     w: torch.Tensor | None,
     key_weights: torch.Tensor | None,
-    kernel: str,
+    feature_map: str,
     scale: float,
     eps: float,
     chunk: int,
 ) -> torch.Tensor:
     """Bidirectional linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q
-    (b, h, n_q, d), k (b, h, n_k, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q
-    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and kernel "features"; v (b, h, n_k, d_v); key_weights (b, n_k)
-    float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two >= 16).
-    Gradients reach q, k and v. Returns (b, h, n_q, d_v) in v's dtype; a query without a real key outputs 0."""
-    out = _forward_op(q, k, v, w, key_weights, kernel, float(scale), float(eps), int(chunk))[0]
+    (b, h, n_q, d), k (b, h, n_k, d) with w (m, d) and feature_map "softmax" or "relu", or the features phi_q
+    (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and feature_map "features"; v (b, h, n_k, d_v); key_weights
+    (b, n_k) float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two
+    >= 16). Gradients reach q, k and v. Returns (b, h, n_q, d_v) in v's dtype; a query without a real key outputs 0."""
+    out = _forward_op(q, k, v, w, key_weights, feature_map, float(scale), float(eps), int(chunk))[0]
     return out.to(v.dtype)

@@ -201,12 +201,12 @@ def kernels():
 class _Launch:
     """One call's shapes, grid and the kernels' compile-time settings."""
 
-    def __init__(self, q, v, w, kernel, chunk, scale, eps):
+    def __init__(self, q, v, w, feature_map, chunk, scale, eps):
         b, h, n, d = v.shape
         self.cuda = v.device.type == "cuda"
         self.chunk, self.scale, self.eps = chunk, scale, eps
         self.b, self.h, self.n, self.d = b, h, n, d
-        self.m = q.shape[-1] if kernel == "features" else w.shape[0]
+        self.m = q.shape[-1] if feature_map == "features" else w.shape[0]
         xd = q.shape[-1]  # what the kernels read per row of q and k: m for given features, head_dim otherwise
         self.grid = (b * h, self.m // _block(self.m), d // _block(d))
         self.warps = TUNING["warps"] or DEFAULT_WARPS
@@ -221,7 +221,7 @@ class _Launch:
             C=chunk,
             BM=_block(self.m),
             BD=_block(d),
-            MAP=MAPS[kernel],
+            MAP=MAPS[feature_map],
             OPS=ops,
             PREC="tf32" if ops == 1 else "ieee",  # bf16 operands ignore it; float32 ones stay float32 (no TF32)
         )
@@ -233,13 +233,13 @@ def _or(t, fallback):
 
 
 _FORWARD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor? s0, Tensor? z0, str kernel, float scale, "
-    "float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor? s0, Tensor? z0, str feature_map, "
+    "float scale, float eps, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BACKWARD_SCHEMA = (
     "(Tensor g, Tensor q, Tensor k, Tensor v, Tensor? w, Tensor? key_weights, Tensor qoff, Tensor? s0, Tensor? z0, "
-    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, Tensor hs, Tensor hz, str kernel, float scale, float eps, "
-    "int chunk) -> "
+    "Tensor out, Tensor den, Tensor sums, Tensor z_sums, Tensor hs, Tensor hz, str feature_map, float scale, "
+    "float eps, int chunk) -> "
     "(Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -285,11 +285,11 @@ def _segment_sums(kern, launch, x, y, g, w, key_weights, qoff, segments, *, quer
     return sums, z_sums
 
 
-def _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk):
+def _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk):
     q, k, v = (t.contiguous() for t in (q, k, v))
     w = None if w is None else w.float().contiguous()
     key_weights = None if key_weights is None else key_weights.float().contiguous()
-    launch = _Launch(q, v, w, kernel, chunk, scale, eps)
+    launch = _Launch(q, v, w, feature_map, chunk, scale, eps)
     return q, k, v, w, key_weights, launch, _segments(launch, v.device)
 
 
@@ -345,17 +345,17 @@ def _states(kern, launch, segments, k, v, w, key_weights, qoff, s0, z0, sums):
     return hs, hz, s_out, z_out
 
 
-def _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, *, normalize):
+def _run_forward(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk, *, normalize):
     """The forward in the chosen form (TUNING["form"]): (out in v's dtype when ``normalize``, else N (b·h, n, d)
     float32; D (b·h·n + 1) float32, whose last entry counts the lost positions when ``normalize``; the queries'
     offsets (b·h, n); final S, z; the keys' segment sums (b·h·P, m, d), (b·h·P, m), empty (0,) for one segment)."""
     kern = kernels()
-    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk)
     b, h, n, d, m = launch.b, launch.h, launch.n, launch.d, launch.m
     cst = launch.constants
     dev = v.device
     qoff = torch.empty(b * h, n, dtype=torch.float32, device=dev)  # read by the softmax map only
-    if kernel == "softmax":
+    if feature_map == "softmax":
         kern._offsets[(b * h, -(-n // chunk))](
             q, w, qoff, n, scale, math.sqrt(scale), m, cst["XD"], cst["XDP"], chunk, cst["BM"], True, cst["OPS"],
             cst["PREC"],
@@ -404,17 +404,17 @@ def _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, *, 
     return result, den, qoff, s_out, z_out, *sums, hs, hz
 
 
-def linear_sums(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
+def linear_sums(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk):
     """The forward's sums, not yet divided: (N (b·h, n, d) float32, D (b·h·n + 1) float32, the queries' offsets,
     final S, z, the keys' segment sums): the hybrid kernels divide them their own way."""
-    return _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, normalize=False)[:7]
+    return _run_forward(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk, normalize=False)[:7]
 
 
-def _forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
+def _forward(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk):
     """The kernels' forward: (out (b, h, n, d) in v's dtype, D (b·h·n + 1) float32 whose last entry counts the lost
     positions, the queries' offsets (b·h, n), final S, z, the segments' starting states (b·h·P, m, d), (b·h·P, m)
     for backward, empty (0,) for one segment, and the chunk form's per-chunk states H, HZ, empty for the walk)."""
-    return _run_forward(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk, normalize=True)
+    return _run_forward(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk, normalize=True)
 
 
 def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
@@ -423,7 +423,7 @@ def output_grad_dtype(v: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
 
 
-def _backward(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
+def _backward(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, feature_map, scale, eps, chunk):
     """The kernels' backward: dL/dq, dL/dk, dL/dv in their dtypes, dL/dS_0, dL/dz_0 (empty without a state)."""
     b, h, n, d = v.shape
     gn = torch.empty(b * h, n, d, dtype=output_grad_dtype(v), device=v.device)
@@ -432,7 +432,7 @@ def _backward(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, 
         g.contiguous(), out, den, gn, gd, n, d, 1 << (d - 1).bit_length(), _ROWS
     )  # rows with no real key (D = 0): no gradient
     dq, dk, dv, ds_first, dz_first = linear_grads(
-        gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, final=True,
+        gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, feature_map, scale, eps, chunk, final=True,
         states=(hs, hz) if hs.numel() else None,
     )  # fmt: skip
     del gn, gd  # freed before any casts, and each float32 gradient as soon as it is cast: a lower peak
@@ -443,14 +443,15 @@ def _backward(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, 
 
 
 def linear_grads(
-    gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, kernel, scale, eps, chunk, *, final=False, states=None
-):
+    gn, gd, q, k, v, w, key_weights, qoff, s0, z0, sums, z_sums, feature_map, scale, eps, chunk, *, final=False,
+    states=None
+):  # fmt: skip
     """The backward from dL/dN (b·h, n, d) in :func:`output_grad_dtype` and dL/dD (b·h, n) float32: dL/dq, dL/dk,
     dL/dv (b, h, n, ·), float32 or, ``final``, in q's, k's and v's dtypes where the form writes each once (the chunk
     form; the walk's are sums of atomic adds, float32), and dL/dS_0, dL/dz_0 (empty without a state). ``states``:
     the chunk form's per-chunk states (H, HZ) kept from forward, or None to make them again."""
     kern = kernels()
-    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, kernel, scale, eps, chunk)
+    q, k, v, w, key_weights, launch, segments = _prepare(q, k, v, w, key_weights, feature_map, scale, eps, chunk)
     s0, z0 = (None, None) if s0 is None else (s0.contiguous(), z0.contiguous())
     if not _chunk_form(launch):
         return _walk_grads(
@@ -521,10 +522,10 @@ def _state_dtype(launch: _Launch) -> torch.dtype:
     return torch.bfloat16 if launch.constants["OPS"] == 1 and TUNING["state_dtype"] != "float32" else torch.float32
 
 
-def _forward_fake(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
+def _forward_fake(q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk):
     b, h, n, d = v.shape
-    m = q.shape[-1] if kernel == "features" else w.shape[0]
-    launch = _Launch(q, v, w, kernel, chunk, scale, eps)
+    m = q.shape[-1] if feature_map == "features" else w.shape[0]
+    launch = _Launch(q, v, w, feature_map, chunk, scale, eps)
     count = _segments(launch, v.device)[0]
     sums = ((b * h * count, m, d), (b * h * count, m)) if count > 1 else ((0,), (0,))
     shapes = ((b * h * n + 1,), (b * h, n), (b, h, m, d), (b, h, m), *sums)
@@ -537,9 +538,11 @@ def _forward_fake(q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk):
     return v.new_empty(v.shape), *(v.new_empty(shape, dtype=torch.float32) for shape in shapes), *kept
 
 
-def _backward_fake(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, kernel, scale, eps, chunk):
+def _backward_fake(
+    g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz, feature_map, scale, eps, chunk
+):
     b, h, _, d = v.shape
-    m = q.shape[-1] if kernel == "features" else w.shape[0]
+    m = q.shape[-1] if feature_map == "features" else w.shape[0]
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if s0 is None:
         return *grads, v.new_empty(0, dtype=torch.float32), v.new_empty(0, dtype=torch.float32)
@@ -547,9 +550,9 @@ def _backward_fake(g, q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, key_weights, s0, z0, kernel, scale, eps, chunk = inputs
+    q, k, v, w, key_weights, s0, z0, feature_map, scale, eps, chunk = inputs
     out, den, qoff, _, _, sums, z_sums, hs, hz = output
-    ctx.settings = (kernel, scale, eps, chunk)
+    ctx.settings = (feature_map, scale, eps, chunk)
     ctx.set_materialize_grads(False)  # the outputs other than out take no gradient: no zeros made for them
     # the chunk form's per-chunk states too: backward reads them rather than walking the keys again
     ctx.save_for_backward(q, k, v, w, key_weights, qoff, s0, z0, out, den, sums, z_sums, hs, hz)
@@ -577,13 +580,15 @@ _backward_op.register_fake(_backward_fake)
 _forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def triton_causal_linear(q, k, v, w, key_weights, kernel, scale, eps, chunk, s0=None, z0=None):
+def triton_causal_linear(q, k, v, w, key_weights, feature_map, scale, eps, chunk, s0=None, z0=None):
     """Causal linear attention through the Triton kernels (module docstring), as custom ops. Inputs: q, k
-    (b, h, n, d) with w (m, d) and kernel "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w None
-    and kernel "features"; v (b, h, n, d_v); key_weights (b, n) float (1 real, 0 padded) or None; scale, eps (the
-    maps'); chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or None.
-    Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m) float32,
-    lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet whose
-    every visible key underflowed."""
-    out, den, _, s, z, *_ = _forward_op(q, k, v, w, key_weights, s0, z0, kernel, float(scale), float(eps), int(chunk))
+    (b, h, n, d) with w (m, d) and feature_map "softmax" or "relu", or the features phi_q, phi_k (b, h, n, m) with w
+    None and feature_map "features"; v (b, h, n, d_v); key_weights (b, n) float (1 real, 0 padded) or None; scale, eps
+    (the maps'); chunk C (a power of two >= 16); s0 (b, h, m, d_v), z0 (b, h, m): the initial state at offset 0, or
+    None. Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m)
+    float32, lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet
+    whose every visible key underflowed."""
+    out, den, _, s, z, *_ = _forward_op(
+        q, k, v, w, key_weights, s0, z0, feature_map, float(scale), float(eps), int(chunk)
+    )
     return out, s.detach(), z.detach(), den[-1]

@@ -5,7 +5,7 @@
 // pointers, each call on a range of (batch, head) rows, so that Python threads (ctypes releases the GIL) split the
 // heads without a second threading runtime next to torch's. The portable chunked backend (_favor_chunked.py) computes
 // the same outputs on every other device and is what the tests hold this walk to, with the quadratic reference.
-// Kernels 0 and 1 fuse the FAVOR+ softmax / ReLU feature map into the GEMM tiles; kernel 2 ("features") takes
+// Maps 0 and 1 (MAP_CODES in __init__.py: softmax, ReLU) are fused into the GEMM tiles; map 2 ("features") takes
 // precomputed nonnegative features phi(q), phi(k) (bh, n, m) in place of q and k (no projection, no exp, no eps; w
 // unused and may be null) and returns d phi(q), d phi(k) (bh, n, m) in place of dq, dk: any feature map runs here.
 #include <immintrin.h>
@@ -164,7 +164,7 @@ inline __m256 exp2_ps(__m256 x) {
 }
 
 struct Shape {
-  int d, m, c, kernel;  // kernel: 0 softmax, 1 relu, 2 features given; d, m, c multiples of 16
+  int d, m, c, map_code;  // map_code: 0 softmax, 1 relu, 2 features given; d, m, c multiples of 16
   float scale, eps;
 };
 
@@ -193,12 +193,12 @@ Features prepare_features(const float* w, int m, int d, float scale, float* shar
   return Features{bws, bw, hw};
 }
 
-// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); padded keys give zero rows. Kernel 2: k holds
+// phi(k) of one chunk into pk (c x m), [v * keep] into va (c x d); padded keys give zero rows. Map 2: k holds
 // phi(k) itself (c x m), copied
 void key_features(const Shape& s, const Features& f, const float* k, const float* v, const float* keep, float* pk,
                   float* va) {
   const int c = s.c, m = s.m, d = s.d;
-  if (s.kernel == 2) {
+  if (s.map_code == 2) {
     for (int r = 0; r < c; r++) {
       const float kp = keep ? keep[r] : 1.0f;
       if (kp == 0.0f) {
@@ -221,7 +221,7 @@ void key_features(const Shape& s, const Features& f, const float* k, const float
       continue;
     }
     for (int j = 0; j < d; j++) va[(long)r * d + j] = v[(long)r * d + j] * kp;
-    if (s.kernel == 1) {
+    if (s.map_code == 1) {
       for (int j = 0; j < m; j++) row[j] = (row[j] > 0.0f ? row[j] : 0.0f) + s.eps;
       continue;
     }
@@ -236,14 +236,14 @@ void key_features(const Shape& s, const Features& f, const float* k, const float
 
 void query_features(const Shape& s, const Features& f, const float* q, float* pq) {
   const int c = s.c, m = s.m, d = s.d;
-  if (s.kernel == 2) {  // q holds phi(q) itself (c x m)
+  if (s.map_code == 2) {  // q holds phi(q) itself (c x m)
     memcpy(pq, q, sizeof(float) * (long)c * m);
     return;
   }
   gemm_pb(c, m, d, q, d, 1, f.bws, pq, m, false);
   for (int r = 0; r < c; r++) {
     float* row = pq + (long)r * m;
-    if (s.kernel == 1) {
+    if (s.map_code == 1) {
       for (int j = 0; j < m; j++) row[j] = (row[j] > 0.0f ? row[j] : 0.0f) + s.eps;
       continue;
     }
@@ -289,9 +289,9 @@ long pack_floats(int d, int m, int c) {
   return big > (long)c * d ? big : (long)c * d;
 }
 
-// W prepared for kernels 0 and 1; kernel 2 takes no W (null pointers)
+// W prepared for maps 0 and 1; map 2 takes no W (null pointers)
 Features features_for(const Shape& s, const float* w, float* shared) {
-  if (s.kernel == 2) return Features{nullptr, nullptr, nullptr};
+  if (s.map_code == 2) return Features{nullptr, nullptr, nullptr};
   return prepare_features(w, s.m, s.d, s.scale, shared);
 }
 
@@ -300,15 +300,15 @@ Features features_for(const Shape& s, const float* w, float* shared) {
 extern "C" {
 
 // Forward. q, k, v, out: (bh, n, d); keep: (bh / heads, n) or null; den: (bh, n); starts: (bh, nblocks, m, d);
-// zstarts: (bh, nblocks, m); s_final: (bh, m, d); z_final: (bh, m); lost: (bh) counts. w: (m, d). Kernel 2: q and k
+// zstarts: (bh, nblocks, m); s_final: (bh, m, d); z_final: (bh, m); lost: (bh) counts. w: (m, d). Map 2: q and k
 // are phi(q), phi(k) (bh, n, m) and w is unused (may be null).
 int lf_favor_causal_forward(const float* q, const float* k, const float* v, const float* keep, const float* w,
                             float* out, float* den, float* starts, float* zstarts, float* s_final, float* z_final,
                             int64_t* lost, int b0, int b1, int heads, int n, int n_valid, int d, int m, int c,
-                            int cpb, int kernel, float scale, float eps) {
-  const Shape s{d, m, c, kernel, scale, eps};
-  if (d % NR || m % NR || c % NR || n % c || kernel < 0 || kernel > 2 || (kernel != 2 && !w)) return 1;
-  const long qs = kernel == 2 ? m : d;  // row stride of q and k
+                            int cpb, int map_code, float scale, float eps) {
+  const Shape s{d, m, c, map_code, scale, eps};
+  if (d % NR || m % NR || c % NR || n % c || map_code < 0 || map_code > 2 || (map_code != 2 && !w)) return 1;
+  const long qs = map_code == 2 ? m : d;  // row stride of q and k
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
   const Features f = features_for(s, w, shared);
@@ -367,14 +367,14 @@ int lf_favor_causal_forward(const float* q, const float* k, const float* v, cons
 }
 
 // Backward. g, out: (bh, n, d); den: (bh, n) (clamped at TINY); starts / zstarts as forward wrote them.
-// dq, dk, dv: (bh, n, d). Kernel 2: q, k, dq, dk are phi(q), phi(k), d phi(q), d phi(k) (bh, n, m).
+// dq, dk, dv: (bh, n, d). Map 2: q, k, dq, dk are phi(q), phi(k), d phi(q), d phi(k) (bh, n, m).
 int lf_favor_causal_backward(const float* q, const float* k, const float* v, const float* keep, const float* w,
                              const float* g, const float* out, const float* den, const float* starts,
                              const float* zstarts, float* dq, float* dk, float* dv, int b0, int b1, int heads, int n,
-                             int d, int m, int c, int cpb, int kernel, float scale, float eps) {
-  const Shape s{d, m, c, kernel, scale, eps};
-  if (d % NR || m % NR || c % NR || n % c || kernel < 0 || kernel > 2 || (kernel != 2 && !w)) return 1;
-  const long qs = kernel == 2 ? m : d;  // row stride of q and k
+                             int d, int m, int c, int cpb, int map_code, float scale, float eps) {
+  const Shape s{d, m, c, map_code, scale, eps};
+  if (d % NR || m % NR || c % NR || n % c || map_code < 0 || map_code > 2 || (map_code != 2 && !w)) return 1;
+  const long qs = map_code == 2 ? m : d;  // row stride of q and k
   float* shared = alloc_floats((long)2 * m * d + m + 64);
   if (!shared) return 2;
   const Features f = features_for(s, w, shared);
@@ -438,7 +438,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
           // dphi(Q) = gv pk + ga S^T + gd z^T
           gemm(c, m, c, gv, c, 1, pk, m, 1, dphi, m, false, bbuf);
           gemm(c, m, d, ga, d, 1, st, 1, d, dphi, m, true, bbuf);
-          if (s.kernel == 2) {  // features given: d phi(Q) is the output
+          if (s.map_code == 2) {  // features given: d phi(Q) is the output
             for (int t = 0; t < c; t++) {
               const float* row = dphi + (long)t * m;
               float* dut = dqb + (t0 + t) * m;
@@ -449,7 +449,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
               float* row = dphi + (long)t * m;
               const float* p = pq + (long)t * m;
               float* dut = du + (long)t * m;
-              if (s.kernel == 1) {
+              if (s.map_code == 1) {
                 for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + gd[t] * z[e] : 0.0f;
               } else {
                 for (int e = 0; e < m; e++) dut[e] = (row[e] + gd[t] * z[e]) * p[e];
@@ -467,7 +467,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
           // dphi(K) = gv^T pq + va dS^T + keep dz^T
           gemm(c, m, c, gv, 1, c, pq, m, 1, dphi, m, false, bbuf);
           gemm(c, m, d, va, d, 1, dS, 1, d, dphi, m, true, bbuf);
-          if (s.kernel == 2) {  // features given: d phi(K) is the output, 0 for padded keys
+          if (s.map_code == 2) {  // features given: d phi(K) is the output, 0 for padded keys
             for (int t = 0; t < c; t++) {
               const float kt = kp ? kp[t] : 1.0f;
               const float* row = dphi + (long)t * m;
@@ -484,7 +484,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
               float* row = dphi + (long)t * m;
               const float* p = pk + (long)t * m;
               float* dut = du + (long)t * m;
-              if (s.kernel == 1) {
+              if (s.map_code == 1) {
                 for (int e = 0; e < m; e++) dut[e] = p[e] > s.eps ? row[e] + kt * dz[e] : 0.0f;
               } else {
                 for (int e = 0; e < m; e++) dut[e] = (row[e] + kt * dz[e]) * p[e];
@@ -492,7 +492,7 @@ int lf_favor_causal_backward(const float* q, const float* k, const float* v, con
               }
             }
             gemm_pb(c, d, m, du, m, 1, f.bw, dkb + t0 * d, d, false);
-            if (s.kernel == 0)
+            if (s.map_code == 0)
               for (int t = 0; t < c; t++)
                 for (int e = 0; e < d; e++) dkb[(t0 + t) * d + e] -= s.scale * kb[(t0 + t) * d + e] * rs[t];
           }
