@@ -272,5 +272,7 @@ def test_prose_names_no_machine_state(page):
     """Temporary folders, lock files, load averages and commits belong to the benchmark stamps (the tables
     benchmarks/report.py generates) and to the changelog, not to the prose."""
     text = re.sub(r"<!-- generated: \w+ -->.*?<!-- end -->", "", page.read_text(), flags=re.S)
-    found = re.findall(r"/tmp/\S*|\bflock /|load average:?(?: about| of| near)? [\d(]|\b(?:at|commit) [0-9a-f]{7}\b", text)
+    found = re.findall(
+        r"/tmp/\S*|\bflock /|load average:?(?: about| of| near)? [\d(]|\b(?:at|commit) [0-9a-f]{7}\b", text
+    )
     assert not found, f"{page.relative_to(ROOT)}: {found}"
