@@ -722,8 +722,8 @@ SECTIONS = [
     (
         "long_documents_long_steps.json",
         "Conversion: long documents, long steps after short blocks",
-        "The 256-token recipe, then 40 steps each on one 8192-token block (the original chunk-wise) plus a batch of "
-        "256-token blocks (`--finetune_long_steps 40`; `results/long_documents_long_steps_conversion.txt`): the far "
+        "The 256-token recipe, then 64 steps each on one 8192-token block (the original chunk-wise) plus a batch of "
+        "256-token blocks (`--finetune_long_steps 64`; `results/long_documents_long_steps_conversion.txt`): the far "
         "keys taught while the short batch holds the short-text fit.",
         section_long_documents,
     ),
