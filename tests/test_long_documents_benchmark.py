@@ -29,6 +29,7 @@ def test_long_documents_smoke_scores_every_method_at_every_length_and_times_both
     assert rows[64, "original-chunked"]["passage"] == rows[64, "original-truncated"]["passage"]
     assert {row["method"] for row in result["timing"]} == {"converted", "original-chunked"}
     assert all(row["length"] == 256 and row["peak_mb"] > 0 for row in result["timing"])
+    assert all(isinstance(row["added_mb"], float) and row["added_mb"] >= 0 for row in result["timing"])
     assert -1 <= result["fidelity_cosine_256"] <= 1 and "command" in result["header"]
     assert "| 256 | converted |" in done.stdout
     # the plot needs the [bench] extra's matplotlib; without it the script writes the JSON alone
@@ -42,6 +43,7 @@ def test_speed_mode_times_both_methods_in_turn_and_writes_their_medians(tmp_path
     assert [row["method"] for row in result["rows"]] == ["converted", "original-chunked"]
     for row in result["rows"]:
         assert row["length"] == 256 and len(row["times"]) == 3 and row["seconds"] == sorted(row["times"])[1]
+        assert isinstance(row["added_mb"], float) and row["added_mb"] >= 0
     assert len(result["load_before"]) == len(result["load_after"]) == 3 and "command" in result["header"]
     assert "embed one 256-token document, converted: median" in done.stdout
 
@@ -61,3 +63,11 @@ def test_original_chunked_weights_each_chunk_by_its_tokens():
     with torch.no_grad():
         states = torch.cat([bert(input_ids=torch.tensor([chunk])).last_hidden_state[0] for chunk in chunks])
     torch.testing.assert_close(embed("original-chunked", [text])[0], states.mean(0), atol=1e-5, rtol=1e-5)
+
+
+def test_added_peak_memory_counts_what_the_call_holds_at_its_peak_and_not_what_it_frees():
+    """benchmarks/isolated.py's added_peak_mb: a 64 MB tensor made and freed inside the call counts (its own mapping,
+    above glibc's largest dynamic threshold), a call that makes nothing adds about nothing."""
+    isolated = load_script(SCRIPT.parent / "isolated.py")
+    assert 60 <= isolated.added_peak_mb(lambda: torch.ones(16 * 2**20).sum()) < 100
+    assert isolated.added_peak_mb(lambda: None) < 8
