@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:  # the smoke sizes replace the defaults; options given still win
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
-    if args.model_dir is None and not (args.smoke or args.speed):
+    if args.model_dir is None and not (args.smoke or args.speed or args.worker):
         parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
     for name in ("documents", "passage", "batch_size", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -282,7 +282,7 @@ def speed(args: argparse.Namespace) -> None:
     for row in rows:
         row["added_mb"] = added_memory(args, row["method"], longest)
         print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.3f} s of "
-              f"{', '.join(f'{t:.3f}' for t in row['times'])}; {_megabytes(row['added_mb'])} added")  # fmt: skip
+              f"{', '.join(f'{t:.3f}' for t in row['times'])}; {_added(row['added_mb'])}")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
     settings = {k: getattr(args, k) for k in ("batch_size", "repeats", "threads")}
     result = {
@@ -296,8 +296,8 @@ def speed(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-def _megabytes(value: float | None) -> str:
-    return "memory not measured" if value is None else f"{value:.0f} MB"
+def _added(value: float | None) -> str:
+    return "memory not measured" if value is None else f"{value:.0f} MB added"
 
 
 def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
@@ -354,8 +354,8 @@ def run(args: argparse.Namespace) -> None:
         if row is not None:
             row["added_mb"] = added_memory(args, method, longest)
             timing.append(row)
-            print(f"embed one {longest}-token document, {method}: {row['seconds']:.3f} s, {_megabytes(row['added_mb'])} "
-                  f"added, process peak {row['peak_mb']:.0f} MB")  # fmt: skip
+            print(f"embed one {longest}-token document, {method}: {row['seconds']:.3f} s, {_added(row['added_mb'])}, "
+                  f"process peak {row['peak_mb']:.0f} MB")  # fmt: skip
     out = Path(args.out) if args.out else RESULTS / f"long_documents{'.smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("lengths", "documents", "passage", "batch_size", "repeats", "seed")}
