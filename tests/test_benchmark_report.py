@@ -112,14 +112,14 @@ def test_long_document_speed_table_has_each_method_its_median_its_times_and_the_
         "load_before": [1.5, 1.25, 1.0],
         "load_after": [2.0, 1.5, 1.0],
         "rows": [
-            {"method": "converted", "length": 8192, "seconds": 1.25, "times": [1.0, 1.5]},
-            {"method": "original-chunked", "length": 8192, "seconds": 1.5, "times": [1.5, 1.5]},
+            {"method": "converted", "length": 8192, "seconds": 1.25, "times": [1.0, 1.5], "added_mb": 229.6},
+            {"method": "original-chunked", "length": 8192, "seconds": 1.5, "times": [1.5, 1.5], "added_mb": None},
         ],
     }
     (tmp_path / "long_documents_speed.json").write_text(json.dumps(data))
     page = report.benchmarks_readme(tmp_path)
-    assert "| converted | 1.250 | 1.000, 1.500 |" in page
-    assert "| original-chunked | 1.500 | 1.500, 1.500 |" in page
+    assert "| converted | 1.250 | 1.000, 1.500 | 230 |" in page
+    assert "| original-chunked | 1.500 | 1.500, 1.500 | - |" in page  # its memory worker failed
     assert "1.50, 1.25, 1.00 before the timed pairs, 2.00, 1.50, 1.00 after." in page
 
 
@@ -130,11 +130,15 @@ def test_long_documents_table_has_each_length_and_method_the_fidelity_and_the_ti
         "settings": {"lengths": [512, 8192], "passage": 64, "documents_used": 40},
         "rows": [{**row, "halves": {"top1": 0.75, "mrr": 0.8}}],
         "fidelity_cosine_256": 0.99213,
-        "timing": [{"method": "converted", "length": 8192, "seconds": 1.5, "peak_mb": 812.4}],
+        "timing": [
+            {"method": "converted", "length": 8192, "seconds": 1.5, "peak_mb": 812.4, "added_mb": 230.2},
+            {"method": "original-chunked", "length": 8192, "seconds": 1.2, "peak_mb": 812.4},
+        ],
     }
     (tmp_path / "long_documents.json").write_text(json.dumps(data))
     page = report.benchmarks_readme(tmp_path)
     assert "| 8192 | converted | 0.500 / 0.625 | 0.750 / 0.800 |" in page
     assert "at 256 tokens, 0.9921." in page
-    assert "| converted | 1.500 | 812 |" in page
+    assert "| converted | 1.500 | 230 | 812 |" in page
+    assert "| original-chunked | 1.200 | - | 812 |" in page  # a result from before the memory was measured
     assert "Run: `python benchmarks/training.py --lengths 512` · commit abc1234" in page
