@@ -23,6 +23,8 @@ from ..ops import (
     favor_attention,
     favor_positive,
     favor_step,
+    hedgehog_hybrid_attention,
+    hedgehog_refusal,
     hybrid_attention,
     hybrid_step,
     linear_attention,
@@ -245,8 +247,12 @@ class PerformerAttention(LinearAttention):
         """The LoLCATs hybrid: exact softmax on the window (q, k) and the feature map on the other keys (phi_q,
         phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size."""
         c = self.config
-        phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
         gamma = torch.exp(self.window_balance)
+        if past_key_values is None and not self.causal and isinstance(self.feature_map, HedgehogFeatureMap):
+            fused = self._hedgehog_fused(q, k, v, gamma, attention_mask)
+            if fused is not None:
+                return fused
+        phi_q, phi_k, log_scale = self.hybrid_features(q, k, attention_mask)
         if past_key_values is None:
             return hybrid_attention(
                 q,
@@ -332,6 +338,26 @@ class PerformerAttention(LinearAttention):
             learned = _per_head_dot(q, self.query_scale_weight) + self.query_scale_bias.float()[None, :, None]
             log_scale = learned if log_scale is None else log_scale + learned
         return phi_q, phi_k, log_scale
+
+    def _hedgehog_fused(self, q, k, v, gamma, attention_mask) -> torch.Tensor | None:
+        """The bidirectional hybrid with the learned map made inside the native walk (``hedgehog_hybrid_attention``),
+        where it can run: inference on the CPU. It computes what :meth:`hybrid_features` and ``hybrid_attention``
+        compute together, without the (batch, heads, n, m) feature tensors. None where it cannot run."""
+        fm = self.feature_map
+        weights = (fm.weight, fm.bias, *((fm.key_weight, fm.key_bias) if fm.separate else (fm.weight, fm.bias)))
+        parameters = (gamma, self.query_scale_weight, self.query_scale_bias, self.key_scale_weight, self.key_scale_bias)
+        if hedgehog_refusal(q, v, fm.num_features, (k, *weights, *parameters)) is not None:
+            return None
+        scales = {"key_scale_bound": self.KEY_SCALE_BOUND}
+        if self.query_scale_weight is not None:
+            scales["query_scale"] = (self.query_scale_weight, self.query_scale_bias)
+        if self.key_scale_weight is not None:
+            scales["key_scale"] = (self.key_scale_weight, self.key_scale_bias)
+        c = self.config
+        mask = attention_mask
+        return hedgehog_hybrid_attention(
+            q, k, v, weights, gamma, c.hybrid_window, key_padding_mask=mask, sinks=c.hybrid_sinks, **scales
+        )
 
     def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:
         """The keys' learned log scale r (batch, global heads, n), float32, or None without ``hybrid_key_scale``:

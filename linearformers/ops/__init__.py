@@ -18,7 +18,7 @@ from .feature_maps import (
     favor_positive,
     relu_features,
 )
-from .hybrid import HybridState, hybrid_attention, hybrid_step
+from .hybrid import HybridState, hedgehog_hybrid_attention, hedgehog_refusal, hybrid_attention, hybrid_step
 from .linear import linear_attention, linear_backend, linear_step
 from .linformer import causal_linformer_attention, causal_linformer_step, linformer_attention
 from .linformer_hybrid import linformer_hybrid_attention
@@ -40,6 +40,8 @@ __all__ = [
     "favor_features",
     "favor_positive",
     "favor_step",
+    "hedgehog_hybrid_attention",
+    "hedgehog_refusal",
     "hybrid_attention",
     "hybrid_step",
     "linear_attention",

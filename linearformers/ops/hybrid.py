@@ -66,12 +66,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
+from ._native import available as native_available
+from ._native import hybrid_bidirectional_forward
 from ._precision import outside_autocast
 from ._triton_hybrid import refusal as _kernel_refusal
 from ._triton_hybrid import triton_causal_hybrid
-from .backends import triton_refusal
+from .backends import native_walk_enabled, triton_refusal
 
-HYBRID_BACKENDS = ("chunked", "triton")  # what hybrid_attention may name
+HYBRID_BACKENDS = ("chunked", "native", "triton")  # what hybrid_attention may name
 
 # ATen's fused softmax attention on the CPU, (out, logsumexp) of q (B, H, L, E) against k, v (B, H, S, E) with an
 # additive mask broadcast over B and H; it reads strided views (the frames) in place
@@ -129,7 +131,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
     check_qkv(q, k, v, same_length=True)
-    for name, t in (("phi_q", phi_q), ("phi_k", phi_k)):
+    for name, t in () if phi_q is None else (("phi_q", phi_q), ("phi_k", phi_k)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -139,7 +141,7 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
                 f"{name} must be shaped (batch, heads, length, features) = {tuple(q.shape[:3])} + (m,), "
                 f"got {tuple(t.shape)}"
             )
-    if phi_q.shape[-1] != phi_k.shape[-1]:
+    if phi_q is not None and phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
             f"phi_q and phi_k need the same number of features, got {phi_q.shape[-1]} and {phi_k.shape[-1]}"
         )
@@ -513,6 +515,31 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     return torch.where(den > 0, num / safe, torch.zeros_like(num))
 
 
+def _native_refusal(q, v, m, causal, tracked, dtypes=()) -> str | None:
+    """Why the native bidirectional walk (_native/hybrid_bidirectional.cpp) cannot run a call with m features, or
+    None; dtypes: those of the other inputs it reads."""
+    d = q.shape[-1]
+    if causal:
+        return "the native hybrid walk is bidirectional only"
+    if tracked:
+        return "it computes no gradients, and autograd records this call (run it under torch.no_grad())"
+    if q.device.type != "cpu":
+        return "it runs on CPU tensors"
+    if torch.float64 in (q.dtype, v.dtype, *dtypes):
+        return "it computes in float32 (float64 inputs take 'chunked')"
+    if v.shape[-1] != d:
+        return f"it needs the value dim equal to head_dim, got {v.shape[-1]} and {d}"
+    if d % 16 or m % 16:
+        return f"head_dim and num_features must be multiples of 16, got {d} and {m}"
+    if torch.compiler.is_compiling():
+        return "it does not run inside a compiled graph"
+    if not native_walk_enabled():
+        return "it is switched off (set_native_walk(False))"
+    if not native_available():
+        return "the native CPU kernels are unavailable on this machine"
+    return None
+
+
 def hybrid_backend(
     backend: str | None,
     q: torch.Tensor,
@@ -524,12 +551,19 @@ def hybrid_backend(
     sinks: int,
     causal: bool,
     stateful: bool,
+    tracked: bool = False,
 ) -> str:
-    """The backend a :func:`hybrid_attention` call takes: "chunked" or "triton" (its ``backend`` argument)."""
+    """The backend a :func:`hybrid_attention` call takes: "chunked", "native" or "triton" (its ``backend``
+    argument); ``tracked``: whether autograd records the call."""
     if backend is not None and backend not in HYBRID_BACKENDS:
         raise ValueError(f"backend must be None or one of {HYBRID_BACKENDS} for hybrid attention, got {backend!r}")
-    if backend == "chunked" or (backend is None and v.device.type != "cuda"):
+    if backend == "chunked":
         return "chunked"
+    if backend == "native" or (backend is None and v.device.type != "cuda"):
+        reason = _native_refusal(q, v, phi_q.shape[-1], causal, tracked, (k.dtype, phi_q.dtype, phi_k.dtype))
+        if backend == "native" and reason:
+            raise ValueError(f"backend='native' cannot run this call: {reason}")
+        return "chunked" if reason else "native"
     reason = _kernel_refusal(window, sinks, causal, stateful) or triton_refusal(
         v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k)
     )
@@ -538,6 +572,34 @@ def hybrid_backend(
             raise ValueError(f"backend='triton' cannot run this call: {reason}")
         return "triton"
     return "chunked" if reason else "triton"
+
+
+def _sinks(kc, vc, new_valid, sinks, p, past):
+    """The sinks among a call's new tokens (the kept positions' sink status was settled before: their phi_k is
+    zero): is_sink (b, n) bool, and None without sinks, else (keys (b, h, S, d), values (b, h, S, d_v), positions
+    (b, S) int64 in the call's frame, validity (b, S) bool), the slots filled before keeping theirs. kc, vc carry
+    the p kept positions first."""
+    b, n = new_valid.shape
+    if not sinks:
+        return torch.zeros_like(new_valid), None
+    seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
+    is_sink, slot = sink_slots(new_valid, sinks, seen_before)
+    sink_valid = slot.any(-1)
+    where = (slot.long() * torch.arange(n, device=kc.device)).sum(-1)  # (b, S): each sink's place, 0 if none yet
+
+    def pick(x):  # (b, h, S, ·): the sinks' rows of x, zero in the slots not filled
+        rows = x[:, :, p:].gather(2, where[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+        return torch.where(sink_valid[:, None, :, None], rows, 0.0)
+
+    sink_k, sink_v = pick(kc), pick(vc)
+    sink_pos = where + p
+    if past is not None:  # slots filled before keep their sink
+        old = past.sink_valid
+        sink_k = torch.where(old[:, None, :, None], past.sink_k.to(kc.dtype), sink_k)
+        sink_v = torch.where(old[:, None, :, None], past.sink_v.to(vc.dtype), sink_v)
+        sink_pos = torch.where(old, p - past.sink_distance, sink_pos)
+        sink_valid = sink_valid | old
+    return is_sink, (sink_k, sink_v, sink_pos, sink_valid)
 
 
 @outside_autocast
@@ -577,10 +639,13 @@ def hybrid_attention(
         sinks: S >= 0, the number of attention sinks: the first S real tokens of each sequence (counted from the
             start of the state's sequence when one is given) take exact scores from every query that sees them, as
             if in its window, and never the linear part (default 0).
-        backend: None, "chunked" (this module's blocks, in PyTorch) or "triton" (:mod:`_triton_hybrid`: causal,
-            window <= 128, up to 16 sinks, no initial_state; float32, bf16 or fp16). None takes "triton" on CUDA
-            tensors where it can run (and :func:`backends.set_triton_kernels` leaves it on), else "chunked"; a
-            named "triton" that cannot run raises a ValueError saying why.
+        backend: None, "chunked" (this module's blocks, in PyTorch), "native" (_native/hybrid_bidirectional.cpp:
+            bidirectional inference on the CPU, float32 math, head_dim = value dim and num_features multiples of
+            16, where autograd records nothing) or "triton" (:mod:`_triton_hybrid`: causal, window <= 128, up to
+            16 sinks, no initial_state; float32, bf16 or fp16). None takes "triton" on CUDA tensors where it can
+            run (and :func:`backends.set_triton_kernels` leaves it on), "native" on CPU tensors where it can run
+            (and :func:`backends.set_native_walk` leaves it on), else "chunked"; a named backend that cannot run
+            raises a ValueError saying why.
 
     Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
     (and the state).
@@ -588,7 +653,10 @@ def hybrid_attention(
     _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
-    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, initial_state is not None)
+    tracked = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, phi_q, phi_k, gamma, query_log_scale)
+    )
+    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, initial_state is not None, tracked)
     b, h, n, d = q.shape
     m, dv = phi_q.shape[-1], v.shape[-1]
     mask = check_mask(key_padding_mask, b, n)
@@ -614,28 +682,7 @@ def hybrid_attention(
     new_valid = valid
     if past is not None:
         valid = torch.cat([past.valid, valid], 1)
-    # sinks: the kept positions' sink status was settled before (their phi_k is zero); the new tokens' here
-    is_sink = torch.zeros_like(new_valid)
-    sink = None
-    if sinks:
-        seen_before = past.sink_valid.sum(-1) if past is not None else new_valid.new_zeros(b, dtype=torch.long)
-        is_sink, slot = sink_slots(new_valid, sinks, seen_before)
-        sink_valid = slot.any(-1)
-        where = (slot.long() * torch.arange(n, device=q.device)).sum(-1)  # (b, S): each sink's place, 0 if none yet
-
-        def pick(x):  # (b, h, S, ·): the sinks' rows of x, zero in the slots not filled
-            rows = x[:, :, p:].gather(2, where[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
-            return torch.where(sink_valid[:, None, :, None], rows, 0.0)
-
-        sink_k, sink_v = pick(kc), pick(vc)
-        sink_pos = where + p
-        if past is not None:  # slots filled before keep their sink
-            old = past.sink_valid
-            sink_k = torch.where(old[:, None, :, None], past.sink_k.to(dtype), sink_k)
-            sink_v = torch.where(old[:, None, :, None], past.sink_v.to(dtype), sink_v)
-            sink_pos = torch.where(old, p - past.sink_distance, sink_pos)
-            sink_valid = sink_valid | old
-        sink = (sink_k, sink_v, sink_pos, sink_valid)
+    is_sink, sink = _sinks(kc, vc, new_valid, sinks, p, past)
     linear = valid & ~torch.cat([valid.new_zeros(b, p), is_sink], 1)
     if chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
         sink_pos = torch.zeros(b, 0, dtype=torch.long, device=q.device)
@@ -645,6 +692,9 @@ def hybrid_attention(
             q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
             query_log_scale=query_log_scale, scale=scale,
         )  # fmt: skip
+    elif chosen == "native":  # bidirectional: no state, p = 0
+        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, _LOG_SCALE_HEADROOM)
+        out = hybrid_bidirectional_forward(*args).to(v.dtype)
     else:
         out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink)
         out = out[:, :, p:].to(v.dtype)
@@ -678,6 +728,81 @@ def hybrid_attention(
         s_new, z_new, k_all[:, :, last], v_all[:, :, last], f_all[:, :, last], valid_all[:, last], *sinks_out, distance
     )
     return out, state
+
+
+@outside_autocast
+def hedgehog_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    gamma: torch.Tensor,
+    window: int,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    query_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_scale_bound: float = 1.0,
+    sinks: int = 0,
+) -> torch.Tensor:
+    """Bidirectional :func:`hybrid_attention` with Hedgehog's features and the learned log scales made inside the
+    native walk, a block at a time. Features: phi(x) = [softmax(x W + b), softmax(-(x W + b))]
+    (:class:`feature_maps.HedgehogFeatureMap`) from ``weights`` = (W_q, b_q, W_k, b_k), (heads, head_dim, m / 2)
+    and (heads, m / 2). Scales, from (a (heads, head_dim), b (heads,)) pairs: ``query_scale`` gives
+    query_log_scale ℓ_t = q_t·a_h + b_h; ``key_scale`` multiplies phi_k by exp(r_s), r_s = R tanh((k_s·a_h + b_h)
+    / R), R = ``key_scale_bound``. The result is hybrid_attention(q, k, v, phi(q), phi(k) exp(r), gamma, window,
+    causal=False, query_log_scale=ℓ, ...), computed without the (batch, heads, n, m) feature tensors or any other
+    per-position temporary: at a long document's length, faulting in their fresh pages costs the CPU more than
+    making them. Inference only, on the CPU: :func:`hedgehog_refusal` says why a call cannot run, and such a call
+    raises a ValueError saying so. Returns (batch, heads, n, head_dim) in v's dtype."""
+    _check_inputs(q, k, v, None, None, gamma, window, None, sinks)
+    h, d = q.shape[1], q.shape[-1]
+    named = [("weights", weights, ("W_q", "b_q", "W_k", "b_k"))]
+    named += [
+        (name, pair, (f"{name}[0]", f"{name}[1]"))
+        for name, pair in (("query_scale", query_scale), ("key_scale", key_scale))
+        if pair is not None
+    ]
+    for name, group, parts in named:
+        if (
+            not isinstance(group, (tuple, list))
+            or len(group) != len(parts)
+            or not all(isinstance(t, torch.Tensor) for t in group)
+        ):
+            raise TypeError(f"{name} must be a tuple of {len(parts)} tensors ({', '.join(parts)})")
+    half = weights[0].shape[-1]
+    shapes = [(weights, ((h, d, half), (h, half)) * 2)] + [(pair, ((h, d), (h,))) for _, pair, _ in named[1:]]
+    for (_, _, parts), (group, wanted) in zip(named, shapes):
+        for part, t, shape in zip(parts, group, wanted):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{part} must be shaped {shape}, got {tuple(t.shape)}")
+    if isinstance(key_scale_bound, bool) or not isinstance(key_scale_bound, (int, float)) or not key_scale_bound > 0:
+        raise ValueError(f"key_scale_bound must be a positive number, got {key_scale_bound!r}")
+    inputs = (q, k, v, *weights, gamma, *(query_scale or ()), *(key_scale or ()))
+    reason = hedgehog_refusal(q, v, 2 * half, inputs)
+    if reason:
+        raise ValueError(f"hedgehog_hybrid_attention cannot run this call: {reason}")
+    b, n = q.shape[0], q.shape[2]
+    mask = check_mask(key_padding_mask, b, n)
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if mask is None else mask
+    qc, kc, vc = (x.float() for x in (q, k, v))
+    is_sink, sink = _sinks(kc, vc, valid, sinks, 0, None)
+    scale = d**-0.5 if scale is None else scale
+    args = (qc, kc, vc, None, None, None, gamma, valid, valid & ~is_sink, sink, window, scale, _LOG_SCALE_HEADROOM)
+    forms = {"query_form": query_scale, "key_form": key_scale, "bound": float(key_scale_bound)}
+    return hybrid_bidirectional_forward(*args, hedgehog=weights, **forms).to(v.dtype)
+
+
+def hedgehog_refusal(
+    q: torch.Tensor, v: torch.Tensor, num_features: int, inputs: tuple[torch.Tensor | None, ...] = ()
+) -> str | None:
+    """Why :func:`hedgehog_hybrid_attention` cannot run a call with these q, v and ``num_features`` (the m of
+    Hedgehog's map), or None. ``inputs``: the call's other tensors (None for absent ones), whose dtypes it reads
+    and of which autograd must record none."""
+    present = [t for t in inputs if isinstance(t, torch.Tensor)]
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in present)
+    return _native_refusal(q, v, num_features, False, tracked, tuple(t.dtype for t in present))
 
 
 def hybrid_step(

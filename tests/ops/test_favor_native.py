@@ -137,12 +137,12 @@ def _probe(tmp_path, **env):
 def test_build_into_a_fresh_cache_the_off_switch_and_a_failing_compiler(tmp_path):
     stdout, _ = _probe(tmp_path / "fresh")
     assert stdout == "available True True"
-    assert len(list((tmp_path / "fresh").glob("favor_causal-*.so"))) == 1
+    assert len(list((tmp_path / "fresh").glob("native-*.so"))) == 1
     stdout, _ = _probe(tmp_path / "off", LINEARFORMERS_NATIVE="0")
     assert stdout == "available False True" and not (tmp_path / "off").exists()
     stdout, stderr = _probe(tmp_path / "broken", CXX="false")
     assert stdout == "available False True"
-    assert "native causal FAVOR+ kernel unavailable" in stderr
+    assert "native CPU kernels unavailable" in stderr
     assert not list((tmp_path / "broken").glob("*.so")), "a failed build leaves no library behind"
 
 

@@ -141,7 +141,7 @@ def test_the_backend_a_hybrid_call_takes_and_why_triton_refuses(monkeypatch):
     finally:
         set_triton_kernels(previous)
     with pytest.raises(ValueError, match="backend must be None or one of"):
-        hybrid_backend("native", *call, 8, 0, True, False)
+        hybrid_backend("compiled", *call, 8, 0, True, False)
     assert hybrid_backend("chunked", *call, 8, 0, False, False) == "chunked"
     if not CUDA:
         assert hybrid_backend(None, *call, 8, 0, True, False) == "chunked"

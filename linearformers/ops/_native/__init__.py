@@ -1,5 +1,6 @@
-"""The native causal FAVOR+ kernel (favor_causal.cpp): compiled with the system's C++ compiler at first use, cached,
-and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
+"""The native CPU kernels: causal FAVOR+ (favor_causal.cpp) and the bidirectional hybrid's inference
+(hybrid_bidirectional.cpp), on the GEMM tile of tile.h. Compiled into one library with the system's C++ compiler at
+first use, cached, and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
 num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
 portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Feature map "features" takes
@@ -10,7 +11,7 @@ precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, 
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
 
 A cached library is loaded only after it is checked against the size and SHA-256 written beside it
-(``favor_causal-<digest>.so.sha256``) at build time: mapping a truncated library (a full disk, a killed copy, a
+(``native-<digest>.so.sha256``) at build time: mapping a truncated library (a full disk, a killed copy, a
 bad sync of a shared home) raises SIGBUS in the process that touches the missing pages, and every later process
 would load the same file. A library that fails the check, or has no record, is rebuilt, with a warning.
 """
@@ -34,7 +35,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("favor_causal.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("favor_causal.cpp", "hybrid_bidirectional.cpp")]
+_HEADER = Path(__file__).with_name("tile.h")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool": the worker threads
@@ -90,9 +92,9 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"favor_causal-{digest}.so"
+    target = _cache_dir() / f"native-{digest}.so"
     if target.exists():
         problem = _verify(target)
         if problem is None:
@@ -106,7 +108,9 @@ def _build() -> Path:
     fd, partial_record = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [compiler, *_FLAGS, *map(str, _SOURCES), "-o", partial], check=True, capture_output=True, timeout=300
+        )
         _fsync(partial)
         Path(partial_record).write_text(_record(Path(partial).read_bytes()))
         _fsync(partial_record)
@@ -167,25 +171,29 @@ def _load():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.lf_favor_causal_forward.argtypes = [p] * 12 + [i] * 10 + [f, f]
     lib.lf_favor_causal_backward.argtypes = [p] * 13 + [i] * 9 + [f, f]
+    lib.lf_hybrid_bidirectional_forward.argtypes = [p] * 27 + [i] * 9 + [f, f, f]
     lib.lf_favor_causal_forward.restype = lib.lf_favor_causal_backward.restype = i
+    lib.lf_hybrid_bidirectional_forward.restype = i
     return lib
 
 
 def available() -> bool:
-    """Whether the native kernel is built and loaded (building it on first call)."""
+    """Whether the native kernels are built and loaded (building them on first call)."""
     if "lib" not in _STATE:
         with _LOCK:
             if "lib" not in _STATE:
                 lib = None
                 # the source is absent from Hub remote code (transformers copies .py files only): no kernel, quietly
-                wanted = os.environ.get("LINEARFORMERS_NATIVE", "1") != "0" and _SOURCE.exists()
+                wanted = os.environ.get("LINEARFORMERS_NATIVE", "1") != "0" and all(
+                    path.exists() for path in (*_SOURCES, _HEADER)
+                )
                 if wanted and _cpu_supported():
                     try:
                         lib = _load()
                     except Exception as error:  # no compiler, a failed build: the chunked backend runs instead
                         detail = getattr(error, "stderr", b"") or b""
                         logger.warning(
-                            "linearformers: native causal FAVOR+ kernel unavailable (%s %s); using the chunked backend",
+                            "linearformers: native CPU kernels unavailable (%s %s); using the PyTorch backends",
                             error,
                             detail.decode(errors="replace")[-500:],
                         )
@@ -222,20 +230,26 @@ def _run(fn, rows: int) -> None:
         futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
         codes = [fn(bounds[0], bounds[1])] + [future.result() for future in futures]
     if 2 in codes:
-        raise MemoryError("the native causal FAVOR+ kernel could not allocate its work space")
+        raise MemoryError("the native CPU kernel could not allocate its work space")
     if any(codes):
-        raise RuntimeError(f"the native causal FAVOR+ kernel refused its arguments (codes {codes})")
+        raise RuntimeError(f"the native CPU kernel refused its arguments (codes {codes})")
 
 
-def _launch(entry: str, tensors, rows: int, settings, counts: torch.Tensor | None = None) -> None:
+def _launch(
+    entry: str, tensors, rows: int, settings, counts: torch.Tensor | None = None, int64_at=(), strided_at=()
+) -> None:
     """The library's ``entry`` on raw pointers to ``tensors`` (None for an absent mask) and then ``counts`` (int64,
     forward's lost positions), then ``b0, b1`` and ``settings``, over [0, rows) split among threads. It reads
-    float32 memory laid out contiguously, so anything else is refused here rather than misread there."""
-    for t in tensors:
-        if t is not None and not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()):
-            raise ValueError(f"the native kernel takes contiguous float32 CPU tensors, got {t.dtype} {t.device}")
+    float32 memory (int64 at the places ``int64_at``) laid out contiguously (at the places ``strided_at``, its last
+    dimension only, the entry taking the other strides), so anything else is refused here rather than misread
+    there."""
+    for i, t in enumerate(tensors):
+        dtype = torch.int64 if i in int64_at else torch.float32
+        packed = t is None or (t.stride(-1) == 1 if i in strided_at else t.is_contiguous())
+        if t is not None and not (t.dtype == dtype and t.device.type == "cpu" and packed):
+            raise ValueError(f"the native kernel takes contiguous {dtype} CPU tensors, got {t.dtype} {t.device}")
     if not available():
-        raise RuntimeError("the native causal FAVOR+ kernel is unavailable on this machine")
+        raise RuntimeError("the native CPU kernels are unavailable on this machine")
     fn = getattr(_STATE["lib"], entry)
     pointers = [None if t is None else ctypes.c_void_p(t.data_ptr()) for t in tensors]
     if counts is not None:
@@ -301,3 +315,80 @@ def backward(
     settings = (h, n, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_backward", tensors, b * h, settings)
     return dq, dk, dv
+
+
+def hybrid_supports(q: torch.Tensor, v: torch.Tensor, m: int) -> bool:
+    """Whether the bidirectional hybrid's walk (hybrid_bidirectional.cpp) runs this call: float32 CPU tensors,
+    head_dim = value dim, both and m multiples of 16 (its tile width)."""
+    d = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and v.shape[-1] == d
+        and d % 16 == 0
+        and m % 16 == 0
+        and available()
+    )
+
+
+def hybrid_bidirectional_forward(
+    q,
+    k,
+    v,
+    pq,
+    pk,
+    ell,
+    gamma,
+    valid,
+    linear,
+    sink,
+    window: int,
+    scale: float,
+    headroom: float,
+    hedgehog=None,
+    key_scale=None,
+    query_form=None,
+    key_form=None,
+    bound: float = 1.0,
+):
+    """The bidirectional hybrid's output (b, h, n, d), float32: q, k, v (b, h, n, d) and pq, pk (b, h, n, m)
+    float32; ell (b, h, n) or None; gamma (h,); valid, linear (b, n) bool; sink None or (keys, values (b, h, S, d),
+    positions (b, S) int64, validity (b, S) bool), as ops/hybrid.py's _hybrid_core takes them. With ``hedgehog``
+    = (W_q, b_q, W_k, b_k) ((h, d, m / 2), (h, m / 2)), pq and pk are None and the walk makes Hedgehog's features
+    itself, row by row, phi_k times ``key_scale`` (b, h, n) when given: no (n, m) feature tensors. ``query_form``
+    (a (h, d), b (h,)): ell_t = q_t·a_h + b_h made in the walk, in place of ell; ``key_form`` (a, b), with
+    hedgehog: key_scale = exp(bound tanh((k_s·a_h + b_h) / bound)) made in the walk."""
+    b, h, n, d = q.shape
+    contiguous = lambda x: None if x is None else x.float().contiguous()  # noqa: E731
+    flags = lambda x: x.to(torch.float32).contiguous()  # noqa: E731
+    # q, k, v are read in place, through their strides (a model's heads are views of its projections)
+    q, k, v = (x.float() if x.float().stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    strides = [torch.tensor([x.stride(0), x.stride(1), x.stride(2)], dtype=torch.int64) for x in (q, k, v)]
+    if sink is None:
+        sinks, sink_k, sink_v, sink_pos, sink_valid = 0, None, None, None, None
+    else:
+        sink_k, sink_v = contiguous(sink[0]), contiguous(sink[1])
+        sink_pos, sink_valid, sinks = sink[2].long().contiguous(), flags(sink[3]), sink[0].shape[2]
+    if hedgehog is None:
+        map_code, m, maps = 0, pq.shape[-1], (None,) * 5
+    else:
+        map_code, m = 1, 2 * hedgehog[0].shape[-1]
+        maps = (*(contiguous(x) for x in hedgehog), contiguous(key_scale))
+    forms = tuple(contiguous(x) for form in (query_form, key_form) for x in (form or (None, None)))
+    # out laid out (b, n, h, d), as a model merges its heads: its (b, h, n, d) view is what returns
+    out = torch.empty(b, n, h, d, dtype=torch.float32).transpose(1, 2)
+    strides.append(torch.tensor([out.stride(0), out.stride(1), out.stride(2)], dtype=torch.int64))
+    tensors = (
+        q, k, v, *(contiguous(x) for x in (pq, pk, ell, gamma)), flags(valid), flags(linear),
+        sink_k, sink_v, sink_pos, sink_valid, out, *strides[:3], *maps, *forms, strides[3],
+    )  # fmt: skip
+    settings = (h, n, d, m, window, sinks, map_code, scale, headroom, bound)
+    _launch(
+        "lf_hybrid_bidirectional_forward",
+        tensors,
+        b * h,
+        settings,
+        int64_at={11, 14, 15, 16, 26},
+        strided_at={0, 1, 2, 13},
+    )
+    return out
