@@ -42,8 +42,33 @@ inline __m256 near_mask(int t0, int tg, int s, int window) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(window), dist));
 }
 
+// rows 0 .. rows - 1 of x (row stride xr, K wide, K a multiple of 8) as B = x^T (K x BLK) packed in panels of NR
+// (pack_b's layout), columns past rows 0: eight rows at a time through an 8 x 8 transpose in registers
+void pack_rows_t(const float* x, long xr, int rows, int K, float* dst) {
+  for (int j0 = 0; j0 < BLK; j0 += 8) {
+    float* panel = dst + (long)(j0 / NR) * K * NR + j0 % NR;
+    for (int kk = 0; kk < K; kk += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; i++) r[i] = j0 + i < rows ? _mm256_loadu_ps(x + (j0 + i) * xr + kk) : _mm256_setzero_ps();
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int k = 0; k < 8; k++) _mm256_storeu_ps(panel + (long)(kk + k) * NR, c[k]);
+    }
+  }
+}
+
 struct Row {  // one (batch, head) row's inputs
-  const float *q, *k, *v, *pq, *pk, *ell, *valid, *linear, *sink_k, *sink_v, *sink_valid;
+  const float *q, *k, *v, *ell, *valid, *sink_k, *sink_v, *sink_valid;
   const int64_t* sink_pos;
   long qr, kr, vr;  // the row strides of q, k, v
   float gamma;
@@ -51,25 +76,92 @@ struct Row {  // one (batch, head) row's inputs
 
 struct Scratch {
   float *sv, *sz, *fv, *fz;  // per key block: its sums; the suffix states of the query block
-  float *pre_v, *pre_z, *wv, *wz, *bpack, *qt, *pqt, *lt, *et, *lin, *lden, *num, *va, *cm, *slog, *dw;
+  float *pkt;                // per key block, phi_k^T (m x BLK), linear keys only (the others' columns 0)
+  float *pre_v, *pre_z, *wv, *wz, *bpack, *xt, *pqt, *lt, *et, *lin, *lden, *num, *cm, *slog, *dw, *ut, *dots, *ellb;
 };
 
-// 1. per key block j: sv_j = phi_k^T (linear * v) (m x d), sz_j = the column sums of linear * phi_k (m)
-void block_sums(const Row& r, const Scratch& w, int n, int d, int m, int nb) {
-  const long md = (long)m * d;
+// Hedgehog's map, one block: x^T packed (d x BLK, from pack_b_pad) -> phi^T (m x BLK): u^T = W^T x^T + b (W^T read
+// in place from W, d x m / 2 row-major), then per column (position) [softmax(u), softmax(-u)] times factor[t]
+// (null: 1), eight positions at a time. ut: (round_up(m / 2) x BLK) scratch.
+void hedgehog_block(const float* xt, const float* wt, const float* bias, const float* factor, int d, int m,
+                    float* ut, float* phit) {
+  const int half = m / 2;
+  const __m256 l2e = _mm256_set1_ps(LOG2E);
+  gemm_pb(half, BLK, d, wt, 1, half, xt, ut, BLK, false);
+  for (int tg = 0; tg < BLK; tg += 8) {
+    __m256 hi = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(INFINITY);
+    for (int j = 0; j < half; j++) {
+      const __m256 x = _mm256_add_ps(_mm256_loadu_ps(ut + j * BLK + tg), _mm256_set1_ps(bias[j]));
+      _mm256_storeu_ps(ut + j * BLK + tg, x);
+      hi = _mm256_max_ps(hi, x);
+      lo = _mm256_min_ps(lo, x);
+    }
+    __m256 s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
+    for (int j = 0; j < half; j++) {
+      const __m256 x = _mm256_loadu_ps(ut + j * BLK + tg);
+      const __m256 e1 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(x, hi), l2e));
+      const __m256 e2 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(lo, x), l2e));
+      _mm256_storeu_ps(phit + j * BLK + tg, e1);
+      _mm256_storeu_ps(phit + (half + j) * BLK + tg, e2);
+      s1 = _mm256_add_ps(s1, e1);
+      s2 = _mm256_add_ps(s2, e2);
+    }
+    const __m256 f = factor ? _mm256_loadu_ps(factor + tg) : _mm256_set1_ps(1.0f);
+    const __m256 f1 = _mm256_div_ps(f, s1), f2 = _mm256_div_ps(f, s2);
+    for (int j = 0; j < half; j++) {
+      _mm256_storeu_ps(phit + j * BLK + tg, _mm256_mul_ps(_mm256_loadu_ps(phit + j * BLK + tg), f1));
+      float* second = phit + (half + j) * BLK + tg;
+      _mm256_storeu_ps(second, _mm256_mul_ps(_mm256_loadu_ps(second), f2));
+    }
+  }
+}
+
+// given features, one block: rows t0 .. t0 + rows - 1 of phi (n x m) -> phi^T (m x BLK) times factor[t] (null: 1),
+// columns past rows 0
+void transpose_block(const float* phi, int rows, int m, const float* factor, float* phit) {
+  for (int i = 0; i < m; i++)
+    for (int t = 0; t < BLK; t++) phit[i * BLK + t] = t < rows ? phi[(long)t * m + i] * (factor ? factor[t] : 1.0f) : 0.0f;
+}
+
+// x = exp(R tanh(x / R)) times keep, eight at a time (BLK values), tanh(y) = 1 - 2 / (e^2y + 1)
+void bounded_exp(float* x, const float* keep, float bound) {
+  const __m256 two_l2e = _mm256_set1_ps(2.0f * LOG2E / bound), r_l2e = _mm256_set1_ps(bound * LOG2E);
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  for (int t = 0; t < BLK; t += 8) {
+    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(x + t), two_l2e));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    _mm256_storeu_ps(x + t, _mm256_mul_ps(_mm256_loadu_ps(keep + t), exp2_ps(_mm256_mul_ps(th, r_l2e))));
+  }
+}
+
+struct Maps {  // map_code 1's weights for this head, or nulls; the learned scales' (a, b), or nulls
+  const float *wq, *bq, *wk, *bk, *qa, *ka;
+  float qb, kb, bound;
+};
+
+// 1. per key block j: phi_k^T into pkt (linear keys only), sv_j = phi_k^T v (m x d), sz_j = phi_k's column sums (m)
+void key_blocks(const Row& r, const Maps& f, const float* pk, const float* key_scale, const float* linear,
+                const Scratch& w, int n, int d, int m, int nb) {
+  const long md = (long)m * d, mb = (long)m * BLK;
   for (int j = 0; j < nb; j++) {
     const int s0 = j * BLK, nk = n - s0 < BLK ? n - s0 : BLK;
-    float* z = w.sz + (long)j * m;
-    memset(z, 0, sizeof(float) * m);
-    for (int s = 0; s < nk; s++) {
-      const float keep = r.linear[s0 + s];
-      const float* vrow = r.v + (s0 + s) * r.vr;
-      const float* prow = r.pk + (long)(s0 + s) * m;
-      for (int e = 0; e < d; e++) w.va[(long)s * d + e] = keep * vrow[e];
-      if (keep != 0.0f)
-        for (int i = 0; i < m; i++) z[i] += keep * prow[i];
+    float* keep = w.dots + BLK;  // the keys' factors: linear (0 / 1), times exp(r_s) or key_scale
+    for (int t = 0; t < BLK; t++) keep[t] = t < nk ? linear[s0 + t] * (key_scale ? key_scale[s0 + t] : 1.0f) : 0.0f;
+    float* phit = w.pkt + j * mb;
+    if (f.wk) {
+      pack_rows_t(r.k + s0 * r.kr, r.kr, nk, d, w.xt);  // k^T, K = d, N = BLK
+      if (f.ka) {
+        gemm_pb(1, BLK, d, f.ka, 0, 1, w.xt, w.dots, BLK, false);
+        for (int t = 0; t < BLK; t++) w.dots[t] += f.kb;
+        bounded_exp(w.dots, keep, f.bound);
+        memcpy(keep, w.dots, sizeof(float) * BLK);
+      }
+      hedgehog_block(w.xt, f.wk, f.bk, keep, d, m, w.ut, phit);
+    } else {
+      transpose_block(pk + (long)s0 * m, nk, m, keep, phit);
     }
-    gemm(m, d, nk, r.pk + (long)s0 * m, 1, m, w.va, d, 1, w.sv + j * md, d, false, w.bpack);
+    gemm(m, d, nk, phit, BLK, 1, r.v + s0 * r.vr, r.vr, 1, w.sv + j * md, d, false, w.bpack);
+    for (int i = 0; i < m; i++) w.sz[(long)j * m + i] = sum(phit + i * BLK, BLK);
   }
 }
 
@@ -94,16 +186,38 @@ void suffix_states(const Scratch& w, int d, int m, int nb, int side) {
 }
 
 // 3. one query block c: out rows t0 .. t0 + nq - 1
-void query_block(const Row& r, const Scratch& w, float* out, long out_row, int c, int n, int d, int m, int nb, int side, int window,
-                 int sinks, float scale, float headroom) {
-  const long md = (long)m * d;
-  const int t0 = c * BLK, nq = n - t0 < BLK ? n - t0 : BLK, nqp = round_up(nq);
-  const float* pq_c = r.pq + (long)t0 * m;
+void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w, float* out, long out_row, int c,
+                 int n, int d, int m, int nb, int side, int window, int sinks, float scale, float headroom) {
+  const long md = (long)m * d, mb = (long)m * BLK;
+  const int t0 = c * BLK, nq = n - t0 < BLK ? n - t0 : BLK;
+  pack_rows_t(r.q + t0 * r.qr, r.qr, nq, d, w.xt);  // q^T, K = d, N = BLK
+  const float* ell = nullptr;  // the block's l_t, BLK of them (0 past nq), in ellb
+  if (f.qa) {  // l_t = q_t . a + b
+    gemm_pb(1, BLK, d, f.qa, 0, 1, w.xt, w.ellb, BLK, false);
+    for (int t = 0; t < BLK; t++) w.ellb[t] += f.qb;
+    ell = w.ellb;
+  } else if (r.ell) {
+    for (int t = 0; t < BLK; t++) w.ellb[t] = t < nq ? r.ell[t0 + t] : 0.0f;
+    ell = w.ellb;
+  }
+  if (f.wq)
+    hedgehog_block(w.xt, f.wq, f.bq, nullptr, d, m, w.ut, w.pqt);
+  else
+    transpose_block(pq + (long)t0 * m, nq, m, nullptr, w.pqt);
   // the keys outside the frame: phi_q (prefix + suffix)
   for (long i = 0; i < md; i++) w.wv[i] = w.pre_v[i] + w.fv[c * md + i];
   for (int i = 0; i < m; i++) w.wz[i] = w.pre_z[i] + w.fz[(long)c * m + i];
-  gemm(nq, d, m, pq_c, m, 1, w.wv, d, 1, w.lin, d, false, w.bpack);
-  for (int t = 0; t < nq; t++) w.lden[t] = dot(pq_c + (long)t * m, w.wz, m);
+  gemm(nq, d, m, w.pqt, 1, BLK, w.wv, d, 1, w.lin, d, false, w.bpack);
+  {
+    __m256 acc[BLK / 8];
+    for (int tg = 0; tg < BLK / 8; tg++) acc[tg] = _mm256_setzero_ps();
+    for (int i = 0; i < m; i++) {
+      const __m256 zi = _mm256_set1_ps(w.wz[i]);
+      for (int tg = 0; tg < BLK / 8; tg++)
+        acc[tg] = _mm256_fmadd_ps(zi, _mm256_loadu_ps(w.pqt + i * BLK + 8 * tg), acc[tg]);
+    }
+    for (int tg = 0; tg < BLK / 8; tg++) _mm256_storeu_ps(w.lden + 8 * tg, acc[tg]);
+  }
   // the frame blocks holding keys outside some query's window: their linear scores on those keys alone
   bool packed = false;
   const int j0 = c - side > 0 ? c - side : 0, j1 = c + side < nb - 1 ? c + side : nb - 1;
@@ -111,30 +225,25 @@ void query_block(const Row& r, const Scratch& w, float* out, long out_row, int c
     const int off = j > c ? j - c : c - j;
     if (off * BLK + BLK - 1 < window) continue;  // every key of block j is in every query's window
     if (!packed) {
-      pack_b_pad(pq_c, 1, m, m, nq, nqp, 1.0f, w.pqt);  // phi_q^T, K = m, N = nqp
+      pack_b(w.pqt, BLK, 1, m, BLK, w.bpack);  // phi_q^T as B, K = m, N = BLK
       packed = true;
     }
     const int s0 = j * BLK, nk = n - s0 < BLK ? n - s0 : BLK;
-    gemm_pb(nk, nqp, m, r.pk + (long)s0 * m, m, 1, w.pqt, w.et, nqp, false);  // (keys x queries)
+    gemm_pb(nk, BLK, m, w.pkt + j * mb, 1, BLK, w.bpack, w.et, BLK, false);  // (keys x queries)
     for (int s = 0; s < nk; s++) {
-      float* row = w.et + (long)s * nqp;
-      if (r.linear[s0 + s] == 0.0f) {
-        memset(row, 0, sizeof(float) * nqp);
-        continue;
-      }
-      for (int tg = 0; tg < nqp; tg += 8) {
+      float* row = w.et + (long)s * BLK;
+      for (int tg = 0; tg < BLK; tg += 8) {
         const __m256 x = _mm256_andnot_ps(near_mask(t0, tg, s0 + s, window), _mm256_loadu_ps(row + tg));
         _mm256_storeu_ps(row + tg, x);
         _mm256_storeu_ps(w.lden + tg, _mm256_add_ps(_mm256_loadu_ps(w.lden + tg), x));
       }
     }
-    gemm(nq, d, nk, w.et, 1, nqp, r.v + s0 * r.vr, r.vr, 1, w.lin, d, true, w.bpack);
+    gemm(nq, d, nk, w.et, 1, BLK, r.v + s0 * r.vr, r.vr, 1, w.lin, d, true, w.bpack + m * BLK);
   }
-  // the window: exact logits against the frame, (keys x queries)
+  // the window: exact logits against the frame, (keys x queries), times scale
   const int f0 = j0 * BLK, f1 = (j1 + 1) * BLK < n ? (j1 + 1) * BLK : n, nf = f1 - f0;
-  pack_b_pad(r.q + t0 * r.qr, 1, r.qr, d, nq, nqp, scale, w.qt);  // (scale q)^T, K = d, N = nqp
-  gemm_pb(nf, nqp, d, r.k + f0 * r.kr, r.kr, 1, w.qt, w.lt, nqp, false);
-  for (int t = 0; t < nqp; t++) w.cm[t] = -INFINITY;
+  gemm_pb(nf, BLK, d, r.k + f0 * r.kr, r.kr, 1, w.xt, w.lt, BLK, false);
+  for (int t = 0; t < BLK; t++) w.cm[t] = -INFINITY;
   for (int t = 0; t < nq; t++) {  // the sinks each query sees outside its window
     const int pos = t0 + t;
     for (int i = 0; i < sinks; i++) {
@@ -145,111 +254,70 @@ void query_block(const Row& r, const Scratch& w, float* out, long out_row, int c
       w.cm[t] = x > w.cm[t] ? x : w.cm[t];
     }
   }
+  const __m256 scale8 = _mm256_set1_ps(scale), minus_inf = _mm256_set1_ps(-INFINITY);
   for (int s = 0; s < nf; s++) {
     if (r.valid[f0 + s] == 0.0f) continue;
-    const float* row = w.lt + (long)s * nqp;
-    for (int tg = 0; tg < nqp; tg += 8) {
-      const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(row + tg),
-                                        near_mask(t0, tg, f0 + s, window));
-      _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), x));
+    float* row = w.lt + (long)s * BLK;
+    for (int tg = 0; tg < BLK; tg += 8) {
+      const __m256 near = near_mask(t0, tg, f0 + s, window);
+      if (_mm256_testz_ps(near, near)) continue;  // no query of the eight has key s in its window
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row + tg), scale8);
+      _mm256_storeu_ps(row + tg, x);
+      _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), _mm256_blendv_ps(minus_inf, x, near)));
     }
   }
-  for (int t = 0; t < nqp; t++) {  // c'_t, into cm
+  // c'_t into cm; the window's weights are exp(x - c'_t + log gamma) = 2^(x log2 e - shift_t), shift_t in ut
+  const float log2_gamma = r.gamma > 0.0f ? log2f(r.gamma) : -INFINITY;
+  for (int t = 0; t < BLK; t++) {
     float cc = isfinite(w.cm[t]) ? w.cm[t] : 0.0f;
-    if (r.ell && t < nq) cc = fmaxf(cc, r.ell[t0 + t] - headroom);
+    if (ell && t < nq) cc = fmaxf(cc, ell[t] - headroom);
     w.cm[t] = cc;
+    w.ut[t] = cc * LOG2E - log2_gamma;  // +inf where gamma is 0: weights 0
     w.dw[t] = 0.0f;
   }
-  const __m256 l2e = _mm256_set1_ps(LOG2E), g = _mm256_set1_ps(r.gamma);
+  const __m256 l2e = _mm256_set1_ps(LOG2E), zero = _mm256_setzero_ps();
   for (int s = 0; s < nf; s++) {
-    float* row = w.lt + (long)s * nqp;
+    float* row = w.lt + (long)s * BLK;
     if (r.valid[f0 + s] == 0.0f) {
-      memset(row, 0, sizeof(float) * nqp);
+      memset(row, 0, sizeof(float) * BLK);
       continue;
     }
-    for (int tg = 0; tg < nqp; tg += 8) {
-      const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + tg), _mm256_loadu_ps(w.cm + tg)), l2e);
-      const __m256 p = _mm256_and_ps(_mm256_mul_ps(g, exp2_ps(u)), near_mask(t0, tg, f0 + s, window));
+    for (int tg = 0; tg < BLK; tg += 8) {
+      const __m256 near = near_mask(t0, tg, f0 + s, window);
+      if (_mm256_testz_ps(near, near)) {
+        _mm256_storeu_ps(row + tg, zero);
+        continue;
+      }
+      const __m256 u = _mm256_fmsub_ps(_mm256_loadu_ps(row + tg), l2e, _mm256_loadu_ps(w.ut + tg));
+      const __m256 p = _mm256_and_ps(exp2_ps(u), near);
       _mm256_storeu_ps(row + tg, p);
       _mm256_storeu_ps(w.dw + tg, _mm256_add_ps(_mm256_loadu_ps(w.dw + tg), p));
     }
   }
-  gemm(nq, d, nf, w.lt, 1, nqp, r.v + f0 * r.vr, r.vr, 1, w.num, d, false, w.bpack);
-  for (int t = 0; t < nq; t++) {
+  gemm(nq, d, nf, w.lt, 1, BLK, r.v + f0 * r.vr, r.vr, 1, w.num, d, false, w.bpack);
+  for (int tg = 0; tg < BLK; tg += 8) {  // the linear part's factor exp(l_t - c'_t), 1 without l
+    const __m256 fl = ell ? exp2_ps(_mm256_mul_ps(
+                                           _mm256_sub_ps(_mm256_loadu_ps(ell + tg), _mm256_loadu_ps(w.cm + tg)), l2e))
+                                     : _mm256_set1_ps(1.0f);
+    _mm256_storeu_ps(w.ellb + BLK + tg, fl);
+  }
+  for (int t = 0; t < nq; t++) {  // (window + sinks + linear numerators) / their denominators, into the row
     float* o = out + (t0 + t) * out_row;
-    const float* nm = w.num + (long)t * d;
+    float* acc = w.num + (long)t * d;
     const float* ln = w.lin + (long)t * d;
-    const float cc = w.cm[t];
-    const float f = r.ell ? expf(r.ell[t0 + t] - cc) : 1.0f;
-    float den = w.dw[t] + f * w.lden[t];
-    for (int e = 0; e < d; e++) o[e] = nm[e] + f * ln[e];
+    const float fl = w.ellb[BLK + t];
+    float den = w.dw[t] + fl * w.lden[t];
+    for (int e = 0; e < d; e++) acc[e] += fl * ln[e];
     for (int i = 0; i < sinks; i++) {
       const float x = w.slog[t * sinks + i];
       if (x == -INFINITY) continue;
-      const float p = r.gamma * expf(x - cc);
+      const float p = r.gamma * expf(x - w.cm[t]);
       const float* sv = r.sink_v + (long)i * d;
-      for (int e = 0; e < d; e++) o[e] += p * sv[e];
+      for (int e = 0; e < d; e++) acc[e] += p * sv[e];
       den += p;
     }
-    if (den > 0.0f) {
-      const float inv = 1.0f / den;
-      for (int e = 0; e < d; e++) o[e] *= inv;
-    } else {
-      memset(o, 0, sizeof(float) * d);
-    }
-  }
-}
-
-// x = exp(R tanh(x / R)) in place, eight at a time (x holds n rounded up to 8 floats), tanh(y) = 1 - 2 / (e^2y + 1)
-void bounded_exp(float* x, int n, float bound) {
-  const __m256 two_l2e = _mm256_set1_ps(2.0f * LOG2E / bound), r_l2e = _mm256_set1_ps(bound * LOG2E);
-  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
-  for (int t = 0; t < n; t += 8) {
-    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(x + t), two_l2e));
-    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
-    _mm256_storeu_ps(x + t, exp2_ps(_mm256_mul_ps(th, r_l2e)));
-  }
-}
-
-// Hedgehog's features of n rows x (row stride xr, d wide): u = x W + b (W: d x m / 2 row-major, b: m / 2), then
-// [softmax(u), softmax(-u)] (m), times key_scale per row when given, into out (n x m); a block of BLK rows at a time
-// through ubuf (BLK x round_up(m / 2)); wpack holds W packed (d x round_up(m / 2))
-void hedgehog_features(const float* x, long xr, const float* wt, const float* bias, const float* key_scale, int n,
-                       int d, int m, float* out, float* ubuf, float* wpack) {
-  const int half = m / 2, hp = round_up(half);
-  const __m256 l2e = _mm256_set1_ps(LOG2E);
-  pack_b_pad(wt, half, 1, d, half, hp, 1.0f, wpack);
-  for (int t0 = 0; t0 < n; t0 += BLK) {
-    const int rows = n - t0 < BLK ? n - t0 : BLK;
-    gemm_pb(rows, hp, d, x + t0 * xr, xr, 1, wpack, ubuf, hp, false);
-    for (int t = 0; t < rows; t++) {
-      float* u = ubuf + (long)t * hp;
-      float* o = out + (long)(t0 + t) * m;
-      __m256 hi = _mm256_set1_ps(-INFINITY), lo = _mm256_set1_ps(INFINITY);
-      for (int j = 0; j < half; j += 8) {
-        const __m256 x8 = _mm256_add_ps(_mm256_loadu_ps(u + j), _mm256_loadu_ps(bias + j));
-        _mm256_storeu_ps(u + j, x8);
-        hi = _mm256_max_ps(hi, x8);
-        lo = _mm256_min_ps(lo, x8);
-      }
-      const __m256 top = _mm256_set1_ps(hmax(hi)), bottom = _mm256_set1_ps(-hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)));
-      __m256 s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
-      for (int j = 0; j < half; j += 8) {
-        const __m256 x8 = _mm256_loadu_ps(u + j);
-        const __m256 e1 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(x8, top), l2e));
-        const __m256 e2 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(bottom, x8), l2e));
-        _mm256_storeu_ps(o + j, e1);
-        _mm256_storeu_ps(o + half + j, e2);
-        s1 = _mm256_add_ps(s1, e1);
-        s2 = _mm256_add_ps(s2, e2);
-      }
-      const float factor = key_scale ? key_scale[t0 + t] : 1.0f;
-      const __m256 f1 = _mm256_set1_ps(factor / hsum(s1)), f2 = _mm256_set1_ps(factor / hsum(s2));
-      for (int j = 0; j < half; j += 8) {
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(o + j), f1));
-        _mm256_storeu_ps(o + half + j, _mm256_mul_ps(_mm256_loadu_ps(o + half + j), f2));
-      }
-    }
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // no real key: 0
+    for (int e = 0; e < d; e++) o[e] = acc[e] * inv;
   }
 }
 
@@ -258,8 +326,8 @@ void hedgehog_features(const float* x, long xr, const float* wt, const float* bi
 extern "C" {
 
 // q, k, v, out: (b, heads, n, d) at the element strides qs, ks, vs, os (batch, head, position; the last dimension
-// packed); pq, pk: (bh, n, m); ell: (bh, n) or null; gamma: (heads); valid, linear: (bh / heads, n)
-// as 0 / 1; sink_k, sink_v: (bh, sinks, d); sink_pos (int64), sink_valid: (bh / heads, sinks); null when sinks is 0.
+// packed); pq, pk: (bh, n, m); ell: (bh, n) or null; gamma: (heads); valid, linear: (bh / heads, n) as 0 / 1;
+// sink_k, sink_v: (bh, sinks, d); sink_pos (int64), sink_valid: (bh / heads, sinks); null when sinks is 0.
 // map_code 0: pq, pk are the features; 1: Hedgehog's map made here, from wq, bq, wk, bk ((heads, d, m / 2) and
 // (heads, m / 2)) and key_scale ((bh, n) factors of phi_k, or null); pq, pk then null. The learned log scales may
 // be made here too: with qa, qb ((heads, d), (heads)) l_t = q_t . qa_h + qb_h in place of ell; with ka, kb, phi_k
@@ -271,46 +339,41 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
                                     const float* sink_valid, float* out, const int64_t* qs, const int64_t* ks,
                                     const int64_t* vs, const float* wq, const float* bq, const float* wk,
                                     const float* bk, const float* key_scale, const float* qa, const float* qb,
-                                    const float* ka, const float* kb, const int64_t* os, int b0, int b1, int heads, int n, int d, int m,
-                                    int window, int sinks, int map_code, float scale, float headroom, float bound) {
+                                    const float* ka, const float* kb, const int64_t* os, int b0, int b1, int heads,
+                                    int n, int d, int m, int window, int sinks, int map_code, float scale,
+                                    float headroom, float bound) {
   if (d % NR || m % NR || n <= 0 || heads <= 0 || window < 1 || sinks < 0 ||
       (sinks && (!sink_k || !sink_v || !sink_pos || !sink_valid)) || map_code < 0 || map_code > 1 ||
       (map_code == 0 && (!pq || !pk)) || (map_code == 1 && (!wq || !bq || !wk || !bk)) || (!qa != !qb) ||
       (!ka != !kb) || (ka && map_code != 1) || (ka && !(bound > 0.0f)))
     return 1;
-  const int hp = round_up(m / 2);
-  const bool own_features = map_code == 1;
   const int nb = (n + BLK - 1) / BLK, side = (window - 1 + BLK - 1) / BLK;
-  const int frame = (2 * side + 1) * BLK;
-  const long md = (long)m * d;
+  const int frame = (2 * side + 1) * BLK, hp = round_up(m / 2);
+  const long md = (long)m * d, mb = (long)m * BLK;
   long big = (long)frame * d;
   big = big > md ? big : md;
-  const long sizes[] = {nb * md, (long)nb * m, nb * md, (long)nb * m, md, m, md, m, big, (long)d * BLK,
-                        (long)m * BLK, (long)frame * BLK, (long)BLK * BLK, (long)BLK * d, BLK, (long)BLK * d,
-                        (long)BLK * d, BLK, (long)BLK * (sinks > 0 ? sinks : 1), BLK,
-                        own_features ? (long)n * m : 0, own_features ? (long)n * m : 0,
-                        own_features ? (long)BLK * hp : 0, own_features ? (long)d * hp : 0, qa ? n : 0, ka ? n : 0};
+  big += mb;  // phi_q^T packed for the edges' scores beside a B for their products
+  const long sizes[] = {nb * md, (long)nb * m, nb * md, (long)nb * m, nb * mb, md, m, md, m, big, (long)d * BLK,
+                        mb, (long)frame * BLK, (long)BLK * BLK, (long)BLK * d, BLK, (long)BLK * d, BLK,
+                        (long)BLK * (sinks > 0 ? sinks : 1), BLK, (long)hp * BLK, 2 * BLK, 2 * BLK};
+  constexpr int PARTS = sizeof(sizes) / sizeof(sizes[0]);
   long total = 0;
   for (long size : sizes) total += (size + 15) & ~15L;
   float* scratch = alloc_floats(total);
   if (!scratch) return 2;
   float* cur = scratch;
-  float* parts[26];
-  for (int i = 0; i < 26; i++) parts[i] = take(cur, sizes[i]);
-  const Scratch w{parts[0],  parts[1],  parts[2],  parts[3],  parts[4],  parts[5],  parts[6],
-                  parts[7],  parts[8],  parts[9],  parts[10], parts[11], parts[12], parts[13],
-                  parts[14], parts[15], parts[16], parts[17], parts[18], parts[19]};
+  float* parts[PARTS];
+  for (int i = 0; i < PARTS; i++) parts[i] = take(cur, sizes[i]);
+  const Scratch w{parts[0],  parts[1],  parts[2],  parts[3],  parts[4],  parts[5],  parts[6],  parts[7],
+                  parts[8],  parts[9],  parts[10], parts[11], parts[12], parts[13], parts[14], parts[15],
+                  parts[16], parts[17], parts[18], parts[19], parts[20], parts[21], parts[22]};
   for (int b = b0; b < b1; b++) {
-    const long batch = b / heads;
-    const long head = b % heads;
+    const long batch = b / heads, head = b % heads;
     const Row r{q + batch * qs[0] + head * qs[1],
                 k + batch * ks[0] + head * ks[1],
                 v + batch * vs[0] + head * vs[1],
-                own_features ? parts[20] : pq + (long)b * n * m,
-                own_features ? parts[21] : pk + (long)b * n * m,
-                qa ? parts[24] : ell ? ell + (long)b * n : nullptr,
+                ell ? ell + (long)b * n : nullptr,
                 valid + batch * n,
-                linear + batch * n,
                 sinks ? sink_k + (long)b * sinks * d : nullptr,
                 sinks ? sink_v + (long)b * sinks * d : nullptr,
                 sinks ? sink_valid + batch * sinks : nullptr,
@@ -319,20 +382,18 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
                 ks[2],
                 vs[2],
                 gamma[head]};
-    if (qa)
-      for (int t = 0; t < n; t++) parts[24][t] = dot(r.q + t * r.qr, qa + head * d, d) + qb[head];
-    const float* factors = key_scale ? key_scale + (long)b * n : nullptr;
-    if (ka) {
-      for (int t = 0; t < n; t++) parts[25][t] = dot(r.k + t * r.kr, ka + head * d, d) + kb[head];
-      bounded_exp(parts[25], n, bound);
-      factors = parts[25];
-    }
-    if (own_features) {
-      const long wo = head * d * (m / 2), bo = head * (m / 2);
-      hedgehog_features(r.q, r.qr, wq + wo, bq + bo, nullptr, n, d, m, parts[20], parts[22], parts[23]);
-      hedgehog_features(r.k, r.kr, wk + wo, bk + bo, factors, n, d, m, parts[21], parts[22], parts[23]);
-    }
-    block_sums(r, w, n, d, m, nb);
+    const long wo = head * d * (m / 2), bo = head * (m / 2);
+    const Maps f{map_code == 1 ? wq + wo : nullptr,
+                 map_code == 1 ? bq + bo : nullptr,
+                 map_code == 1 ? wk + wo : nullptr,
+                 map_code == 1 ? bk + bo : nullptr,
+                 qa ? qa + head * d : nullptr,
+                 ka ? ka + head * d : nullptr,
+                 qa ? qb[head] : 0.0f,
+                 ka ? kb[head] : 0.0f,
+                 bound};
+    key_blocks(r, f, map_code == 0 ? pk + (long)b * n * m : nullptr, key_scale ? key_scale + (long)b * n : nullptr,
+               linear + batch * n, w, n, d, m, nb);
     suffix_states(w, d, m, nb, side);
     memset(w.pre_v, 0, sizeof(float) * md);
     memset(w.pre_z, 0, sizeof(float) * m);
@@ -342,7 +403,8 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
         for (long i = 0; i < md; i++) w.pre_v[i] += w.sv[src * md + i];
         for (int i = 0; i < m; i++) w.pre_z[i] += w.sz[(long)src * m + i];
       }
-      query_block(r, w, out + batch * os[0] + head * os[1], os[2], c, n, d, m, nb, side, window, sinks, scale, headroom);
+      query_block(r, f, map_code == 0 ? pq + (long)b * n * m : nullptr, w, out + batch * os[0] + head * os[1], os[2],
+                  c, n, d, m, nb, side, window, sinks, scale, headroom);
     }
   }
   free(scratch);
