@@ -515,10 +515,12 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     return torch.where(den > 0, num / safe, torch.zeros_like(num))
 
 
-def _native_refusal(q, v, m, causal, tracked, dtypes=()) -> str | None:
+def _native_refusal(q, v, m, causal, tracked, dtypes=(), scale=None) -> str | None:
     """Why the native bidirectional walk (_native/hybrid_bidirectional.cpp) cannot run a call with m features, or
-    None; dtypes: those of the other inputs it reads."""
+    None; dtypes: those of the other inputs it reads; scale: the logit scale (None: head_dim ** -0.5)."""
     d = q.shape[-1]
+    if scale is not None and not scale > 0:
+        return f"it takes a positive logit scale, got {scale}"
     if causal:
         return "the native hybrid walk is bidirectional only"
     if tracked:
@@ -552,15 +554,17 @@ def hybrid_backend(
     causal: bool,
     stateful: bool,
     tracked: bool = False,
+    scale: float | None = None,
 ) -> str:
     """The backend a :func:`hybrid_attention` call takes: "chunked", "native" or "triton" (its ``backend``
-    argument); ``tracked``: whether autograd records the call."""
+    argument); ``tracked``: whether autograd records the call; ``scale``: its logit scale."""
     if backend is not None and backend not in HYBRID_BACKENDS:
         raise ValueError(f"backend must be None or one of {HYBRID_BACKENDS} for hybrid attention, got {backend!r}")
     if backend == "chunked":
         return "chunked"
     if backend == "native" or (backend is None and v.device.type != "cuda"):
-        reason = _native_refusal(q, v, phi_q.shape[-1], causal, tracked, (k.dtype, phi_q.dtype, phi_k.dtype))
+        dtypes = (k.dtype, phi_q.dtype, phi_k.dtype)
+        reason = _native_refusal(q, v, phi_q.shape[-1], causal, tracked, dtypes, scale)
         if backend == "native" and reason:
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "chunked" if reason else "native"
@@ -656,7 +660,8 @@ def hybrid_attention(
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, phi_q, phi_k, gamma, query_log_scale)
     )
-    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, initial_state is not None, tracked)
+    stateful = initial_state is not None
+    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, stateful, tracked, scale)
     b, h, n, d = q.shape
     m, dv = phi_q.shape[-1], v.shape[-1]
     mask = check_mask(key_padding_mask, b, n)
@@ -780,7 +785,7 @@ def hedgehog_hybrid_attention(
     if isinstance(key_scale_bound, bool) or not isinstance(key_scale_bound, (int, float)) or not key_scale_bound > 0:
         raise ValueError(f"key_scale_bound must be a positive number, got {key_scale_bound!r}")
     inputs = (q, k, v, *weights, gamma, *(query_scale or ()), *(key_scale or ()))
-    reason = hedgehog_refusal(q, v, 2 * half, inputs)
+    reason = hedgehog_refusal(q, v, 2 * half, inputs, scale)
     if reason:
         raise ValueError(f"hedgehog_hybrid_attention cannot run this call: {reason}")
     b, n = q.shape[0], q.shape[2]
@@ -795,14 +800,18 @@ def hedgehog_hybrid_attention(
 
 
 def hedgehog_refusal(
-    q: torch.Tensor, v: torch.Tensor, num_features: int, inputs: tuple[torch.Tensor | None, ...] = ()
+    q: torch.Tensor,
+    v: torch.Tensor,
+    num_features: int,
+    inputs: tuple[torch.Tensor | None, ...] = (),
+    scale: float | None = None,
 ) -> str | None:
     """Why :func:`hedgehog_hybrid_attention` cannot run a call with these q, v and ``num_features`` (the m of
     Hedgehog's map), or None. ``inputs``: the call's other tensors (None for absent ones), whose dtypes it reads
-    and of which autograd must record none."""
+    and of which autograd must record none; ``scale``: its logit scale (None: head_dim ** -0.5)."""
     present = [t for t in inputs if isinstance(t, torch.Tensor)]
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in present)
-    return _native_refusal(q, v, num_features, False, tracked, tuple(t.dtype for t in present))
+    return _native_refusal(q, v, num_features, False, tracked, tuple(t.dtype for t in present), scale)
 
 
 def hybrid_step(

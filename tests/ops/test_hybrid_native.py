@@ -118,6 +118,8 @@ def test_the_backend_a_bidirectional_cpu_call_takes_and_why_native_refuses():
     refused("multiples of 16", args=(q[..., :8], k[..., :8], v[..., :8], pq, pk))
     refused("multiples of 16", args=(q, k, v, pq[..., :24], pk[..., :24]))
     refused("value dim equal to head_dim", args=(q, k, torch.cat([v, v], -1), pq, pk))
+    with pytest.raises(ValueError, match="positive logit scale, got 0.0"):
+        hybrid_backend("native", *call, 8, 0, False, False, scale=0.0)
     previous = set_native_walk(False)
     try:
         refused(r"set_native_walk\(False\)")

@@ -243,7 +243,8 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
   // the window: exact logits against the frame, (keys x queries), times scale
   const int f0 = j0 * BLK, f1 = (j1 + 1) * BLK < n ? (j1 + 1) * BLK : n, nf = f1 - f0;
   gemm_pb(nf, BLK, d, r.k + f0 * r.kr, r.kr, 1, w.xt, w.lt, BLK, false);
-  for (int t = 0; t < BLK; t++) w.cm[t] = -INFINITY;
+  float* sink_max = w.ellb + 2 * BLK;
+  for (int t = 0; t < BLK; t++) w.cm[t] = sink_max[t] = -INFINITY;
   for (int t = 0; t < nq; t++) {  // the sinks each query sees outside its window
     const int pos = t0 + t;
     for (int i = 0; i < sinks; i++) {
@@ -251,45 +252,55 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
       const bool sees = r.sink_valid[i] != 0.0f && (dist >= window || -dist >= window);
       const float x = sees ? scale * dot(r.q + pos * r.qr, r.sink_k + (long)i * d, d) : -INFINITY;
       w.slog[t * sinks + i] = x;
-      w.cm[t] = x > w.cm[t] ? x : w.cm[t];
+      sink_max[t] = x > sink_max[t] ? x : sink_max[t];
     }
   }
-  const __m256 scale8 = _mm256_set1_ps(scale), minus_inf = _mm256_set1_ps(-INFINITY);
+  // the largest window logit of each query, unscaled (scale > 0): rows whose key is in every query's window need
+  // no mask, groups of eight queries that all lie too far from the key are skipped
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  const int all_in0 = t0 + BLK - window, all_in1 = t0 + window - 1;  // keys in [all_in0, all_in1]: in every window
   for (int s = 0; s < nf; s++) {
     if (r.valid[f0 + s] == 0.0f) continue;
-    float* row = w.lt + (long)s * BLK;
+    const float* row = w.lt + (long)s * BLK;
+    const bool all_in = f0 + s >= all_in0 && f0 + s <= all_in1;
     for (int tg = 0; tg < BLK; tg += 8) {
-      const __m256 near = near_mask(t0, tg, f0 + s, window);
-      if (_mm256_testz_ps(near, near)) continue;  // no query of the eight has key s in its window
-      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(row + tg), scale8);
-      _mm256_storeu_ps(row + tg, x);
-      _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), _mm256_blendv_ps(minus_inf, x, near)));
+      __m256 x = _mm256_loadu_ps(row + tg);
+      if (!all_in) {
+        const __m256 near = near_mask(t0, tg, f0 + s, window);
+        if (_mm256_testz_ps(near, near)) continue;
+        x = _mm256_blendv_ps(minus_inf, x, near);
+      }
+      _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), x));
     }
   }
-  // c'_t into cm; the window's weights are exp(x - c'_t + log gamma) = 2^(x log2 e - shift_t), shift_t in ut
+  // c'_t into cm; the window's weights are exp(scale x - c'_t + log gamma) = 2^(x scale log2 e - shift_t), shift_t
+  // in ut
   const float log2_gamma = r.gamma > 0.0f ? log2f(r.gamma) : -INFINITY;
   for (int t = 0; t < BLK; t++) {
-    float cc = isfinite(w.cm[t]) ? w.cm[t] : 0.0f;
+    float cc = fmaxf(scale * w.cm[t], sink_max[t]);  // -inf stays -inf
+    cc = isfinite(cc) ? cc : 0.0f;
     if (ell && t < nq) cc = fmaxf(cc, ell[t] - headroom);
     w.cm[t] = cc;
     w.ut[t] = cc * LOG2E - log2_gamma;  // +inf where gamma is 0: weights 0
     w.dw[t] = 0.0f;
   }
-  const __m256 l2e = _mm256_set1_ps(LOG2E), zero = _mm256_setzero_ps();
+  const __m256 l2e = _mm256_set1_ps(LOG2E), scale_l2e = _mm256_set1_ps(scale * LOG2E), zero = _mm256_setzero_ps();
   for (int s = 0; s < nf; s++) {
     float* row = w.lt + (long)s * BLK;
     if (r.valid[f0 + s] == 0.0f) {
       memset(row, 0, sizeof(float) * BLK);
       continue;
     }
+    const bool all_in = f0 + s >= all_in0 && f0 + s <= all_in1;
     for (int tg = 0; tg < BLK; tg += 8) {
-      const __m256 near = near_mask(t0, tg, f0 + s, window);
-      if (_mm256_testz_ps(near, near)) {
-        _mm256_storeu_ps(row + tg, zero);
-        continue;
+      const __m256 u = _mm256_fmsub_ps(_mm256_loadu_ps(row + tg), scale_l2e, _mm256_loadu_ps(w.ut + tg));
+      __m256 p;
+      if (all_in) {
+        p = exp2_ps(u);
+      } else {
+        const __m256 near = near_mask(t0, tg, f0 + s, window);
+        p = _mm256_testz_ps(near, near) ? zero : _mm256_and_ps(exp2_ps(u), near);
       }
-      const __m256 u = _mm256_fmsub_ps(_mm256_loadu_ps(row + tg), l2e, _mm256_loadu_ps(w.ut + tg));
-      const __m256 p = _mm256_and_ps(exp2_ps(u), near);
       _mm256_storeu_ps(row + tg, p);
       _mm256_storeu_ps(w.dw + tg, _mm256_add_ps(_mm256_loadu_ps(w.dw + tg), p));
     }
@@ -345,7 +356,7 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
   if (d % NR || m % NR || n <= 0 || heads <= 0 || window < 1 || sinks < 0 ||
       (sinks && (!sink_k || !sink_v || !sink_pos || !sink_valid)) || map_code < 0 || map_code > 1 ||
       (map_code == 0 && (!pq || !pk)) || (map_code == 1 && (!wq || !bq || !wk || !bk)) || (!qa != !qb) ||
-      (!ka != !kb) || (ka && map_code != 1) || (ka && !(bound > 0.0f)))
+      (!ka != !kb) || (ka && map_code != 1) || (ka && !(bound > 0.0f)) || !(scale > 0.0f))
     return 1;
   const int nb = (n + BLK - 1) / BLK, side = (window - 1 + BLK - 1) / BLK;
   const int frame = (2 * side + 1) * BLK, hp = round_up(m / 2);
@@ -355,7 +366,7 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
   big += mb;  // phi_q^T packed for the edges' scores beside a B for their products
   const long sizes[] = {nb * md, (long)nb * m, nb * md, (long)nb * m, nb * mb, md, m, md, m, big, (long)d * BLK,
                         mb, (long)frame * BLK, (long)BLK * BLK, (long)BLK * d, BLK, (long)BLK * d, BLK,
-                        (long)BLK * (sinks > 0 ? sinks : 1), BLK, (long)hp * BLK, 2 * BLK, 2 * BLK};
+                        (long)BLK * (sinks > 0 ? sinks : 1), BLK, (long)hp * BLK, 2 * BLK, 3 * BLK};
   constexpr int PARTS = sizeof(sizes) / sizeof(sizes[0]);
   long total = 0;
   for (long size : sizes) total += (size + 15) & ~15L;
