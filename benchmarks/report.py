@@ -747,6 +747,12 @@ SECTIONS = [
         section_long_document_speed,
     ),
     (
+        "long_documents_speed_2threads.json",
+        "Conversion: long documents, paired timing on two threads",
+        "The same paired timing with `--threads 2`.",
+        section_long_document_speed,
+    ),
+    (
         "conversion_gpt2.json",
         "Conversion: a small GPT-2",
         "A GPT-2 of 4 layers, hidden 256, 4 heads, vocab 8192 (trained by `examples/train_small_gpt2.py` on the "

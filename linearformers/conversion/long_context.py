@@ -76,9 +76,14 @@ def check_max_length(max_length: object, positions: Literal[POSITION_INITS]) -> 
 def long_overrides(config_class: type, overrides: dict, max_length: int, source_positions: int) -> dict:
     """The user's config ``overrides`` for a model of ``max_length`` tokens: a family whose attention is sized by the
     length (Linformer's ``max_seq_length``) gets N, and k = the source's positions unless given (k = N would make E /
-    F N x N). A ValueError when the user asked for another length."""
+    F N x N). A ValueError when the user asked for another length. Past the source's positions the feed-forward
+    runs the source's positions at a time (``chunk_size_feed_forward``, unless given): the same outputs, with its
+    (n, intermediate) temporaries cut to what the original made at once, which on a CPU stay in the heap instead of
+    being mapped and faulted in again at every layer."""
     fields = {f.name for f in dataclasses.fields(config_class)}
     overrides = dict(overrides)
+    if max_length > source_positions:
+        overrides.setdefault("chunk_size_feed_forward", source_positions)
     if "max_seq_length" in fields:
         given = overrides.get("max_seq_length")
         if given is not None and given != max_length:

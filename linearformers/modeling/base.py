@@ -281,10 +281,15 @@ class LinearAttentionMLP(nn.Module):
 
 class LinearAttentionBlock(GradientCheckpointingLayer):
     """One block, around the family's ``attention_class``. Encoder (BERT, post-LN): x = LN(x + attn(x));
-    x = LN(x + mlp(x)). Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x))."""
+    x = LN(x + mlp(x)). Decoder (GPT-2, pre-LN): x = x + attn(LN(x)); x = x + mlp(LN(x)).
+
+    ``config.chunk_size_feed_forward`` C > 0 (transformers' field) runs the position-wise mlp on C positions at a
+    time, the last piece shorter where C does not divide the length: the same outputs, with its (C, intermediate)
+    temporaries in place of (n, intermediate) ones."""
 
     def __init__(self, config: LinearAttentionConfig, layer_idx: int, attention_class: type[LinearAttention]):
         super().__init__()
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward
         self.pre_norm = config.is_decoder
         self.attention = attention_class(config, layer_idx)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -305,10 +310,18 @@ class LinearAttentionBlock(GradientCheckpointingLayer):
 
         if self.pre_norm:
             hidden_states = hidden_states + self.dropout(attend(self.attention_norm(hidden_states)))
-            return hidden_states + self.dropout(self.mlp(self.mlp_norm(hidden_states)))
+            return hidden_states + self.dropout(self.feed_forward(self.mlp_norm(hidden_states)))
         attn = attend(hidden_states)
         hidden_states = self.attention_norm(hidden_states + self.dropout(attn))
-        return self.mlp_norm(hidden_states + self.dropout(self.mlp(hidden_states)))
+        return self.mlp_norm(hidden_states + self.dropout(self.feed_forward(hidden_states)))
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The mlp over (batch, n, hidden), ``chunk_size_feed_forward`` positions at a time when that is set and
+        shorter than n."""
+        chunk = self.chunk_size_feed_forward
+        if not chunk or chunk >= hidden_states.shape[1]:
+            return self.mlp(hidden_states)
+        return torch.cat([self.mlp(part) for part in hidden_states.split(chunk, dim=1)], dim=1)
 
 
 class LinearAttentionPooler(nn.Module):

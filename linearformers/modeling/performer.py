@@ -354,9 +354,8 @@ class PerformerAttention(LinearAttention):
         if self.key_scale_weight is not None:
             scales["key_scale"] = (self.key_scale_weight, self.key_scale_bias)
         c = self.config
-        mask = attention_mask
         return hedgehog_hybrid_attention(
-            q, k, v, weights, gamma, c.hybrid_window, key_padding_mask=mask, sinks=c.hybrid_sinks, **scales
+            q, k, v, weights, gamma, c.hybrid_window, key_padding_mask=attention_mask, sinks=c.hybrid_sinks, **scales
         )
 
     def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:

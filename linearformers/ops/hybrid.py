@@ -48,7 +48,10 @@ scores stay within 16 MB (_PASS_BYTES says why); elsewhere in one pass. The bloc
 around the piece. Where autograd records nothing (inference) on the CPU, a pass makes its scores in place, one
 batched product per head over views of the frames (no copy of them), and the in-frame linear scores on the edge
 blocks alone; with ℓ in float32, ATen's fused softmax attention computes the window part of all the blocks first
-(outputs and log-sum-exps, no scores in memory), and the passes add the rest.
+(outputs and log-sum-exps, no scores in memory), and the passes add the rest. Bidirectional inference on the CPU
+takes the compiled walk of _native/hybrid_bidirectional.cpp instead, where it can run (backend "native"; the same
+blocks, one (batch, head) row per thread), and :func:`hedgehog_hybrid_attention` has that walk make Hedgehog's
+features and the learned scales itself, a block at a time.
 
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
@@ -758,9 +761,9 @@ def hedgehog_hybrid_attention(
     query_log_scale ℓ_t = q_t·a_h + b_h; ``key_scale`` multiplies phi_k by exp(r_s), r_s = R tanh((k_s·a_h + b_h)
     / R), R = ``key_scale_bound``. The result is hybrid_attention(q, k, v, phi(q), phi(k) exp(r), gamma, window,
     causal=False, query_log_scale=ℓ, ...), computed without the (batch, heads, n, m) feature tensors or any other
-    per-position temporary: at a long document's length, faulting in their fresh pages costs the CPU more than
-    making them. Inference only, on the CPU: :func:`hedgehog_refusal` says why a call cannot run, and such a call
-    raises a ValueError saying so. Returns (batch, heads, n, head_dim) in v's dtype."""
+    per-position temporary, each of which would be a fresh mapping whose pages fault in again at every call at a
+    long document's length. Inference only, on the CPU: :func:`hedgehog_refusal` says why a call cannot run, and
+    such a call raises a ValueError saying so. Returns (batch, heads, n, head_dim) in v's dtype."""
     _check_inputs(q, k, v, None, None, gamma, window, None, sinks)
     h, d = q.shape[1], q.shape[-1]
     named = [("weights", weights, ("W_q", "b_q", "W_k", "b_k"))]

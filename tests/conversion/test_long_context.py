@@ -100,6 +100,14 @@ def test_a_long_conversion_accepts_n_tokens_and_refuses_n_plus_one(family):
         model(_ids(1, N + 1))
 
 
+def test_a_long_conversion_runs_its_feed_forward_the_originals_positions_at_a_time():
+    model = convert_bert(tiny_bert(), "performer", max_length=N, **SCALED)[0]
+    assert model.config.chunk_size_feed_forward == 64  # the tiny BERT's positions
+    assert convert_bert(tiny_bert(), "performer", **SCALED)[0].config.chunk_size_feed_forward == 0
+    given = convert_bert(tiny_bert(), "performer", max_length=N, chunk_size_feed_forward=0, **SCALED)[0]
+    assert given.config.chunk_size_feed_forward == 0
+
+
 def test_tiled_positions_leave_the_embeddings_of_short_inputs_as_the_originals():
     bert = tiny_bert()
     model, report = convert_bert(bert, "performer", max_length=N, **SCALED)

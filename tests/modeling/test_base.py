@@ -121,6 +121,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, decoder):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoder", [False, True])
+def test_chunk_size_feed_forward_gives_the_same_outputs_and_gradients(family, decoder):
+    """transformers' chunk_size_feed_forward: the mlp over 7 positions at a time (30 = 4 x 7 + 2, a shorter last
+    piece), the same model otherwise."""
+    auto = AutoModelForCausalLM if decoder else AutoModelForMaskedLM
+    torch.manual_seed(0)
+    plain = auto.from_config(tiny_config(family, is_decoder=decoder)).train()
+    chunked = auto.from_config(tiny_config(family, is_decoder=decoder, chunk_size_feed_forward=7)).train()
+    chunked.load_state_dict(plain.state_dict())
+    assert chunked.base_model.layers[0].chunk_size_feed_forward == 7
+    calls = []
+    chunked.base_model.layers[0].mlp.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    ids = torch.randint(1, 99, (2, 30))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (plain, chunked)]
+    assert calls == [7, 7, 7, 7, 2]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for loss in losses:
+        loss.backward()
+    grads = {n: p.grad for n, p in chunked.named_parameters() if p.grad is not None}
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_inputs_embeds_token_types_and_position_ids_are_honoured(family):
     model = AutoModel.from_config(tiny_config(family)).eval()
     ids = torch.randint(1, 99, (2, 9))

@@ -1,11 +1,12 @@
 """The native CPU kernels: causal FAVOR+ (favor_causal.cpp) and the bidirectional hybrid's inference
 (hybrid_bidirectional.cpp), on the GEMM tile of tile.h. Compiled into one library with the system's C++ compiler at
-first use, cached, and loaded with ctypes. No build step at install time and no torch headers: a plain shared library on float32
-pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA for float32 work with head_dim,
-num_features and chunk_size multiples of 16 (``available()`` and ``supports()``); everything else takes the
-portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Feature map "features" takes
-precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a projection (see
-``_linear_native``).
+first use, cached, and loaded with ctypes. No build step at install time and no torch headers: a plain shared
+library on float32 pointers, built in a few seconds. Used on x86-64 Linux CPUs with AVX2 and FMA. Causal FAVOR+:
+float32 work with head_dim, num_features and chunk_size multiples of 16 (``available()`` and ``supports()``);
+everything else takes the portable chunked backend (``_favor_chunked``; the choice is made in ``backends``). Feature
+map "features" takes precomputed nonnegative feature maps phi(q), phi(k) (b, h, n, m) in place of q, k and a
+projection (see ``_linear_native``). The hybrid: :func:`hybrid_bidirectional_forward`, whose refusals
+``ops/hybrid.py`` gives.
 
 ``LINEARFORMERS_NATIVE=0`` turns it off; ``LINEARFORMERS_CACHE`` moves the build cache (default
 ``$XDG_CACHE_HOME/linearformers`` or ``~/.cache/linearformers``).
@@ -315,20 +316,6 @@ def backward(
     settings = (h, n, d, m, chunk, per_block, code, scale, eps)
     _launch("lf_favor_causal_backward", tensors, b * h, settings)
     return dq, dk, dv
-
-
-def hybrid_supports(q: torch.Tensor, v: torch.Tensor, m: int) -> bool:
-    """Whether the bidirectional hybrid's walk (hybrid_bidirectional.cpp) runs this call: float32 CPU tensors,
-    head_dim = value dim, both and m multiples of 16 (its tile width)."""
-    d = q.shape[-1]
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and v.shape[-1] == d
-        and d % 16 == 0
-        and m % 16 == 0
-        and available()
-    )
 
 
 def hybrid_bidirectional_forward(

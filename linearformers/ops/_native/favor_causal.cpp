@@ -1,6 +1,6 @@
 // Causal FAVOR+ forward and backward on the CPU, one (batch, head) at a time per thread: the chunk walk of linear
 // attention (one running state S = sum phi(k) [v, 1]^T carried chunk by chunk, a triangular product inside each chunk)
-// with every product in this file's own AVX2/FMA GEMM, whose operands stay in L1/L2 from one product to the next.
+// with every product in tile.h's AVX2/FMA GEMM, whose operands stay in L1/L2 from one product to the next.
 // Built at first use by _native/__init__.py (g++ -O3 -mavx2 -mfma) and called through ctypes with raw float32
 // pointers, each call on a range of (batch, head) rows, so that Python threads (ctypes releases the GIL) split the
 // heads without a second threading runtime next to torch's. The portable chunked backend (_favor_chunked.py) computes

@@ -1,16 +1,18 @@
 // Bidirectional sliding-window softmax + linear attention inside one head (ops/hybrid.py's module docstring), forward
 // only, on the CPU: the inference of an encoder over a long document. One (batch, head) row at a time per thread, in
 // blocks of BLK queries, every product in tile.h's GEMM on operands that stay in L1/L2:
-//   1. the block sums phi_k^T [v, 1] of every key block (linear keys only: padding and sinks weigh 0);
+//   1. per key block: its features phi_k^T (m x BLK; given, or Hedgehog's map made here with the learned key scale),
+//      zero for keys outside the linear part (padding, sinks), and its sums phi_k^T [v, 1];
 //   2. walking the blocks backward, the suffix states: for block c, the sums of the blocks from c + side + 1 on;
-//   3. walking forward with the prefix of the blocks up to c - side - 1: per query block, its linear scores on every
-//      key outside its frame through prefix + suffix (one product), its linear scores on the frame blocks that hold
-//      keys outside some of its queries' windows (masked to those keys), and its exact window scores against the
-//      frame (masked to each query's window and the real keys) with the sinks it sees outside its window; then the
-//      stabilized sum of the parts, normalized.
+//   3. walking forward with the prefix of the blocks up to c - side - 1, per query block: its features phi_q^T (and
+//      l_t, given or made here), its linear scores on every key outside its frame through prefix + suffix (one
+//      product), its linear scores on the frame blocks that hold keys outside some of its queries' windows (masked to
+//      those keys), and its exact window scores against the frame (masked to each query's window and the real keys)
+//      with the sinks it sees outside its window; then the stabilized sum of the parts, normalized.
 // The frame of block c is the key blocks c - side .. c + side, side = ceil((w - 1) / BLK): every key of its queries'
-// windows. Scores are made transposed (keys x queries), so that the masks, maxima and exponentials run along rows
-// eight queries at a time, and the products read both operands without copying them out.
+// windows. Scores are made transposed (keys x queries) and features as (m x BLK) blocks, so that the masks, maxima,
+// exponentials and Hedgehog's softmaxes run eight positions at a time with no horizontal reductions, and every
+// product reads its operands in place through strides (q, k, v as the model's strided views).
 // The stabilizer is the definition's c'_t = max(c_t, l_t - R) (c_t the largest window or sink logit, 0 where there
 // is none); without l the linear scores are taken as they are. The PyTorch core (_hybrid_core) computes the same
 // outputs on every device and is what the tests hold this walk to, with the quadratic reference.
@@ -21,19 +23,6 @@ namespace {
 constexpr int BLK = 32;  // queries per block; key blocks have the same size
 
 inline int round_up(int x) { return (x + NR - 1) / NR * NR; }
-
-// B (K x N, element (k, j) at src[k * rs + j * cs]) times factor into panels of K x NR, N padded with zero columns
-// up to Np (a multiple of NR)
-void pack_b_pad(const float* src, long rs, long cs, int K, int N, int Np, float factor, float* dst) {
-  for (int p = 0; p < Np / NR; p++) {
-    float* d = dst + (long)p * K * NR;
-    for (int k = 0; k < K; k++)
-      for (int j = 0; j < NR; j++) {
-        const int col = p * NR + j;
-        d[k * NR + j] = col < N ? factor * src[k * rs + col * cs] : 0.0f;
-      }
-  }
-}
 
 // lanes of the queries t0 + tg .. t0 + tg + 7 within distance < window of key s: all ones where so
 inline __m256 near_mask(int t0, int tg, int s, int window) {
