@@ -88,8 +88,8 @@ void hedgehog_block(const float* xt, const float* wt, const float* bias, const f
     __m256 s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps();
     for (int j = 0; j < half; j++) {
       const __m256 x = _mm256_loadu_ps(ut + j * BLK + tg);
-      const __m256 e1 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(x, hi), l2e));
-      const __m256 e2 = exp2_ps(_mm256_mul_ps(_mm256_sub_ps(lo, x), l2e));
+      const __m256 e1 = exp2_ps_bounded(_mm256_mul_ps(_mm256_sub_ps(x, hi), l2e));
+      const __m256 e2 = exp2_ps_bounded(_mm256_mul_ps(_mm256_sub_ps(lo, x), l2e));
       _mm256_storeu_ps(phit + j * BLK + tg, e1);
       _mm256_storeu_ps(phit + (half + j) * BLK + tg, e2);
       s1 = _mm256_add_ps(s1, e1);
@@ -285,10 +285,10 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
       const __m256 u = _mm256_fmsub_ps(_mm256_loadu_ps(row + tg), scale_l2e, _mm256_loadu_ps(w.ut + tg));
       __m256 p;
       if (all_in) {
-        p = exp2_ps(u);
+        p = exp2_ps_bounded(u);
       } else {
         const __m256 near = near_mask(t0, tg, f0 + s, window);
-        p = _mm256_testz_ps(near, near) ? zero : _mm256_and_ps(exp2_ps(u), near);
+        p = _mm256_testz_ps(near, near) ? zero : _mm256_and_ps(exp2_ps_bounded(u), near);
       }
       _mm256_storeu_ps(row + tg, p);
       _mm256_storeu_ps(w.dw + tg, _mm256_add_ps(_mm256_loadu_ps(w.dw + tg), p));
