@@ -139,28 +139,8 @@ void gemm(int M, int N, int K, const float* a, long ars, long acs, const float* 
   gemm_pb(M, N, K, a, ars, acs, bbuf, c, ldc, acc);
 }
 
-// 2^x, relative error ~1e-7; 0 below 2^-126, NaN kept
-inline __m256 exp2_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  __m256 y = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f));
-  const __m256 fl = _mm256_floor_ps(y);
-  const __m256 f = _mm256_sub_ps(y, fl);
-  __m256 p = _mm256_set1_ps(0.00021690608991775662f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0012443081941455603f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009678472764790058f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05548352375626564f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402298003435135f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
-  __m256 r = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-  return _mm256_blendv_ps(r, x, nan);
-}
-
-// 2^x for x <= 127 that is not NaN (-inf included), as exp2_ps without its NaN and overflow handling: 0 below
-// 2^-126 (the exponent field of 2^-127 is that of zero)
+// 2^x for x <= 127 that is not NaN (-inf included), relative error ~1e-7: 0 below 2^-126 (the exponent field of
+// 2^-127 is that of zero); the degree-6 polynomial on the fraction, times 2^floor
 inline __m256 exp2_ps_bounded(__m256 x) {
   const __m256 y = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
   const __m256 fl = _mm256_floor_ps(y);
@@ -174,6 +154,15 @@ inline __m256 exp2_ps_bounded(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fl), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 2^x for any x: 0 below 2^-126, 2^127 above it, NaN kept
+inline __m256 exp2_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 r = exp2_ps_bounded(_mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(127.0f)));
+  return _mm256_blendv_ps(_mm256_andnot_ps(under, r), x, nan);
 }
 
 // 64-byte aligned floats (aligned_alloc wants a size that is a multiple of the alignment); null when out of memory
