@@ -69,7 +69,7 @@ struct Scratch {
   float *pre_v, *pre_z, *wv, *wz, *bpack, *xt, *pqt, *lt, *et, *lin, *lden, *num, *cm, *slog, *dw, *ut, *dots, *ellb;
 };
 
-// Hedgehog's map, one block: x^T packed (d x BLK, from pack_b_pad) -> phi^T (m x BLK): u^T = W^T x^T + b (W^T read
+// Hedgehog's map, one block: x^T packed (d x BLK, from pack_rows_t) -> phi^T (m x BLK): u^T = W^T x^T + b (W^T read
 // in place from W, d x m / 2 row-major), then per column (position) [softmax(u), softmax(-u)] times factor[t]
 // (null: 1), eight positions at a time. ut: (round_up(m / 2) x BLK) scratch.
 void hedgehog_block(const float* xt, const float* wt, const float* bias, const float* factor, int d, int m,
