@@ -101,6 +101,14 @@ def test_bf16_inputs_run_natively_in_float32_and_threads_change_nothing():
     assert torch.equal(native, one_thread), "each (batch, head) row is one thread's, whatever the split"
 
 
+@pytest.mark.parametrize("b, h", [(0, 2), (2, 0)])
+def test_an_empty_batch_or_no_heads_give_an_empty_output(b, h):
+    q, k, v, pq, pk, _, ell = _inputs(b, h, 10, 16, 16)
+    with torch.no_grad():
+        out = hybrid_attention(q, k, v, pq, pk, torch.ones(h), 4, causal=False, backend="native", query_log_scale=ell)
+    assert out.shape == (b, h, 10, 16)
+
+
 def test_the_backend_a_bidirectional_cpu_call_takes_and_why_native_refuses():
     q, k, v, pq, pk, *_ = _inputs(1, 2, 40, 16, 32)
     call = (q, k, v, pq, pk)

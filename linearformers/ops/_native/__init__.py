@@ -342,7 +342,7 @@ def hybrid_bidirectional_forward(
     float32; ell (b, h, n) or None; gamma (h,); valid, linear (b, n) bool; sink None or (keys, values (b, h, S, d),
     positions (b, S) int64, validity (b, S) bool), as ops/hybrid.py's _hybrid_core takes them. With ``hedgehog``
     = (W_q, b_q, W_k, b_k) ((h, d, m / 2), (h, m / 2)), pq and pk are None and the walk makes Hedgehog's features
-    itself, row by row, phi_k times ``key_scale`` (b, h, n) when given: no (n, m) feature tensors. ``query_form``
+    itself, a block at a time, phi_k times ``key_scale`` (b, h, n) when given: no (n, m) feature tensors. ``query_form``
     (a (h, d), b (h,)): ell_t = q_t·a_h + b_h made in the walk, in place of ell; ``key_form`` (a, b), with
     hedgehog: key_scale = exp(bound tanh((k_s·a_h + b_h) / bound)) made in the walk."""
     b, h, n, d = q.shape
@@ -364,6 +364,8 @@ def hybrid_bidirectional_forward(
     forms = tuple(contiguous(x) for form in (query_form, key_form) for x in (form or (None, None)))
     # out laid out (b, n, h, d), as a model merges its heads: its (b, h, n, d) view is what returns
     out = torch.empty(b, n, h, d, dtype=torch.float32).transpose(1, 2)
+    if out.numel() == 0:  # no batch, head or position: nothing to walk (empty tensors have no data to point at)
+        return out
     strides.append(torch.tensor([out.stride(0), out.stride(1), out.stride(2)], dtype=torch.int64))
     tensors = (
         q, k, v, *(contiguous(x) for x in (pq, pk, ell, gamma)), flags(valid), flags(linear),
