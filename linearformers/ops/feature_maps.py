@@ -373,10 +373,8 @@ class HedgehogFeatureMap(torch.nn.Module):
             return softmax_pair(u)
         # autograd records nothing (inference): [u, -u] from one product with [W, -W], then one softmax over both
         # halves as rows of their own, in place of a negation, two softmaxes and their concatenation
-        # heads that are views of a projection (batch, n, heads, head_dim) are copied into rows first: on the CPU
-        # the product over the strided rows takes more than twice as long as the copy and the product together
         weight, bias = torch.cat([weight, -weight], -1).to(dtype), torch.cat([bias, -bias], -1).to(dtype)
-        u = torch.matmul(x.to(dtype).contiguous(), weight).add_(bias[None, :, None, :])
+        u = torch.matmul(x.to(dtype), weight).add_(bias[None, :, None, :])
         return torch.softmax(u.unflatten(-1, (2, -1)), -1).flatten(-2)
 
     def extra_repr(self) -> str:

@@ -172,7 +172,7 @@ def _load():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.lf_favor_causal_forward.argtypes = [p] * 12 + [i] * 10 + [f, f]
     lib.lf_favor_causal_backward.argtypes = [p] * 13 + [i] * 9 + [f, f]
-    lib.lf_hybrid_bidirectional_forward.argtypes = [p] * 27 + [i] * 9 + [f, f, f]
+    lib.lf_hybrid_bidirectional_forward.argtypes = [p] * 26 + [i] * 9 + [f, f, f]
     lib.lf_favor_causal_forward.restype = lib.lf_favor_causal_backward.restype = i
     lib.lf_hybrid_bidirectional_forward.restype = i
     return lib
@@ -333,7 +333,6 @@ def hybrid_bidirectional_forward(
     scale: float,
     headroom: float,
     hedgehog=None,
-    key_scale=None,
     query_form=None,
     key_form=None,
     bound: float = 1.0,
@@ -342,14 +341,15 @@ def hybrid_bidirectional_forward(
     float32; ell (b, h, n) or None; gamma (h,); valid, linear (b, n) bool; sink None or (keys, values (b, h, S, d),
     positions (b, S) int64, validity (b, S) bool), as ops/hybrid.py's _hybrid_core takes them. With ``hedgehog``
     = (W_q, b_q, W_k, b_k) ((h, d, m / 2), (h, m / 2)), pq and pk are None and the walk makes Hedgehog's features
-    itself, a block at a time, phi_k times ``key_scale`` (b, h, n) when given: no (n, m) feature tensors. ``query_form``
-    (a (h, d), b (h,)): ell_t = q_t·a_h + b_h made in the walk, in place of ell; ``key_form`` (a, b), with
-    hedgehog: key_scale = exp(bound tanh((k_s·a_h + b_h) / bound)) made in the walk."""
+    itself, a block at a time: no (n, m) feature tensors. ``query_form`` (a (h, d), b (h,)): ell_t = q_t·a_h + b_h
+    made in the walk, in place of ell; ``key_form`` (a, b), with hedgehog: phi_k times exp(bound tanh((k_s·a_h +
+    b_h) / bound)), made in the walk."""
     b, h, n, d = q.shape
     contiguous = lambda x: None if x is None else x.float().contiguous()  # noqa: E731
     flags = lambda x: x.to(torch.float32).contiguous()  # noqa: E731
     # q, k, v are read in place, through their strides (a model's heads are views of its projections)
-    q, k, v = (x.float() if x.float().stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    q, k, v = (x.float() for x in (q, k, v))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     strides = [torch.tensor([x.stride(0), x.stride(1), x.stride(2)], dtype=torch.int64) for x in (q, k, v)]
     if sink is None:
         sinks, sink_k, sink_v, sink_pos, sink_valid = 0, None, None, None, None
@@ -357,10 +357,10 @@ def hybrid_bidirectional_forward(
         sink_k, sink_v = contiguous(sink[0]), contiguous(sink[1])
         sink_pos, sink_valid, sinks = sink[2].long().contiguous(), flags(sink[3]), sink[0].shape[2]
     if hedgehog is None:
-        map_code, m, maps = 0, pq.shape[-1], (None,) * 5
+        map_code, m, maps = 0, pq.shape[-1], (None,) * 4
     else:
         map_code, m = 1, 2 * hedgehog[0].shape[-1]
-        maps = (*(contiguous(x) for x in hedgehog), contiguous(key_scale))
+        maps = tuple(contiguous(x) for x in hedgehog)
     forms = tuple(contiguous(x) for form in (query_form, key_form) for x in (form or (None, None)))
     # out laid out (b, n, h, d), as a model merges its heads: its (b, h, n, d) view is what returns
     out = torch.empty(b, n, h, d, dtype=torch.float32).transpose(1, 2)
@@ -377,7 +377,7 @@ def hybrid_bidirectional_forward(
         tensors,
         b * h,
         settings,
-        int64_at={11, 14, 15, 16, 26},
+        int64_at={11, 14, 15, 16, 25},
         strided_at={0, 1, 2, 13},
     )
     return out

@@ -129,13 +129,13 @@ struct Maps {  // map_code 1's weights for this head, or nulls; the learned scal
 };
 
 // 1. per key block j: phi_k^T into pkt (linear keys only), sv_j = phi_k^T v (m x d), sz_j = phi_k's column sums (m)
-void key_blocks(const Row& r, const Maps& f, const float* pk, const float* key_scale, const float* linear,
+void key_blocks(const Row& r, const Maps& f, const float* pk, const float* linear,
                 const Scratch& w, int n, int d, int m, int nb) {
   const long md = (long)m * d, mb = (long)m * BLK;
   for (int j = 0; j < nb; j++) {
     const int s0 = j * BLK, nk = n - s0 < BLK ? n - s0 : BLK;
-    float* keep = w.dots + BLK;  // the keys' factors: linear (0 / 1), times exp(r_s) or key_scale
-    for (int t = 0; t < BLK; t++) keep[t] = t < nk ? linear[s0 + t] * (key_scale ? key_scale[s0 + t] : 1.0f) : 0.0f;
+    float* keep = w.dots + BLK;  // the keys' factors: linear (0 / 1), times exp(r_s) with the key scale
+    for (int t = 0; t < BLK; t++) keep[t] = t < nk ? linear[s0 + t] : 0.0f;
     float* phit = w.pkt + j * mb;
     if (f.wk) {
       pack_rows_t(r.k + s0 * r.kr, r.kr, nk, d, w.xt);  // k^T, K = d, N = BLK
@@ -329,16 +329,16 @@ extern "C" {
 // packed); pq, pk: (bh, n, m); ell: (bh, n) or null; gamma: (heads); valid, linear: (bh / heads, n) as 0 / 1;
 // sink_k, sink_v: (bh, sinks, d); sink_pos (int64), sink_valid: (bh / heads, sinks); null when sinks is 0.
 // map_code 0: pq, pk are the features; 1: Hedgehog's map made here, from wq, bq, wk, bk ((heads, d, m / 2) and
-// (heads, m / 2)) and key_scale ((bh, n) factors of phi_k, or null); pq, pk then null. The learned log scales may
+// (heads, m / 2)); pq, pk then null. The learned log scales may
 // be made here too: with qa, qb ((heads, d), (heads)) l_t = q_t . qa_h + qb_h in place of ell; with ka, kb, phi_k
-// times exp(R tanh((k_s . ka_h + kb_h) / R)), R = bound, in place of key_scale.
+// times exp(R tanh((k_s . ka_h + kb_h) / R)), R = bound (map 1 only).
 // Rows b0 .. b1 - 1 of the bh. Returns 0, 1 for arguments it cannot take, 2 when out of memory.
 int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float* v, const float* pq, const float* pk,
                                     const float* ell, const float* gamma, const float* valid, const float* linear,
                                     const float* sink_k, const float* sink_v, const int64_t* sink_pos,
                                     const float* sink_valid, float* out, const int64_t* qs, const int64_t* ks,
                                     const int64_t* vs, const float* wq, const float* bq, const float* wk,
-                                    const float* bk, const float* key_scale, const float* qa, const float* qb,
+                                    const float* bk, const float* qa, const float* qb,
                                     const float* ka, const float* kb, const int64_t* os, int b0, int b1, int heads,
                                     int n, int d, int m, int window, int sinks, int map_code, float scale,
                                     float headroom, float bound) {
@@ -392,8 +392,7 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
                  qa ? qb[head] : 0.0f,
                  ka ? kb[head] : 0.0f,
                  bound};
-    key_blocks(r, f, map_code == 0 ? pk + (long)b * n * m : nullptr, key_scale ? key_scale + (long)b * n : nullptr,
-               linear + batch * n, w, n, d, m, nb);
+    key_blocks(r, f, map_code == 0 ? pk + (long)b * n * m : nullptr, linear + batch * n, w, n, d, m, nb);
     suffix_states(w, d, m, nb, side);
     memset(w.pre_v, 0, sizeof(float) * md);
     memset(w.pre_z, 0, sizeof(float) * m);
