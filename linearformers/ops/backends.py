@@ -64,12 +64,18 @@ def set_native_walk(enabled: bool) -> bool:
 def set_triton_kernels(enabled: bool) -> bool:
     """Switch the Triton kernels on or off for ``backend=None`` calls; returns the previous setting.
 
-    Off, causal attention on CUDA runs the chunked backend. A call that names ``backend="triton"`` is refused while
-    it is off."""
+    Off, causal attention on CUDA runs the chunked backend and :class:`HedgehogFeatureMap` its PyTorch path. A call
+    that names ``backend="triton"`` is refused while it is off."""
     if not isinstance(enabled, bool):
         raise TypeError(f"set_triton_kernels takes a bool, got {type(enabled).__name__}")
     previous, _SETTINGS["triton"] = _SETTINGS["triton"], enabled
     return previous
+
+
+def triton_kernels_enabled() -> bool:
+    """Whether :func:`set_triton_kernels` leaves the Triton kernels on (a call may still be refused: see
+    :func:`triton_refusal`)."""
+    return _SETTINGS["triton"]
 
 
 def triton_refusal(

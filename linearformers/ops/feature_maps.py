@@ -39,6 +39,7 @@ import torch
 from ..seeds import mix_seed
 from ._checks import renamed_keywords
 from ._precision import outside_autocast
+from ._triton_hedgehog import hedgehog_features, takes_kernels
 
 RANDOM_FEATURE_MAPS = ("softmax", "relu")  # the feature maps of favor_attention, both over drawn random features
 # PerformerConfig.feature_map's choices: the random-feature maps and the learned Hedgehog map (HedgehogFeatureMap)
@@ -367,6 +368,8 @@ class HedgehogFeatureMap(torch.nn.Module):
         weight = self.weight if shared else self.key_weight
         bias = self.bias if shared else self.key_bias
         dtype = torch.promote_types(compute_dtype(x), weight.dtype)
+        if dtype == torch.float32 and takes_kernels(x, weight):  # CUDA: the fused kernels (_triton_hedgehog)
+            return hedgehog_features(x, weight, bias)
         # a matmul over the heads, W broadcast over the batch: einsum is slower here on the CPU
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
             u = torch.matmul(x.to(dtype), weight.to(dtype)) + bias.to(dtype)[None, :, None, :]

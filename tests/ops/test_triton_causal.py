@@ -355,11 +355,13 @@ def test_refusals(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_triton_is_the_causal_default_on_cuda():
-    """backend=None on CUDA tensors of tile-sized shapes runs the Triton kernels; other shapes the chunked backend."""
+    """backend=None on CUDA tensors of tile-sized shapes runs the Triton kernels; other shapes the chunked backend.
+    Bidirectional calls take the kernels for a map to fuse, and the chunked backend for given features."""
     v = torch.zeros(1, 1, 8, 64, device="cuda")
     assert choose_backend(None, v, 256, None, causal=True, inputs=(v, v)) == "triton"
     assert choose_backend(None, v[..., :40], 256, None, causal=True, inputs=(v, v)) == "chunked"
-    assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "chunked"
+    assert choose_backend(None, v, 256, None, causal=False, inputs=(v, v)) == "triton"
+    assert choose_backend(None, v, 256, None, causal=False, fused=False, inputs=(v, v)) == "chunked"
 
 
 def _triton_by_default(original, calls):
