@@ -10,7 +10,10 @@ value (which stalls the host until the GPU has caught up). For each kernel of ``
   inside counts the wait);
 * ``device_ms``: the GPU's busy time, the sum of its kernels' durations in one profiled call;
 * ``launches``: each Triton kernel's launches per call and host time per launch (``JITFunction.run`` timed);
-* ``top_host_ops``: the profiler's operators by their own host time in one call.
+* ``top_host_ops``: the profiler's operators by their own host time in one call; ``top_device_kernels`` by their
+  own device time.
+``--models gpt2 performer_clm`` profiles one training step of those ``gpu.py`` models at each length too (its time
+and the device's largest kernels).
 
     python benchmarks/host_time.py --out /tmp/host --lengths 4096 16384
     python benchmarks/host_time.py --device cpu --kernels sdpa_causal favor_causal/chunked --lengths 256  # smoke
@@ -102,6 +105,7 @@ def measure(name: str, n: int, device: str, repeats: int) -> dict:
     device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
     top = sorted(table, key=lambda e: -e.self_cpu_time_total)[:14]
     return {
+        "top_device_kernels": _top_device(table),
         "event_ms": 1e3 * statistics.median(events),
         "host_fwd_ms": 1e3 * statistics.median(fwd),
         "host_bwd_ms": 1e3 * statistics.median(bwd),
@@ -113,6 +117,49 @@ def measure(name: str, n: int, device: str, repeats: int) -> dict:
     }
 
 
+def _top_device(table, count=12) -> list[dict]:
+    """The profiler's entries by their own device time (kernels and copies), largest first."""
+    timed = [e for e in table if (getattr(e, "self_device_time_total", 0) or 0) > 0]
+    timed.sort(key=lambda e: -e.self_device_time_total)
+    return [
+        {"name": e.key[:90], "calls": e.count, "device_us": round(e.self_device_time_total, 1)} for e in timed[:count]
+    ]
+
+
+def profile_training(name: str, n: int, device: str) -> dict:
+    """One training step of gpu.py's model ``name`` at length n under the profiler (after two untimed steps):
+    the step's time, the device's busy time and its largest kernels."""
+    torch.manual_seed(0)
+    model = gpu.build_model(name, n, gpu.GPT2_SHAPE if name in ("gpt2", "performer_clm") else gpu.BERT_SHAPE)
+    model = model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 30000, (1, n), device=device)
+
+    def step():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    table = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
+    return {"step_ms": 1e3 * seconds, "device_ms": device_us / 1e3, "top_device_kernels": _top_device(table, 20)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -120,6 +167,7 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=gpu.RESULTS)
+    parser.add_argument("--models", nargs="*", default=[], help="training steps to profile (gpu.py's model names)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; use --device cpu for a smoke run")
@@ -147,9 +195,27 @@ def main(argv=None):
                 )
                 for op in row["top_host_ops"][:8]:
                     print(f"      {op['self_host_us']:9.1f} us  x{op['calls']:<3d} {op['name']}")
+                for op in row["top_device_kernels"][:6]:
+                    print(f"      {op['device_us']:9.1f} us device  x{op['calls']:<3d} {op['name']}")
             else:
                 print(f"{name} n={n}: {row['status']}", flush=True)
-            _ = gpu._free(args.device, False)
+            gpu._free(args.device, False)
+            out.write_text(json.dumps({"header": finish_stamp(stamp), "rows": rows}, indent=1) + "\n")
+    for name in args.models:
+        for n in args.lengths:
+            try:
+                row = profile_training(name, n, args.device)
+            except Exception as err:
+                row = {"status": f"{type(err).__name__}: {str(err)[:300]}"}
+            rows[f"train {name} {n}"] = row
+            if "step_ms" in row:
+                print(f"train {name} n={n}: step {row['step_ms']:.1f} ms, device busy {row['device_ms']:.1f} ms")
+                for op in row["top_device_kernels"]:
+                    print(f"      {op['device_us'] / 1e3:9.2f} ms device  x{op['calls']:<4d} {op['name']}")
+            else:
+                print(f"train {name} n={n}: {row['status']}", flush=True)
+            gpu._free(args.device, False)
+            out.write_text(json.dumps({"header": finish_stamp(stamp), "rows": rows}, indent=1) + "\n")
     out.write_text(json.dumps({"header": finish_stamp(stamp), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 
