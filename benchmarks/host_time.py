@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -175,6 +176,11 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     out.write_text("{}")  # writable before the work
     stamp = start_stamp()
+    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree whose .git is not its own (a lent GPU machine)
+        stamp["commit"] = os.environ["BENCH_COMMIT"]
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        stamp["device"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB); host: {stamp['device']}"
     _time_launches()
     rows = {}
     for name in args.kernels:

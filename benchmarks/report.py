@@ -47,7 +47,7 @@ ATTENTION_LAYERS = {
     "layer_peer_linformer": "lucidrains linformer layer",
 }
 README_SPEED = ("sdpa", "sdpa_causal", "linformer", "performer", "performer_causal")
-README_GPU = "h200/gpu_chunks.json"  # the README's GPU table: the latest run of the default kernels
+README_GPU = "h200/gpu_fused_hedgehog.json"  # the README's GPU table: the latest run of the default kernels
 
 
 # ---------------------------------------------------------------------------------------------------------- stamps
@@ -456,6 +456,38 @@ def section_gpu(path: Path, targets: bool = True) -> list[str]:
     return out[:-1]
 
 
+def section_host_time(path: Path) -> list[str]:
+    """host_time.py's file: per kernel, the CUDA-event time of a forward + backward beside the host's time until
+    each call returned and the Triton launches' share; per training step profiled, its time and largest kernels."""
+    data = _read(path)
+    body, steps = [], []
+    for key, row in data["rows"].items():
+        if "event_ms" in row:
+            launches = row["launches"].values()
+            count = sum(item["calls"] for item in launches)
+            host = sum(item["calls"] * item["host_us_each"] for item in launches) / 1e3
+            name, n = key.rsplit(" ", 1)
+            body.append(
+                [f"`{name}`", n, f"{row['event_ms']:.2f}", f"{row['host_fwd_ms'] + row['host_bwd_ms']:.2f}",
+                 f"{count}, {host:.2f} ms"]
+            )  # fmt: skip
+        elif "step_ms" in row:
+            top = ", ".join(
+                f"{k['name'].split('(')[0][:40]} {k['device_us'] / 1e3:.1f} ms" for k in row["top_device_kernels"][:6]
+            )
+            steps.append(f"- {key}: step {row['step_ms']:.1f} ms; largest device entries: {top}")
+    out = [
+        "One attention layer's forward + backward (12 heads x 64, batch 1, bf16): CUDA-event time beside the host's "
+        "time until the forward and the backward calls returned (ms), and the Triton launches (count, their host "
+        "time).",
+        "",
+        *_table(["kernel", "n", "events", "host", "Triton launches"], body),
+    ]
+    if steps:
+        out += ["", *steps]
+    return [*out, "", "Run: " + stamp_line(data.get("header"))]
+
+
 def section_triton_sweep(path: Path) -> list[str]:
     """triton_sweep.py's file: the five fastest launch settings for the fused softmax map at the middle length, the
     setting the kernels launch with by default, and flash SDPA of the same run."""
@@ -797,7 +829,13 @@ def benchmarks_readme(results: Path = RESULTS) -> str:
     if gpu:
         lines += ["## GPU", "", GPU_INTRO, ""]
         for path in gpu:
-            section = section_triton_sweep if path.name == "triton_sweep.json" else section_gpu
+            section = (
+                section_triton_sweep
+                if path.name == "triton_sweep.json"
+                else section_host_time
+                if path.name.startswith("host_time")
+                else section_gpu
+            )
             lines += [f"### `results/{path.parent.name}/{path.name}`", "", *section(path), ""]
     unknown = sorted(
         path.name

@@ -51,3 +51,21 @@ def test_gpu_benchmark_cpu_quick(tmp_path):
 
     verdicts = {t["verdict"] for t in result["targets"]}
     assert verdicts == {"not measured"}  # the H100 targets need 16K / 64K on a GPU
+
+
+def test_host_time_cpu_smoke(tmp_path):
+    """benchmarks/host_time.py on the CPU: each kernel's row (event time, host times, launches, top ops) and a
+    profiled training step reach its JSON; a kernel it cannot build is recorded, not raised."""
+    script = SCRIPT.parent / "host_time.py"
+    done = run_script(
+        script, "--device", "cpu", "--kernels", "sdpa_causal", "favor_causal/chunked", "no_such_kernel",
+        "--lengths", "64", "--repeats", "1", "--models", "performer_clm", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "host_time.json").read_text())["rows"]
+    for name in ("sdpa_causal 64", "favor_causal/chunked 64"):
+        row = rows[name]
+        assert row["event_ms"] > 0 and row["host_fwd_ms"] > 0 and row["host_bwd_ms"] > 0, row
+        assert row["top_host_ops"] and row["launches"] == {}
+    assert rows["no_such_kernel 64"]["status"].startswith("ValueError: unknown attention kernel")
+    assert rows["train performer_clm 64"]["step_ms"] > 0
+    assert "wrote" in done.stdout
