@@ -7,8 +7,9 @@ concatenation, and backward as many again (the softmaxes' Jacobian-vector produc
 eight kernels each way, each a pass over (n, m) float32 in memory, and a float32 copy of x kept for backward. Here
 one program takes BN positions of one (batch, head): ``_hedgehog_forward`` forms u in registers, both softmaxes, and
 stores the features once; ``_hedgehog_backward`` forms them again from x (one product), writes dL/dx in x's dtype
-and adds its block's share of dL/dW_h = xᵀ du and dL/db_h = Σ du to float32 buffers atomically. Kept for backward:
-x in its own dtype, W and b.
+and sums dL/dW_h = xᵀ du and dL/db_h = Σ du over R blocks in registers before adding them to float32 buffers
+atomically (one add per program, not per block: every program of a head adds to the same floats). Kept for
+backward: x in its own dtype, W and b.
 
 Precision as the PyTorch path's: float32 products (``input_precision="ieee"``: no TF32, no bf16 operands),
 exponentials and sums; float32 features out, whatever x's dtype. float64 stays with the PyTorch path.
@@ -31,6 +32,7 @@ import torch
 from ._triton_causal import triton_importable
 
 BN = 64
+PROGRAMS = 512  # the backward grid's target size: about four programs per multiprocessor of an H100 / H200
 MIN_TILE = 64
 MAX_WIDTH = 128
 
@@ -69,6 +71,16 @@ def _settings(weight: torch.Tensor) -> dict:
     return dict(D=d, DP=dp, HALF=half, HP=hp, BN=BN, num_warps=4 if hp <= 64 else 8, num_stages=1)
 
 
+def _blocks_per_program(rows: int, blocks: int) -> int:
+    """R: the blocks of BN positions one backward program walks, summing its dL/dW, dL/db in registers before one
+    atomic add, so that every program of a head does not add to the same (head_dim, m / 2) floats: a power of two up
+    to 16, as many as leave about PROGRAMS programs in the grid."""
+    per = 1
+    while per < 16 and rows * -(-blocks // (2 * per)) >= PROGRAMS:
+        per *= 2
+    return per
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit stride along head_dim (a copy only where it lacks one)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -101,8 +113,10 @@ class _HedgehogMap(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         db = torch.zeros(bias.shape, dtype=torch.float32, device=x.device)
         if dx.numel():
-            _hedgehog_backward[(b * h, -(-n // BN))](
-                x, weight, bias, g.contiguous(), dx, dw, db, n, h, x.stride(0), x.stride(1), x.stride(2),
+            blocks = -(-n // BN)
+            per = _blocks_per_program(b * h, blocks)
+            _hedgehog_backward[(b * h, -(-blocks // per))](
+                x, weight, bias, g.contiguous(), dx, dw, db, n, h, x.stride(0), x.stride(1), x.stride(2), R=per,
                 **_settings(weight),
             )  # fmt: skip
         need_x, need_w, need_b = ctx.needs_input_grad

@@ -61,33 +61,37 @@ def _hedgehog_forward(
 @triton.jit
 def _hedgehog_backward(
     X, W, B, G, DX, DW, DB, n, H, sxb, sxh, sxn,
-    D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """From dL/dphi (G, (b·h, n, 2·HALF) row-major): dL/dx into DX ((b·h, n, D) row-major, in its dtype), and this
-    block's share of dL/dW_h, dL/db_h added to DW (h, D, HALF), DB (h, HALF) float32. The features are made again
-    from x (one product), as in forward."""
+    """From dL/dphi (G, (b·h, n, 2·HALF) row-major): dL/dx into DX ((b·h, n, D) row-major, in its dtype), and the
+    share of dL/dW_h, dL/db_h of R blocks of BN rows, summed in registers, added to DW (h, D, HALF), DB (h, HALF)
+    float32 once. The features are made again from x (one product), as in forward."""
     bh = tl.program_id(0)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
     cols = tl.arange(0, DP)
     feats = tl.arange(0, HP)
-    u, x, w = _projection(X, W, B, bh, H, n, sxb, sxh, sxn, rows, cols, feats, D, HALF)
     live = feats[None, :] < HALF
-    keep = (rows[:, None] < n) & live
-    at = G + bh * n * 2 * HALF + rows[:, None] * (2 * HALF) + feats[None, :]
-    g1 = tl.load(at, mask=keep, other=0.0).to(tl.float32)
-    g2 = tl.load(at + HALF, mask=keep, other=0.0).to(tl.float32)
-    p1 = _softmax_rows(u, live)
-    p2 = _softmax_rows(-u, live)
-    # softmax's Jacobian-vector product p (g - Σ p g) per half; the second half's sign is -u's
-    du = p1 * (g1 - tl.sum(p1 * g1, 1)[:, None]) - p2 * (g2 - tl.sum(p2 * g2, 1)[:, None])
-    du = tl.where(keep, du, 0.0)
-    dx = tl.dot(du, tl.trans(w), input_precision="ieee")
-    tl.store(
-        DX + bh * n * D + rows[:, None] * D + cols[None, :],
-        dx.to(DX.dtype.element_ty),
-        mask=(rows[:, None] < n) & (cols[None, :] < D),
-    )
+    dw = tl.zeros((DP, HP), tl.float32)
+    db = tl.zeros((HP,), tl.float32)
+    for step in range(R):
+        rows = (tl.program_id(1) * R + step) * BN + tl.arange(0, BN)
+        u, x, w = _projection(X, W, B, bh, H, n, sxb, sxh, sxn, rows, cols, feats, D, HALF)
+        keep = (rows[:, None] < n) & live
+        at = G + bh * n * 2 * HALF + rows[:, None] * (2 * HALF) + feats[None, :]
+        g1 = tl.load(at, mask=keep, other=0.0).to(tl.float32)
+        g2 = tl.load(at + HALF, mask=keep, other=0.0).to(tl.float32)
+        p1 = _softmax_rows(u, live)
+        p2 = _softmax_rows(-u, live)
+        # softmax's Jacobian-vector product p (g - Σ p g) per half; the second half's sign is -u's
+        du = p1 * (g1 - tl.sum(p1 * g1, 1)[:, None]) - p2 * (g2 - tl.sum(p2 * g2, 1)[:, None])
+        du = tl.where(keep, du, 0.0)
+        dx = tl.dot(du, tl.trans(w), input_precision="ieee")
+        tl.store(
+            DX + bh * n * D + rows[:, None] * D + cols[None, :],
+            dx.to(DX.dtype.element_ty),
+            mask=(rows[:, None] < n) & (cols[None, :] < D),
+        )
+        dw += tl.dot(tl.trans(x), du, input_precision="ieee")
+        db += tl.sum(du, 0)
     head = bh % H
-    dw = tl.dot(tl.trans(x), du, input_precision="ieee")
     tl.atomic_add(DW + head * D * HALF + cols[:, None] * HALF + feats[None, :], dw, mask=(cols[:, None] < D) & live)
-    tl.atomic_add(DB + head * HALF + feats, tl.sum(du, 0), mask=feats < HALF)
+    tl.atomic_add(DB + head * HALF + feats, db, mask=feats < HALF)

@@ -282,8 +282,9 @@ class HedgehogFeatureMap(torch.nn.Module):
     unlike the random FAVOR+ maps, nothing is ever redrawn.
 
     Precision: features are computed in float32, or float64 when x or the parameters are float64 (as the other maps
-    of this module: bf16 / fp16 inputs give float32 features). ``forward(x, is_query=...)``: x (batch, heads, n,
-    head_dim) -> (batch, heads, n, m).
+    of this module: bf16 / fp16 inputs give float32 features). On CUDA the float32 map runs as two Triton kernels
+    (:mod:`_triton_hedgehog`: the same products in float32, in one pass each way) unless ``set_triton_kernels(False)``
+    or under torch.compile. ``forward(x, is_query=...)``: x (batch, heads, n, head_dim) -> (batch, heads, n, m).
     """
 
     INIT_STD = 0.02

@@ -68,6 +68,19 @@ def test_kernels_match_the_pytorch_map(b, h, n, d, half, dtype):
 
 
 @ON_CPU
+@pytest.mark.parametrize("programs", [1, 8])
+def test_backward_programs_that_walk_several_blocks(programs, monkeypatch):
+    """With a small grid target each backward program sums dW, db over several blocks of positions (the last past
+    n): the same gradients."""
+    monkeypatch.setattr(kernels, "PROGRAMS", programs)
+    assert kernels._blocks_per_program(4, 5) > 1
+    x, weight, bias, grad = _inputs(2, 2, 300, 16, 24, torch.float32, seed=8)
+    got = _with_grads(kernels.hedgehog_features, x, weight, bias, grad)
+    want = _with_grads(_torch_map, x, weight, bias, grad)
+    _assert_close(got, want, 1e-5, f"PROGRAMS={programs}")
+
+
+@ON_CPU
 def test_strided_inputs_and_separate_maps_of_the_module():
     """x as the transposed view a layer makes, both maps of a separate HedgehogFeatureMap, the parameters' grads;
     each half of the features sums to 1."""
