@@ -245,5 +245,6 @@ def triton_bidirectional_linear(
     (b, h, n_q, m), phi_k (b, h, n_k, m) with w None and feature_map "features"; v (b, h, n_k, d_v); key_weights
     (b, n_k) float (1 real, 0 padded) or None; scale, eps (the maps'); chunk C, the tile of positions (a power of two
     >= 16). Gradients reach q, k and v. Returns (b, h, n_q, d_v) in v's dtype; a query without a real key outputs 0."""
+    q, k, v = (t.contiguous() for t in (q, k, v))  # kept for backward as they are (views would be copied again)
     out = _forward_op(q, k, v, w, key_weights, feature_map, float(scale), float(eps), int(chunk))[0]
     return out.to(v.dtype)

@@ -588,6 +588,9 @@ def triton_causal_linear(q, k, v, w, key_weights, feature_map, scale, eps, chunk
     None. Gradients reach q, k, v and the initial state. Returns (out in v's dtype, S (b, h, m, d_v), z (b, h, m)
     float32, lost): the final state (detached) and the count (0-dim, float32) of positions that see a real key yet
     whose every visible key underflowed."""
+    # contiguous before the op: the op keeps its inputs for backward, which then reads them as they are (views
+    # would be copied again there)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, den, _, s, z, *_ = _forward_op(
         q, k, v, w, key_weights, s0, z0, feature_map, float(scale), float(eps), int(chunk)
     )

@@ -215,6 +215,7 @@ def triton_causal_hybrid(q, k, v, phi_q, phi_k, gamma, window, *, valid, linear,
     (b, h, n, m), gamma (h,), ℓ (b, h, n) or None; valid (b, n) bool (real keys), linear (b, n) bool (the real keys
     that may join the linear part: not the sinks), sink_pos (b, S) int64 positions of the sinks (-1: none yet).
     Gradients reach q, k, v, the features, gamma and ℓ. Returns (b, h, n, d) in v's dtype."""
+    q, k, v, phi_q = (t.contiguous() for t in (q, k, v, phi_q))  # kept for backward as they are (no second copy)
     b = v.shape[0]
     pos = torch.full((b, 16), -1, dtype=torch.int32, device=v.device)
     pos[:, : sink_pos.shape[1]] = sink_pos.to(torch.int32)
