@@ -21,6 +21,10 @@
 #   ATTENTION_ARGS="--lengths 4096 16384 65536 --repeats 5" \
 #   TRAINING_ARGS="--lengths 16384 --steps 2 --models gpt2 performer_clm" bash benchmarks/cuda_check.sh tests bench
 # (a call that names no machine kind may land on an H200: the device is in every result's header)
+# Sizing from the latest lease (H200, cold Triton cache, machine start about 40 s): `tests` with CUDA_TEST_ARGS="-n 8"
+# ran the whole set in 180 s (202 s for the part); benchmarks/host_time.py at 4K over nine kernels about 50 s;
+# gpu.py's attention rows about 25 s each at 4K / 16K / 64K (eight of eleven fit in 215 s); training about 30 s per
+# model at 16K and 64K together.
 # Sizing, from an H200 with a cold Triton cache: the whole CUDA set with 8 workers needs more than 230 s; each
 # attention row of gpu.py about 25 s (its own process); fla_causal autotunes for more than 120 s, so name it last or
 # alone; the 16K training step about 25-30 s per model.
