@@ -65,6 +65,19 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _profiled(fn, device: str):
+    """One call of ``fn`` under the profiler (host, and the device on CUDA): its averaged entries and the sum of
+    their own device time (µs)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    table = prof.key_averages()
+    return table, sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
+
+
 def measure(name: str, n: int, device: str, repeats: int) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     fn, inputs, grad = gpu.build_attention(name, n, device, dtype, 256, 256)
@@ -96,14 +109,7 @@ def measure(name: str, n: int, device: str, repeats: int) -> dict:
     once()
     _sync(device)
     launches = {k: {"calls": len(v), "host_us_each": 1e6 * statistics.mean(v)} for k, v in LAUNCH_HOST.items()}
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        once()
-        _sync(device)
-    table = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
+    table, device_us = _profiled(once, device)
     top = sorted(table, key=lambda e: -e.self_cpu_time_total)[:14]
     return {
         "top_device_kernels": _top_device(table),
@@ -150,14 +156,7 @@ def profile_training(name: str, n: int, device: str) -> dict:
     step()
     _sync(device)
     seconds = time.perf_counter() - t0
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        _sync(device)
-    table = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in table)
+    table, device_us = _profiled(step, device)
     return {"step_ms": 1e3 * seconds, "device_ms": device_us / 1e3, "top_device_kernels": _top_device(table, 20)}
 
 
