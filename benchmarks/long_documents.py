@@ -10,7 +10,8 @@ The documents are the Python standard library's longest modules (offline), cut t
 by default). Two tasks, each scored as top-1 accuracy and mean reciprocal rank over the documents:
   * passage: a passage of --passage tokens from beyond each document's first 512 tokens is removed from it, and
     retrieves its document among all by cosine similarity of the embeddings (at L = 512 the passage follows the
-    document: no method sees it);
+    document: no method sees it); with --seeds S, S draws of the passages' places, the scores averaged (one
+    document is 1/64 of a score: more draws tell methods apart that one draw cannot);
   * halves: each document's first half retrieves its second half among all second halves.
 Besides: the cosine between the original's and the converted model's embeddings of 256-token texts (short-text
 fidelity), and the time and memory (each in a fresh process) to embed one document of the longest length,
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed embeddings of one document (median)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of the passages' places")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="passage task repeated with seeds --seed, --seed + 1, ..; scores averaged"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
         "--speed", action="store_true", help="paired timing alone: converted and original-chunked in turn, one process"
@@ -93,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     if args.model_dir is None and not (args.smoke or args.speed or args.worker):
         parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
-    for name in ("documents", "passage", "batch_size", "repeats", "threads"):
+    for name in ("documents", "passage", "batch_size", "repeats", "threads", "seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args
@@ -187,25 +191,30 @@ def passage_task(tokens: list[list[int]], length: int, passage: int, skip: int, 
 
 
 def measure(args: argparse.Namespace, embed: Embedder, tokens: list[list[int]]) -> list[dict]:
+    """A row per length and method: the passage task's scores (averaged over --seeds places, each seed's beside
+    them when there are several) and the halves task's."""
     rows = []
     skip = embed.body + 2
+    seeds = range(args.seed, args.seed + args.seeds)
     for length in args.lengths:
-        queries, documents = passage_task(tokens, length, args.passage, skip, args.seed)
+        tasks = [passage_task(tokens, length, args.passage, skip, seed) for seed in seeds]
         half = (length - 2) // 2
         firsts, seconds = [full[:half] for full in tokens], [full[half : 2 * half] for full in tokens]
         for method in METHODS:
             start = time.perf_counter()
-            passage = scores(embed(method, queries), embed(method, documents))
+            each = [scores(embed(method, queries), embed(method, documents)) for queries, documents in tasks]
+            passage = {key: statistics.fmean(run[key] for run in each) for key in ("top1", "mrr")}
             halves = scores(embed(method, firsts), embed(method, seconds))
-            rows.append(
-                {"length": length, "method": method, "passage": passage, "halves": halves,
-                 "seconds": time.perf_counter() - start}
-            )  # fmt: skip
+            row = {"length": length, "method": method, "passage": passage, "halves": halves}
+            if len(each) > 1:
+                row["passage_per_seed"] = [{"seed": seed, **run} for seed, run in zip(seeds, each)]
+            rows.append({**row, "seconds": time.perf_counter() - start})
             print(
                 f"| {length} | {method} | {passage['top1']:.3f} | {passage['mrr']:.3f} | {halves['top1']:.3f} | "
-                f"{halves['mrr']:.3f} |",
+                f"{halves['mrr']:.3f} |" + ("" if len(each) == 1 else " per seed top-1: " + " ".join(
+                    f"{run['top1']:.3f}" for run in each)),
                 flush=True,
-            )
+            )  # fmt: skip
     return rows
 
 
@@ -358,7 +367,8 @@ def run(args: argparse.Namespace) -> None:
                   f"process peak {row['peak_mb']:.0f} MB")  # fmt: skip
     out = Path(args.out) if args.out else RESULTS / f"long_documents{'.smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("lengths", "documents", "passage", "batch_size", "repeats", "seed")}
+    names = ("lengths", "documents", "passage", "batch_size", "repeats", "seed", "seeds")
+    settings = {k: getattr(args, k) for k in names}
     result = {
         "header": finish_stamp(stamp),
         "settings": {**settings, "documents_used": len(tokens), "model_dir": args.model_dir},

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import BertConfig, BertModel
 
@@ -82,3 +83,35 @@ def test_added_peak_memory_counts_what_the_call_holds_at_its_peak_and_not_what_i
     tensor, nothing = (float(x) for x in done.stdout.split())
     assert 60 <= tensor < 100
     assert nothing < 8
+
+
+def test_several_seeds_average_the_passage_task_and_keep_each_draw():
+    """--seeds S: the passage task is drawn S times (seeds --seed ..), its scores are the mean of the draws, each
+    draw's beside them, and the first draw's are what one seed alone gives; the halves task is drawn once."""
+    script = load_script(SCRIPT)
+    torch.manual_seed(0)
+    table = torch.randn(400, 8)
+
+    tokens = [list(range(40 * i, 40 * i + 40)) for i in range(6)]
+
+    class Embed:
+        body = 8
+
+        def __call__(self, method, texts):  # a bag of token vectors: a document shares most tokens with its passage
+            return torch.stack([table[torch.tensor(text)].mean(0) + 0.1 * len(method) for text in texts])
+
+    def run(seed, seeds):
+        args = SimpleNamespace(lengths=[32], passage=4, seed=seed, seeds=seeds)
+        return {row["method"]: row for row in script.measure(args, Embed(), tokens)}
+
+    several, first, second = run(3, 2), run(3, 1), run(4, 1)
+    for method, row in several.items():
+        draws = [first[method]["passage"], second[method]["passage"]]
+        assert [draw["seed"] for draw in row["passage_per_seed"]] == [3, 4]
+        for key in ("top1", "mrr"):
+            assert row["passage"][key] == pytest.approx((draws[0][key] + draws[1][key]) / 2)
+            assert [draw[key] for draw in row["passage_per_seed"]] == [draws[0][key], draws[1][key]]
+        assert row["halves"] == first[method]["halves"]
+        assert "passage_per_seed" not in first[method]
+    # the two draws place the passages differently: averaging them is not one draw counted twice
+    assert script.passage_task(tokens, 32, 4, 10, 3) != script.passage_task(tokens, 32, 4, 10, 4)
