@@ -543,16 +543,21 @@ def _added_mb(row: dict) -> str:
 def section_long_documents(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
+    draws = settings.get("seeds", 1)
     body = [
         [
             str(row["length"]),
             row["method"],
             f"{row['passage']['top1']:.3f} / {row['passage']['mrr']:.3f}",
+            *([" ".join(f"{run['top1']:.3f}" for run in row["passage_per_seed"])] if draws > 1 else []),
             f"{row['halves']['top1']:.3f} / {row['halves']['mrr']:.3f}",
         ]
         for row in data["rows"]
     ]
     header = ["length", "method", "passage top-1 / MRR", "halves top-1 / MRR"]
+    if draws > 1:
+        header[2] = f"passage top-1 / MRR, mean of {draws} draws"
+        header.insert(3, f"passage top-1, seeds {settings['seed']}..{settings['seed'] + draws - 1}")
     timing = [
         [row["method"], f"{row['seconds']:.3f}", _added_mb(row), f"{row['peak_mb']:.0f}"] for row in data["timing"]
     ]

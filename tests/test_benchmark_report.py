@@ -142,3 +142,19 @@ def test_long_documents_table_has_each_length_and_method_the_fidelity_and_the_ti
     assert "| converted | 1.500 | 230 | 812 |" in page
     assert "| original-chunked | 1.200 | - | 812 |" in page  # a result from before the memory was measured
     assert "Run: `python benchmarks/training.py --lengths 512` · commit abc1234" in page
+
+
+def test_long_documents_table_gives_each_draw_of_the_passage_task_when_there_are_several(tmp_path):
+    draws = [{"seed": 0, "top1": 0.5, "mrr": 0.6}, {"seed": 1, "top1": 0.75, "mrr": 0.8}]
+    row = {"length": 8192, "method": "converted", "passage": {"top1": 0.625, "mrr": 0.7}, "passage_per_seed": draws}
+    data = {
+        "header": STAMP,
+        "settings": {"lengths": [8192], "passage": 64, "documents_used": 40, "seed": 0, "seeds": 2},
+        "rows": [{**row, "halves": {"top1": 0.75, "mrr": 0.8}, "seconds": 9.0}],
+        "fidelity_cosine_256": 0.99,
+        "timing": [],
+    }
+    (tmp_path / "long_documents.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| length | method | passage top-1 / MRR, mean of 2 draws | passage top-1, seeds 0..1 |" in page
+    assert "| 8192 | converted | 0.625 / 0.700 | 0.500 0.750 | 0.750 / 0.800 |" in page
