@@ -368,9 +368,9 @@ def test_triton_is_the_causal_default_on_cuda():
 
 
 def _triton_by_default(original, calls):
-    """choose_backend with backend=None turned to "triton" (as on CUDA for causal calls; the bidirectional kernel
-    is opt-in there), except for a continued prefill, which the fused FAVOR+ path does not take; each choice is
-    appended to ``calls``."""
+    """choose_backend with backend=None turned to "triton" (as on CUDA for causal calls and the bidirectional
+    FAVOR+ map; bidirectional given features take it there only when named), except for a continued prefill, which
+    the fused FAVOR+ path does not take; each choice is appended to ``calls``."""
 
     def choose(backend, v, num_features, chunk_size, *, causal, **kwargs):
         chosen = original(backend, v, num_features, chunk_size, causal=causal, **kwargs)
