@@ -199,6 +199,7 @@ class ChunkedTeacher(nn.Module):
             )
         self.source = source
         self.chunk_length = chunk_length
+        self.training = source.training  # its mode is the source's: restoring it must not switch the source
 
     @property
     def config(self) -> PreTrainedConfig:

@@ -176,6 +176,25 @@ def test_long_steps_train_on_full_length_blocks_beside_the_short_ones_and_report
     assert model.training and flags == {name: p.requires_grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("source_training", [False, True], ids=["eval-source", "training-source"])
+def test_a_long_transfer_leaves_the_source_in_its_mode_and_a_second_run_repeats_the_first(source_training):
+    """The chunk-wise teacher wraps the user's BERT: its mode is the BERT's, so restoring it after the long steps
+    leaves an eval BERT in eval mode (no dropout in what the user runs next), and the same conversion run twice in
+    one process gives the same weights."""
+    bert = tiny_bert().train(source_training)
+    states = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+        args = quick(steps=2, finetune_steps=1, finetune_long_steps=2)
+        long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
+        assert bert.training == source_training
+        assert all(module.training == source_training for module in bert.modules())
+        states.append(model.state_dict())
+    for key, value in states[0].items():
+        torch.testing.assert_close(states[1][key], value, rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.parametrize(
     "call, error, match",
     [
