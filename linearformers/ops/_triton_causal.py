@@ -152,10 +152,15 @@ def refusal(
             return f"{name} must be a multiple of 16 (its tile width), got {value}"
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
         return f"chunk_size must be a power of two >= 16 (its tile height), got {chunk_size}"
+    return where_refusal(v)
+
+
+def where_refusal(t: torch.Tensor) -> str | None:
+    """Why no Triton kernel can run on ``t`` here (no triton, or not CUDA and not interpreted), or None."""
     if not triton_importable():
         return "triton is not installed (pip install triton)"
-    if v.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"it runs on CUDA tensors, these are on {v.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"it runs on CUDA tensors, these are on {t.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
     return None
 
 

@@ -25,11 +25,9 @@ the tests run the kernels under Triton's interpreter.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._triton_causal import triton_importable
+from ._triton_causal import where_refusal
 
 BN = 64
 PROGRAMS = 512  # the backward grid's target size: about four programs per multiprocessor of an H100 / H200
@@ -45,11 +43,7 @@ def refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     for name, value in (("head_dim", weight.shape[1]), ("m / 2", weight.shape[2])):
         if value > MAX_WIDTH:
             return f"{name} must be at most {MAX_WIDTH} (one tile), got {value}"
-    if not triton_importable():
-        return "triton is not installed (pip install triton)"
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"it runs on CUDA tensors, these are on {x.device.type} (TRITON_INTERPRET=1 interprets it on the CPU)"
-    return None
+    return where_refusal(x)
 
 
 def takes_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
