@@ -13,6 +13,10 @@ by default). Two tasks, each scored as top-1 accuracy and mean reciprocal rank o
     document: no method sees it); with --seeds S, S draws of the passages' places, the scores averaged (one
     document is 1/64 of a score: more draws tell methods apart that one draw cannot);
   * halves: each document's first half retrieves its second half among all second halves.
+Every query's rank is kept, and the converted model is compared with original-chunked on the same queries: per
+length and task, the difference of the scores with a 95% interval from a bootstrap over the documents, and the
+queries only one of the two retrieves first. A difference whose interval holds 0 is one these documents cannot
+tell from none.
 Besides: the cosine between the original's and the converted model's embeddings of 256-token texts (short-text
 fidelity), and the time and memory (each in a fresh process) to embed one document of the longest length,
 converted against original-chunked. The memory is what the embedding adds to the process with the models loaded:
@@ -54,6 +58,7 @@ from linearformers.conversion.convert import convert_bert
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("original-chunked", "original-truncated", "converted")
+BOOTSTRAP = 10000  # resamples of the documents behind each paired interval
 # --smoke's defaults: a random BERT of 64 positions converted to 256, on a few modules, every code path in seconds
 SMOKE = dict(lengths=[64, 128, 256], documents=6, passage=16, repeats=1, batch_size=4)
 SMOKE_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -170,11 +175,35 @@ class Embedder:
         return torch.stack([weighted.sum(0) / size.sum() for weighted, size in parts])
 
 
-def scores(queries: torch.Tensor, documents: torch.Tensor) -> dict:
-    """Top-1 accuracy and mean reciprocal rank of query i retrieving document i by cosine similarity."""
+def ranks(queries: torch.Tensor, documents: torch.Tensor) -> list[int]:
+    """The rank of document i among all documents for query i, by cosine similarity (1: retrieved first)."""
     similarity = F.normalize(queries, dim=-1) @ F.normalize(documents, dim=-1).T
-    ranks = (similarity > similarity.diagonal()[:, None]).sum(1) + 1
-    return {"top1": (ranks == 1).float().mean().item(), "mrr": (1.0 / ranks.float()).mean().item()}
+    return ((similarity > similarity.diagonal()[:, None]).sum(1) + 1).tolist()
+
+
+def scores(found: list[int]) -> dict:
+    """Top-1 accuracy and mean reciprocal rank of the queries' ranks ``found``."""
+    return {"top1": statistics.fmean(r == 1 for r in found), "mrr": statistics.fmean(1.0 / r for r in found)}
+
+
+def paired(ours: list[list[int]], theirs: list[list[int]], resamples: int = BOOTSTRAP, seed: int = 0) -> dict:
+    """Two methods' ranks on the same queries, ``ours`` and ``theirs`` (draws, documents): per score (top-1, MRR)
+    the difference of the means, ours less theirs, and its 95% interval by a bootstrap over the documents (each
+    resample draws documents with replacement and keeps every draw's query of each: the draws of one document are
+    not independent); and the queries only one of the two retrieves first ("ours_only", "theirs_only")."""
+    a, b = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
+    if a.shape != b.shape or a.dim() != 2:
+        raise ValueError(f"paired ranks must be two (draws, documents) lists of one shape, got {a.shape}, {b.shape}")
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(a.shape[1], (resamples, a.shape[1]), generator=generator)
+    out = {}
+    for key, score in (("top1", lambda r: (r == 1).double()), ("mrr", lambda r: 1.0 / r)):
+        per_document = (score(a) - score(b)).mean(0)  # each document's difference, averaged over the draws
+        spread = per_document[picks].mean(1).quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
+        out[key] = {"difference": per_document.mean().item(), "low": spread[0].item(), "high": spread[1].item()}
+    out["ours_only"] = int(((a == 1) & (b != 1)).sum())
+    out["theirs_only"] = int(((b == 1) & (a != 1)).sum())
+    return out
 
 
 def passage_task(tokens: list[list[int]], length: int, passage: int, skip: int, seed: int) -> tuple[list, list]:
@@ -190,32 +219,55 @@ def passage_task(tokens: list[list[int]], length: int, passage: int, skip: int, 
     return queries, documents
 
 
-def measure(args: argparse.Namespace, embed: Embedder, tokens: list[list[int]]) -> list[dict]:
+def measure(args: argparse.Namespace, embed: Embedder, tokens: list[list[int]]) -> tuple[list[dict], list[dict]]:
     """A row per length and method: the passage task's scores (averaged over --seeds places, each seed's beside
-    them when there are several) and the halves task's."""
-    rows = []
+    them when there are several) and the halves task's, with every query's rank; and per length and task the
+    converted model against original-chunked on the same queries (:func:`paired`)."""
+    rows, comparisons = [], []
     skip = embed.body + 2
     seeds = range(args.seed, args.seed + args.seeds)
     for length in args.lengths:
         tasks = [passage_task(tokens, length, args.passage, skip, seed) for seed in seeds]
         half = (length - 2) // 2
         firsts, seconds = [full[:half] for full in tokens], [full[half : 2 * half] for full in tokens]
+        found = {}
         for method in METHODS:
             start = time.perf_counter()
-            each = [scores(embed(method, queries), embed(method, documents)) for queries, documents in tasks]
-            passage = {key: statistics.fmean(run[key] for run in each) for key in ("top1", "mrr")}
-            halves = scores(embed(method, firsts), embed(method, seconds))
+            each = [ranks(embed(method, queries), embed(method, documents)) for queries, documents in tasks]
+            halves_ranks = ranks(embed(method, firsts), embed(method, seconds))
+            found[method] = {"passage": each, "halves": [halves_ranks]}
+            runs = [scores(draw) for draw in each]
+            passage = {key: statistics.fmean(run[key] for run in runs) for key in ("top1", "mrr")}
+            halves = scores(halves_ranks)
             row = {"length": length, "method": method, "passage": passage, "halves": halves}
             if len(each) > 1:
-                row["passage_per_seed"] = [{"seed": seed, **run} for seed, run in zip(seeds, each)]
+                row["passage_per_seed"] = [{"seed": seed, **run} for seed, run in zip(seeds, runs)]
+            row.update(passage_ranks=each, halves_ranks=halves_ranks)
             rows.append({**row, "seconds": time.perf_counter() - start})
             print(
                 f"| {length} | {method} | {passage['top1']:.3f} | {passage['mrr']:.3f} | {halves['top1']:.3f} | "
                 f"{halves['mrr']:.3f} |" + ("" if len(each) == 1 else " per seed top-1: " + " ".join(
-                    f"{run['top1']:.3f}" for run in each)),
+                    f"{run['top1']:.3f}" for run in runs)),
                 flush=True,
             )  # fmt: skip
-    return rows
+        for task in ("passage", "halves"):
+            comparison = paired(found["converted"][task], found["original-chunked"][task], seed=args.seed)
+            comparisons.append({"length": length, "task": task, **comparison})
+    return rows, comparisons
+
+
+def print_comparisons(comparisons: list[dict]) -> None:
+    """The paired table: converted less original-chunked, with 95% intervals over the documents."""
+    print("\nconverted - original-chunked, same queries, 95% interval by a bootstrap over the documents:")
+    print("| length | task | top-1 difference | MRR difference | first for converted only / original-chunked only |")
+    print("|---|---|---|---|---|")
+    for row in comparisons:
+        top1, mrr = row["top1"], row["mrr"]
+        print(
+            f"| {row['length']} | {row['task']} | {top1['difference']:+.3f} [{top1['low']:+.3f}, {top1['high']:+.3f}] | "
+            f"{mrr['difference']:+.3f} [{mrr['low']:+.3f}, {mrr['high']:+.3f}] | {row['ours_only']} / "
+            f"{row['theirs_only']} |"
+        )  # fmt: skip
 
 
 def fidelity(embed: Embedder, tokens: list[list[int]], length: int = 256) -> float:
@@ -351,7 +403,8 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"fewer than 2 of the {args.documents} longest modules have {need} tokens; lower --lengths")
     print(f"{len(tokens)} documents of at least {need} tokens\n")
     print("| length | method | passage top-1 | passage MRR | halves top-1 | halves MRR |\n|---|---|---|---|---|---|")
-    rows = measure(args, embed, tokens)
+    rows, comparisons = measure(args, embed, tokens)
+    print_comparisons(comparisons)
     cosine = fidelity(embed, tokens)
     print(f"\nshort-text fidelity: cosine to the original at 256 tokens {cosine:.4f}")
     longest = max(args.lengths)
@@ -373,6 +426,7 @@ def run(args: argparse.Namespace) -> None:
         "header": finish_stamp(stamp),
         "settings": {**settings, "documents_used": len(tokens), "model_dir": args.model_dir},
         "rows": rows,
+        "paired": comparisons,
         "fidelity_cosine_256": cosine,
         "timing": timing,
     }

@@ -540,6 +540,30 @@ def _added_mb(row: dict) -> str:
     return "-" if row.get("added_mb") is None else f"{row['added_mb']:.0f}"
 
 
+def _interval(score: dict) -> str:
+    return f"{score['difference']:+.3f} [{score['low']:+.3f}, {score['high']:+.3f}]"
+
+
+def _long_documents_paired(comparisons: list[dict] | None) -> list[str]:
+    """long_documents.py's paired comparison, converted less original-chunked on the same queries; nothing for a
+    result from before it was made."""
+    if not comparisons:
+        return []
+    body = [
+        [str(row["length"]), row["task"], _interval(row["top1"]), _interval(row["mrr"]),
+         f"{row['ours_only']} / {row['theirs_only']}"]
+        for row in comparisons
+    ]  # fmt: skip
+    header = ["length", "task", "top-1, converted less original-chunked", "MRR, the same", "first for one alone"]
+    return [
+        "Paired, on the same queries: the differences with their 95% interval (a bootstrap over the documents), and "
+        "the queries that the converted model alone / original-chunked alone retrieves first.",
+        "",
+        *_table(header, body),
+        "",
+    ]
+
+
 def section_long_documents(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
@@ -567,6 +591,7 @@ def section_long_documents(path: Path) -> list[str]:
         "",
         *_table(header, body),
         "",
+        *_long_documents_paired(data.get("paired")),
         f"Short-text fidelity: mean cosine of the converted model's embeddings to the original's at 256 tokens, "
         f"{data['fidelity_cosine_256']:.4f}.",
         "",

@@ -158,3 +158,25 @@ def test_long_documents_table_gives_each_draw_of_the_passage_task_when_there_are
     page = report.benchmarks_readme(tmp_path)
     assert "| length | method | passage top-1 / MRR, mean of 2 draws | passage top-1, seeds 0..1 |" in page
     assert "| 8192 | converted | 0.625 / 0.700 | 0.500 0.750 | 0.750 / 0.800 |" in page
+
+
+def test_long_documents_table_gives_the_paired_comparison_where_the_result_has_it(tmp_path):
+    row = {"length": 8192, "method": "converted", "passage": {"top1": 0.5, "mrr": 0.6}, "seconds": 9.0}
+    paired = {
+        "length": 8192, "task": "passage", "top1": {"difference": -0.00625, "low": -0.05, "high": 0.0375},
+        "mrr": {"difference": 0.002, "low": -0.02, "high": 0.025}, "ours_only": 11, "theirs_only": 13,
+    }  # fmt: skip
+    data = {
+        "header": STAMP,
+        "settings": {"lengths": [8192], "passage": 64, "documents_used": 40},
+        "rows": [{**row, "halves": {"top1": 0.75, "mrr": 0.8}}],
+        "paired": [paired],
+        "fidelity_cosine_256": 0.99,
+        "timing": [],
+    }
+    (tmp_path / "long_documents.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| 8192 | passage | -0.006 [-0.050, +0.037] | +0.002 [-0.020, +0.025] | 11 / 13 |" in page
+    del data["paired"]  # a result from before the comparison: no table, no failure
+    (tmp_path / "long_documents.json").write_text(json.dumps(data))
+    assert "Paired, on the same queries" not in report.benchmarks_readme(tmp_path)

@@ -36,6 +36,17 @@ def test_long_documents_smoke_scores_every_method_at_every_length_and_times_both
     assert all(isinstance(row["added_mb"], float) and row["added_mb"] > -1 for row in result["timing"])
     assert -1 <= result["fidelity_cosine_256"] <= 1 and "command" in result["header"]
     assert "| 256 | converted |" in done.stdout
+    # the converted model against original-chunked on the same queries, per length and task
+    assert [(row["length"], row["task"]) for row in result["paired"]] == [
+        (n, task) for n in (64, 128, 256) for task in ("passage", "halves")
+    ]
+    for row in result["paired"]:
+        ours, theirs = rows[row["length"], "converted"], rows[row["length"], "original-chunked"]
+        for key in ("top1", "mrr"):
+            difference = ours[row["task"]][key] - theirs[row["task"]][key]
+            assert row[key]["difference"] == pytest.approx(difference)
+            assert row[key]["low"] <= row[key]["difference"] <= row[key]["high"]
+    assert "converted - original-chunked, same queries" in done.stdout
     # the plot needs the [bench] extra's matplotlib; without it the script writes the JSON alone
     assert out.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
@@ -102,7 +113,7 @@ def test_several_seeds_average_the_passage_task_and_keep_each_draw():
 
     def run(seed, seeds):
         args = SimpleNamespace(lengths=[32], passage=4, seed=seed, seeds=seeds)
-        return {row["method"]: row for row in script.measure(args, Embed(), tokens)}
+        return {row["method"]: row for row in script.measure(args, Embed(), tokens)[0]}
 
     several, first, second = run(3, 2), run(3, 1), run(4, 1)
     for method, row in several.items():
@@ -115,3 +126,29 @@ def test_several_seeds_average_the_passage_task_and_keep_each_draw():
         assert "passage_per_seed" not in first[method]
     # the two draws place the passages differently: averaging them is not one draw counted twice
     assert script.passage_task(tokens, 32, 4, 10, 3) != script.passage_task(tokens, 32, 4, 10, 4)
+
+
+def test_paired_comparison_gives_the_difference_its_bootstrap_interval_and_the_discordant_queries():
+    """paired(ours, theirs): ranks of two methods on the same queries, (draws, documents). The difference is of the
+    means; the interval is a bootstrap over documents, so it is a point where every document differs alike and
+    covers 0 where they disagree both ways; the discordant counts are the queries one method alone gets first."""
+    script = load_script(SCRIPT)
+    same = script.paired([[1, 2, 1, 3]], [[1, 2, 1, 3]])
+    for key in ("top1", "mrr"):
+        assert same[key] == {"difference": 0.0, "low": 0.0, "high": 0.0}
+    assert same["ours_only"] == same["theirs_only"] == 0
+    # ours first on every query, theirs second: +1 top-1 and +0.5 MRR on every document, whatever the resample
+    better = script.paired([[1, 1, 1], [1, 1, 1]], [[2, 2, 2], [2, 2, 2]])
+    assert better["top1"] == pytest.approx({"difference": 1.0, "low": 1.0, "high": 1.0})
+    assert better["mrr"] == pytest.approx({"difference": 0.5, "low": 0.5, "high": 0.5})
+    assert (better["ours_only"], better["theirs_only"]) == (6, 0)
+    # half the documents go each way: the mean difference is 0 and the interval holds both signs
+    mixed = script.paired([[1, 2] * 20], [[2, 1] * 20])
+    assert mixed["top1"]["difference"] == 0.0 and mixed["top1"]["low"] < 0 < mixed["top1"]["high"]
+    assert (mixed["ours_only"], mixed["theirs_only"]) == (20, 20)
+    # the draws of one document move together: the bootstrap resamples documents, not queries, so a difference
+    # carried by one document's draws alone keeps a wide interval however many draws repeat it
+    one = script.paired([[1, 2, 2, 2]] * 8, [[2, 2, 2, 2]] * 8)
+    assert one["top1"]["difference"] == pytest.approx(0.25) and one["top1"]["low"] == 0.0
+    with pytest.raises(ValueError, match="one shape"):
+        script.paired([[1, 2]], [[1, 2, 3]])
