@@ -807,6 +807,15 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_long_steps_paired.json",
+        "Conversion: long documents, long steps, paired on the same queries",
+        "The long-steps recipe converted again, on another machine of 2 cores "
+        "(`results/long_documents_long_steps_rerun_conversion.txt`: every loss and error as in the first run), and "
+        "the passage task at 8192 tokens drawn five times as above, now with every query's rank kept: the converted "
+        "model against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
         "long_documents_speed.json",
         "Conversion: long documents, paired timing",
         "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
