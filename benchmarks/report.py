@@ -816,6 +816,14 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_inverse_cloze_paired.json",
+        "Conversion: long documents, inverse-cloze steps, paired on the same queries",
+        "The long-steps model of the run above after 20 inverse-cloze steps on the standard library's test modules "
+        "(`python -m linearformers.conversion.inverse_cloze`; `results/long_documents_inverse_cloze_conversion.txt`), "
+        "the same five draws of the passages at 8192 tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
         "long_documents_speed.json",
         "Conversion: long documents, paired timing",
         "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
