@@ -218,7 +218,7 @@ def inverse_cloze_finetune(
     distillation from ``source`` (the original BERT) on blocks of ``short_texts`` (a text file's path or a list of
     strings, as :func:`transfer.text_blocks`), tokenized by ``tokenizer``. The first ``args.eval_documents``
     documents and the first batch of short blocks are held out to measure; the module docstring says what is
-    taught and why. The model is left in eval mode with its gradients' flags as they were."""
+    taught and why. The model is left in eval mode with its gradients' flags as they were, the source in its mode."""
     args = InverseClozeArguments() if args is None else args
     if not isinstance(args, InverseClozeArguments):
         raise TypeError(f"args must be InverseClozeArguments, got {type(args).__name__}")
@@ -261,7 +261,7 @@ def inverse_cloze_finetune(
     held_short = [(blocks[: args.batch_size], torch.ones_like(blocks[: args.batch_size], dtype=torch.bool))]
     blocks = blocks[args.batch_size :]
 
-    state = torch.random.get_rng_state()
+    state, source_mode = torch.random.get_rng_state(), source.training
     flags = {name: param.requires_grad for name, param in model.named_parameters()}
     rng = random.Random(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
@@ -318,6 +318,7 @@ def inverse_cloze_finetune(
         for name, param in model.named_parameters():
             param.requires_grad_(flags[name])
         model.eval()
+        source.train(source_mode)
         torch.random.set_rng_state(state)
     return InverseClozeReport(
         steps=args.steps,

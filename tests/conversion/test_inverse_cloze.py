@@ -98,10 +98,11 @@ def test_the_steps_train_every_weight_report_both_sides_and_leave_flags_mode_and
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     model.embeddings.word_embeddings.weight.requires_grad_(False)  # a flag the run must restore
     model.train()
+    bert.train()  # the source's mode is the caller's: it must come back as it was
     rng = torch.random.get_rng_state()
     report = inverse_cloze_finetune(model, bert, tokenizer, _documents(), _documents(2), **_args())
     assert torch.equal(torch.random.get_rng_state(), rng)
-    assert not model.training and not model.embeddings.word_embeddings.weight.requires_grad
+    assert not model.training and not model.embeddings.word_embeddings.weight.requires_grad and bert.training
     moved = [name for name, param in model.named_parameters() if not torch.equal(param, before[name])]
     assert "layers.0.attention.feature_map.weight" in moved and "layers.0.attention.q_proj.weight" in moved
     assert report.steps == 3 and len(report.losses) == 3 and report.documents == len(_documents()) - 2
