@@ -32,7 +32,7 @@ import random
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -193,16 +193,12 @@ def _embed(model: PreTrainedModel, rows: list[list[int]]) -> torch.Tensor:
 def _held_out_top1(model, documents: list[list[int]], args: InverseClozeArguments, cls: int, sep: int) -> float:
     """Top-1 of one passage per held-out document (places seeded by ``args.seed``) among those documents."""
     rng = random.Random(args.seed)
-    one = InverseClozeArguments(**{**_values(args), "passages": 1, "progress": False})
+    one = replace(args, passages=1, progress=False)
     cuts = [_cut(row, one, rng, cls, sep) for row in documents]
     with torch.no_grad():
         queries = torch.cat([_embed(model, query) for query, _ in cuts])
         kept = torch.cat([_embed(model, [document]) for _, document in cuts])
     return (queries @ kept.T).argmax(1).eq(torch.arange(len(cuts), device=kept.device)).float().mean().item()
-
-
-def _values(args: InverseClozeArguments) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(args)}
 
 
 def inverse_cloze_finetune(
