@@ -824,6 +824,21 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_30min_paired.json",
+        "Conversion: long documents, the whole recipe in 30 minutes, paired on the same queries",
+        "MiniLM converted with fewer steps (150 + 30 + 32 long steps), then 12 inverse-cloze steps: both commands "
+        "in 25 min 35 s on the slower machine of 2 cores, alone (`results/long_documents_30min_conversion.txt`); "
+        "the same five draws of the passages at 8192 tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "long_documents_30min_paired_2048.json",
+        "Conversion: long documents, the whole recipe in 30 minutes, 2048 tokens",
+        "The model above, the same five draws of the passages at 2048 tokens; the timing is of one 2048-token "
+        "document. Run from a tree whose uncommitted changes were the docs and this report's entries.",
+        section_long_documents,
+    ),
+    (
         "long_documents_speed.json",
         "Conversion: long documents, paired timing",
         "`long_documents.py --speed`: one document of the longest length embedded by the converted model and by the "
