@@ -70,6 +70,15 @@ class PerformerConfig(LinearAttentionConfig):
             so every key's features sum to the same. Parameters key_scale_weight (global heads, head_dim) and
             key_scale_bias (global heads,), zero at init (r = 0); attention transfer trains them with the maps.
             Needs hybrid_window.
+        hybrid_select_blocks: K, the far key blocks each block of queries scores exactly (default 0, none; e.g.
+            4): positions fall in blocks of hybrid_select_block_size, and each query block chooses the K blocks of
+            keys beyond its window whose mean key its mean query scores highest; its queries give their keys the
+            window's exact softmax scores instead of the linear ones (``attention.far_blocks``, after NSA's
+            selection branch). A feature map spreads a head's far weight over every key; a trained softmax head
+            puts much of it on a few keys it picks by content. Cost per query: n / B block scores and K B exact
+            ones. Encoders only (a decoder's state would have to keep every key), with the linear scores on the
+            softmax's scale: feature_map="softmax" or hybrid_query_scale=True. Needs hybrid_window.
+        hybrid_select_block_size: B, the size of those blocks in tokens (default 32).
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -86,6 +95,8 @@ class PerformerConfig(LinearAttentionConfig):
     hybrid_sinks: int = interval(min=0)(default=0)
     hybrid_query_scale: bool = False
     hybrid_key_scale: bool = False
+    hybrid_select_blocks: int = interval(min=0)(default=0)
+    hybrid_select_block_size: int = positive(default=32)
 
     @property
     def draws_random_features(self) -> bool:
@@ -153,10 +164,17 @@ class PerformerConfig(LinearAttentionConfig):
             if self.hybrid_key_scale
             else ""
         )
+        select = (
+            f" Each block of {self.hybrid_select_block_size} queries also scores the {self.hybrid_select_blocks} "
+            "blocks of far keys its mean query prefers exactly, as in the window (hybrid_select_blocks)."
+            if self.hybrid_window and self.hybrid_select_blocks
+            else ""
+        )
         details = (
             f"{features}\n- causal chunk size: {self.causal_chunk_size}\n- position embeddings: "
             f"{self.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
             f"{self.local_heads_text()}{self.hybrid_text('linear attention on the other keys')}{query_scale}{key_scale}"
+            f"{select}"
         )
         if self.position_embedding_type == "absolute":
             limits.append(f"Learned absolute positions: at most {self.max_position_embeddings} tokens.")
@@ -186,6 +204,23 @@ class PerformerConfig(LinearAttentionConfig):
                 "hybrid_key_scale=True needs a hybrid_window: it scales the keys' features in the linear part of the "
                 "hybrid heads; set hybrid_window (e.g. 64), or hybrid_key_scale=False"
             )
+        if self.hybrid_select_blocks:
+            if not self.hybrid_window:
+                raise ValueError(
+                    f"hybrid_select_blocks={self.hybrid_select_blocks} needs a hybrid_window: the chosen far keys "
+                    "join the exact window of the hybrid heads; set hybrid_window (e.g. 64), or hybrid_select_blocks=0"
+                )
+            if self.is_decoder:
+                raise ValueError(
+                    "hybrid_select_blocks is for encoders: a decoder's state would have to keep every key to choose "
+                    "among; set hybrid_select_blocks=0"
+                )
+            if self.feature_map != "softmax" and not self.hybrid_query_scale:
+                raise ValueError(
+                    f"hybrid_select_blocks needs the linear scores on the softmax's scale, so that a chosen key's "
+                    f"exact score replaces its linear one: feature_map='softmax' or hybrid_query_scale=True, got "
+                    f"feature_map={self.feature_map!r} without hybrid_query_scale"
+                )
 
 
 __all__ = ["PerformerConfig"]

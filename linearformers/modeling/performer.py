@@ -32,6 +32,7 @@ from ..ops import (
     relu_features,
 )
 from ..ops.feature_maps import favor_exponents
+from ..ops.hybrid import HYBRID_BLOCK
 from ..seeds import mix_seed
 from .base import (
     LinearAttention,
@@ -248,7 +249,14 @@ class PerformerAttention(LinearAttention):
         phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size."""
         c = self.config
         gamma = torch.exp(self.window_balance)
-        if past_key_values is None and not self.causal and isinstance(self.feature_map, HedgehogFeatureMap):
+        select = {"select_blocks": c.hybrid_select_blocks, "select_block_size": c.hybrid_select_block_size}
+        if (
+            past_key_values is None
+            and not self.causal
+            # the walk chooses far blocks among its own blocks of keys alone
+            and (not c.hybrid_select_blocks or c.hybrid_select_block_size == HYBRID_BLOCK)
+            and isinstance(self.feature_map, HedgehogFeatureMap)
+        ):
             fused = self._hedgehog_fused(q, k, v, gamma, attention_mask)
             if fused is not None:
                 return fused
@@ -266,6 +274,7 @@ class PerformerAttention(LinearAttention):
                 key_padding_mask=attention_mask,
                 query_log_scale=log_scale,
                 sinks=c.hybrid_sinks,
+                **select,
             )
         state = past_key_values.get_state(self.layer_idx)
         if q.shape[2] == 1 and state is not None:  # a decoding step
@@ -355,8 +364,9 @@ class PerformerAttention(LinearAttention):
             scales["key_scale"] = (self.key_scale_weight, self.key_scale_bias)
         c = self.config
         return hedgehog_hybrid_attention(
-            q, k, v, weights, gamma, c.hybrid_window, key_padding_mask=attention_mask, sinks=c.hybrid_sinks, **scales
-        )
+            q, k, v, weights, gamma, c.hybrid_window, key_padding_mask=attention_mask, sinks=c.hybrid_sinks,
+            select_blocks=c.hybrid_select_blocks, **scales,
+        )  # fmt: skip
 
     def key_log_scale(self, k: torch.Tensor) -> torch.Tensor | None:
         """The keys' learned log scale r (batch, global heads, n), float32, or None without ``hybrid_key_scale``:

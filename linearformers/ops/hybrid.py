@@ -69,12 +69,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
+from ._native import HYBRID_BLOCK, hybrid_bidirectional_forward
 from ._native import available as native_available
-from ._native import hybrid_bidirectional_forward
 from ._precision import outside_autocast
 from ._triton_hybrid import refusal as _kernel_refusal
 from ._triton_hybrid import triton_causal_hybrid
 from .backends import native_walk_enabled, triton_refusal
+from .far_blocks import add_far_blocks, choose_far_blocks
 
 HYBRID_BACKENDS = ("chunked", "native", "triton")  # what hybrid_attention may name
 
@@ -167,6 +168,35 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
         raise ValueError("query_log_scale must be finite")
 
 
+def _far_block_choice(q, k, valid, linear, window, blocks) -> torch.Tensor:
+    """The native walk's ``chosen``: the far blocks of HYBRID_BLOCK keys each query block takes (b, h, nb, K),
+    -1 where fewer lie far."""
+    index, real = choose_far_blocks(q, k, valid, linear, window, blocks, HYBRID_BLOCK)
+    return torch.where(real, index, torch.full_like(index, -1))
+
+
+def _check_selection(blocks, block_size, causal, query_log_scale, backend) -> None:
+    for name, value, low in (("select_blocks", blocks, 0), ("select_block_size", block_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if not blocks:
+        return
+    if causal:
+        raise ValueError(
+            "select_blocks applies to bidirectional attention: a causal state would have to keep every key to "
+            "choose among; use select_blocks=0"
+        )
+    if query_log_scale is None:
+        raise ValueError(
+            "select_blocks needs query_log_scale: the chosen keys' exact scores and the linear scores must lie on "
+            "one scale (FAVOR+'s softmax features or a learned query scale)"
+        )
+    if backend == "triton":
+        raise ValueError("select_blocks runs on the 'chunked' or 'native' backend, not 'triton' (causal only)")
+
+
 def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
     fields = len(HybridState._fields)
     if (
@@ -235,7 +265,7 @@ def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, win
     window, sink and in-frame linear scores against the frame keys, plus the linear part of the keys outside the
     frame through state (b, h, nq, m, d + 1). win, lin (b, 1, nq, blk, frame) bool: the frame keys in each query's
     window, and its in-frame linear keys; t (nq, blk, 1) the queries' positions. Returns the accumulated
-    [numerator, denominator] (b, h, nq, blk, d + 1)."""
+    [numerator, denominator, c] (b, h, nq, blk, d + 2), c the stabilizer both sums carry as exp(-c)."""
     logits = (qb @ kf.transpose(-1, -2)).masked_fill(~win, float("-inf"))
     c = logits.amax(-1, keepdim=True)
     if sink is not None:  # the sinks a query sees outside its window: exact scores, beside the window's
@@ -251,17 +281,17 @@ def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, win
     acc = scores @ vf  # (b, h, nq, blk, d + 1)
     if sink is not None:
         acc = acc + ((g * torch.exp(sink_logits - c)).flatten(2, 3) @ _with_ones(sink[1])).view_as(acc)
-    return acc + pqb @ state
+    return torch.cat([acc + pqb @ state, c], -1)
 
 
-def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal, out):
+def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, window, causal, out, c_out):
     """:func:`_window_pass` where autograd records nothing (inference), into out (b, h, nq, blk, d + 1): the same
     sums, with the scores made and combined in place, a few passes over them fewer. gamma goes into the stabilizer
     (g exp(x - c) = exp(x - c + log g)). win: (b, 1, nq, blk, frame) as there, or the (blk, frame) window
     pattern alone where every frame key is real. The in-frame linear keys lie in the frame's first block (and,
     bidirectional, its last) alone, so their scores are made there, times lin (blk, frame), their pattern alone
     as 0 / 1: the window scores are zero outside the window, and the linear scores of padded keys and sinks are
-    already zero (their features are)."""
+    already zero (their features are). c_out (b, h, nq, blk, 1) or None: where to write the stabilizer c."""
     b, h, nq, blk, _ = qb.shape
     logits = _bmm_rows(qb, kf.transpose(-1, -2), qb.new_empty(b, h, nq, blk, kf.shape[-2]))
     if win.dim() == 2:  # every frame key real: win is the (blk, frame) pattern, which is all True but at the edges
@@ -277,6 +307,8 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
     if ell is not None:
         c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
         pqb = pqb * torch.exp(ell - c)
+    if c_out is not None:
+        c_out.copy_(c)
     c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
     scores = logits.sub_(c_window).exp_()
     edge = qb.new_empty(b, h, nq, blk, blk)
@@ -307,12 +339,13 @@ def _window_softmax_fused(qb, kf, vf, in_window, reals, out):
     return out
 
 
-def _window_pass_fused(qb, pqb, pkf, vf, lin, t, ell, state, gamma, sink, window, causal, out):
+def _window_pass_fused(qb, pqb, pkf, vf, lin, t, ell, state, gamma, sink, window, causal, out, c_out):
     """:func:`_window_pass_untracked` after :func:`_window_softmax_fused`, whose window outputs and L_t out holds:
     the rest of the pass. With ℓ both parts carry the same per-query factor (module docstring), so the stabilizer
     may be c = max(L_t, the sinks' logits, ℓ_t - R) rather than the largest window logit: gamma exp(L_t - c) times
     the window output is then the window's numerator, gamma exp(L_t - c) its denominator. Then the in-frame
-    linear scores on the edge blocks, the sinks and the block states are added as there."""
+    linear scores on the edge blocks, the sinks and the block states are added as there; c goes to c_out as
+    there."""
     b, h, nq, blk, d = qb.shape
     lse = out[..., d:]  # (b, h, nq, blk, 1)
     c = lse.clone()
@@ -322,6 +355,8 @@ def _window_pass_fused(qb, pqb, pkf, vf, lin, t, ell, state, gamma, sink, window
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
     pqb = pqb * torch.exp(ell - c)
+    if c_out is not None:
+        c_out.copy_(c)
     c_window = c - torch.log(gamma.to(qb.dtype))[None, :, None, None, None]  # +inf where gamma is 0: scores 0
     weight = torch.exp(lse - c_window)  # 0 where the window holds no real key or gamma is 0
     out[..., :d].mul_(weight)
@@ -415,11 +450,13 @@ def _block_states(sums, step, side, causal, base):
         yield parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
-def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink):
+def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, base, log_scale, sink, lse=False):
     """All inputs in the compute dtype; valid (b, n) bool: real keys; linear (b, n) bool: the real keys that may
     join the linear part (sinks do not); base (b, h, m, d + 1) added to every block's state, or None; log_scale
     (b, h, n), the queries' ℓ, or None; sink: None, or (keys (b, h, S, d), values (b, h, S, d), positions (b, S)
-    int64 in this call's frame of positions (negative: before it), validity (b, S) bool). Returns (b, h, n, d)."""
+    int64 in this call's frame of positions (negative: before it), validity (b, S) bool). Returns (b, h, n, d);
+    with ``lse``, also each query's log normalizer log(Σ_s (a_ts + b_ts)) with both parts taken at c_t = 0
+    (b, h, n, 1), -inf where a query has no real key."""
     b, h, n, d = q.shape
     side = _SIDE_BLOCKS if window >= _SIDE_BLOCKS else 1
     blk = window // side
@@ -486,6 +523,7 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
     scores_bytes = b * h * nb * blk * frame * q.element_size()  # the window scores of the whole call
     recompute = tracked and len(qbs) > 1 and scores_bytes > _RECOMPUTE_BYTES
     outs, acc = [], None if general else q.new_empty(b, h, nb, blk, d + 1)
+    stabilizer = None if general or not lse else q.new_empty(b, h, nb, blk, 1)
     fused = not general and log_scale is not None and q.dtype == torch.float32 and _FUSED_SOFTMAX is not None
     if fused:  # the window part of all the blocks in one call: the kernel makes no scores to keep in passes
         frames_all = (x.unfold(2, frame, blk).transpose(-1, -2) for x in (k_pad, v_pad))
@@ -503,19 +541,31 @@ def _hybrid_core(q, k, v, pq, pk, gamma, window, causal, valid, linear, scale, b
         else:
             if fused:
                 args = (qb, pqbs[i], pkfs[i], vfs[i], outside.to(q.dtype), t, ells[i], state)
-                _window_pass_fused(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
+                c_out = None if stabilizer is None else stabilizer[:, :, c0 : c0 + nq]
+                _window_pass_fused(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq], c_out)
                 continue
             win = in_window if bool(reals[i].all()) else in_window & reals[i]
             args = (qb, pqbs[i], kfs[i], vfs[i], pkfs[i], win, outside.to(q.dtype), t, ells[i], state)
-            _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq])
+            c_out = None if stabilizer is None else stabilizer[:, :, c0 : c0 + nq]
+            _window_pass_untracked(*args, gamma, sink, window, causal, acc[:, :, c0 : c0 + nq], c_out)
     if not general:
         num, den = acc.view(b, h, nb * blk, d + 1)[:, :, :n].split((d, 1), -1)
-        return (num / den).masked_fill_(den <= 0, 0.0)  # 0/0 where a query has no real key: output 0
+        out = (num / den).masked_fill_(den <= 0, 0.0)  # 0/0 where a query has no real key: output 0
+        if not lse:
+            return out
+        return out, _log_normalizer(den, stabilizer.view(b, h, nb * blk, 1)[:, :, :n])
 
-    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, d + 1)[:, :, :n]
-    num, den = acc[..., :-1], acc[..., -1:]
+    acc = torch.cat(outs, 2).reshape(b, h, nb * blk, d + 2)[:, :, :n]
+    num, den, c = acc[..., :d], acc[..., d : d + 1], acc[..., d + 1 :]
     safe = torch.where(den > 0, den, torch.ones_like(den))
-    return torch.where(den > 0, num / safe, torch.zeros_like(num))
+    out = torch.where(den > 0, num / safe, torch.zeros_like(num))
+    return (out, _log_normalizer(den, c)) if lse else out
+
+
+def _log_normalizer(den: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """log(den) + c, the log of a normalizer den summed at the stabilizer c; -inf where den is 0."""
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, torch.log(safe) + c, torch.full_like(den, float("-inf")))
 
 
 def _native_refusal(q, v, m, causal, tracked, dtypes=(), scale=None) -> str | None:
@@ -627,6 +677,8 @@ def hybrid_attention(
     query_log_scale: torch.Tensor | None = None,
     sinks: int = 0,
     backend: str | None = None,
+    select_blocks: int = 0,
+    select_block_size: int = 32,
 ) -> torch.Tensor | tuple[torch.Tensor, HybridState]:
     """Sliding-window softmax + linear attention (module docstring).
 
@@ -653,6 +705,11 @@ def hybrid_attention(
             run (and :func:`backends.set_triton_kernels` leaves it on), "native" on CPU tensors where it can run
             (and :func:`backends.set_native_walk` leaves it on), else "chunked"; a named backend that cannot run
             raises a ValueError saying why.
+        select_blocks: K >= 0, bidirectional with ``query_log_scale`` only: each block of ``select_block_size``
+            queries chooses the K blocks of ``select_block_size`` far keys whose mean key its mean query scores
+            highest, and its queries score their keys exactly, as in the window (:mod:`far_blocks`; default 0,
+            none). Runs on the "chunked" or "native" backend.
+        select_block_size: B >= 1, the size of those blocks (default 32).
 
     Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
     (and the state).
@@ -660,6 +717,7 @@ def hybrid_attention(
     _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
+    _check_selection(select_blocks, select_block_size, causal, query_log_scale, backend)
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, phi_q, phi_k, gamma, query_log_scale)
     )
@@ -700,6 +758,19 @@ def hybrid_attention(
             q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
             query_log_scale=query_log_scale, scale=scale,
         )  # fmt: skip
+    elif select_blocks:  # bidirectional: no state, p = 0; the hybrid's output and normalizer, then the far blocks
+        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, _LOG_SCALE_HEADROOM)
+        if chosen == "native" and select_block_size == HYBRID_BLOCK:  # the walk scores its choice itself
+            picked = _far_block_choice(qc, kc, valid, linear, window, select_blocks)
+            return hybrid_bidirectional_forward(*args, chosen=picked).to(v.dtype)
+        if chosen == "native":
+            out, log_norm = hybrid_bidirectional_forward(*args, lse=True)
+        else:
+            out, log_norm = _hybrid_core(
+                qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink, lse=True
+            )
+        args = (qc, kc, vc, pqc, pkc, gamma.to(dtype), ell, valid, linear, window, select_blocks, select_block_size)
+        out = add_far_blocks(out, log_norm, *args, scale).to(v.dtype)
     elif chosen == "native":  # bidirectional: no state, p = 0
         args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, _LOG_SCALE_HEADROOM)
         out = hybrid_bidirectional_forward(*args).to(v.dtype)
@@ -753,6 +824,7 @@ def hedgehog_hybrid_attention(
     key_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_scale_bound: float = 1.0,
     sinks: int = 0,
+    select_blocks: int = 0,
 ) -> torch.Tensor:
     """Bidirectional :func:`hybrid_attention` with Hedgehog's features and the learned log scales made inside the
     native walk, a block at a time. Features: phi(x) = [softmax(x W + b), softmax(-(x W + b))]
@@ -763,9 +835,13 @@ def hedgehog_hybrid_attention(
     causal=False, query_log_scale=ℓ, ...), computed without the (batch, heads, n, m) feature tensors or any other
     per-position temporary, each of which would be a fresh mapping whose pages fault in again at every call at a
     long document's length. Inference only, on the CPU: :func:`hedgehog_refusal` says why a call cannot run, and
-    such a call raises a ValueError saying so. Returns (batch, heads, n, head_dim) in v's dtype."""
+    such a call raises a ValueError saying so. ``select_blocks``: as hybrid_attention's, with blocks of
+    HYBRID_BLOCK = 32 (the walk's own). Returns (batch, heads, n, head_dim) in v's dtype."""
     _check_inputs(q, k, v, None, None, gamma, window, None, sinks)
     h, d = q.shape[1], q.shape[-1]
+    if select_blocks and query_scale is None:
+        raise ValueError("select_blocks needs query_scale: the linear scores on the softmax's scale")
+    _check_selection(select_blocks, HYBRID_BLOCK, False, True, None)
     named = [("weights", weights, ("W_q", "b_q", "W_k", "b_k"))]
     named += [
         (name, pair, (f"{name}[0]", f"{name}[1]"))
@@ -799,6 +875,8 @@ def hedgehog_hybrid_attention(
     scale = d**-0.5 if scale is None else scale
     args = (qc, kc, vc, None, None, None, gamma, valid, valid & ~is_sink, sink, window, scale, _LOG_SCALE_HEADROOM)
     forms = {"query_form": query_scale, "key_form": key_scale, "bound": float(key_scale_bound)}
+    if select_blocks:
+        forms["chosen"] = _far_block_choice(qc, kc, valid, valid & ~is_sink, window, select_blocks)
     return hybrid_bidirectional_forward(*args, hedgehog=weights, **forms).to(v.dtype)
 
 

@@ -334,6 +334,8 @@ def hybrid_reference(
     scale: float | None = None,
     query_log_scale: torch.Tensor | None = None,
     sinks: int = 0,
+    select_blocks: int = 0,
+    select_block_size: int = 32,
 ) -> torch.Tensor:
     """Sliding-window softmax + linear attention inside a head (LoLCATs, Zhang et al. 2024), as (n x n) matrices.
 
@@ -347,6 +349,11 @@ def hybrid_reference(
     leave the linear part. c_t is the largest window logit over real keys. With ``query_log_scale`` ℓ
     (batch, heads, n), b_ts is multiplied by exp(ℓ_t - c_t) (features on the softmax's scale, see :mod:`hybrid`).
     Padded keys leave both parts; a query with no real key outputs 0. Computed in the inputs' (promoted) dtype; returns v's dtype.
+
+    With ``select_blocks`` K (bidirectional, with ℓ): positions fall in blocks of B = ``select_block_size``; query
+    block i takes the mean q̄_i of its real queries, key block j the mean k̄_j of its linear keys (real, not sinks),
+    and i chooses the K blocks j with the largest q̄_i·k̄_j among those with a linear key and |i - j| B - (B - 1)
+    >= window; the linear keys of the chosen blocks join the window of every query of block i.
     """
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), phi_q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -359,6 +366,10 @@ def hybrid_reference(
     sink = real & (real.long().cumsum(-1) <= sinks)  # real is (b, 1, 1, n)
     win = (in_window | (sink & seen)) & real
     lin = seen & ~win & real
+    if select_blocks:
+        chosen = _chosen_far_keys(q, k, real, sink, window, select_blocks, select_block_size)
+        win = win | (chosen & lin)
+        lin = lin & ~chosen
     logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2) * scale).masked_fill(~win, -math.inf)
     c = logits.amax(-1, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
@@ -370,3 +381,24 @@ def hybrid_reference(
     den = scores.sum(-1, keepdim=True)
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return torch.where(den > 0, (scores @ v.to(dtype)) / safe, torch.zeros_like(den)).to(v.dtype)
+
+
+def _chosen_far_keys(q, k, real, sink, window, blocks, size):
+    """(batch, heads, n, n) bool: the keys of the far blocks each query's block chooses (hybrid_reference)."""
+    n = q.shape[2]
+    block_of = torch.arange(n, device=q.device) // size
+    nb = int(block_of[-1]) + 1
+    member = block_of[None, :] == torch.arange(nb, device=q.device)[:, None]  # (nb, n)
+    linear_key = (real & ~sink)[:, :, 0, :]  # (b, 1, n)
+    real_query = real[:, :, 0, :]
+    key_in = (member & linear_key[:, :, None, :]).to(k.dtype)  # (b, 1, nb, n)
+    query_in = (member & real_query[:, :, None, :]).to(q.dtype)
+    k_mean = (key_in @ k) / key_in.sum(-1, keepdim=True).clamp_min(1)
+    q_mean = (query_in @ q) / query_in.sum(-1, keepdim=True).clamp_min(1)
+    i = torch.arange(nb, device=q.device)
+    far = (i[:, None] - i[None, :]).abs() * size - (size - 1) >= window
+    allowed = far & key_in.sum(-1)[:, :, None, :].bool()  # (b, 1, nb, nb)
+    scores = (q_mean @ k_mean.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
+    top = scores.topk(min(blocks, nb), -1)
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, torch.isfinite(top.values))
+    return picked[:, :, block_of][..., block_of]  # query t's block row, key s's block column

@@ -143,3 +143,32 @@ def test_automodel_loads_a_folder_whose_config_json_has_the_old_keys(tmp_path):
         loaded = AutoModel.from_pretrained(tmp_path)
     assert _warned_names(caught) == set(OLD_NAMES)
     assert (loaded.config.feature_map, loaded.config.num_features, loaded.config.feature_eps) == ("relu", 64, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(hybrid_select_blocks=2), "hybrid_select_blocks=2 needs a hybrid_window"),
+        (dict(hybrid_window=8, hybrid_select_blocks=2, is_decoder=True), "for encoders"),
+        (dict(hybrid_window=8, hybrid_select_blocks=2, feature_map="hedgehog"), "softmax's scale"),
+        (dict(hybrid_window=8, hybrid_select_blocks=2, feature_map="relu"), "softmax's scale"),
+    ],
+)
+def test_far_block_selection_is_refused_where_it_cannot_work(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        PerformerConfig(**overrides)
+
+
+def test_far_block_selection_takes_the_random_map_or_a_query_scale():
+    assert PerformerConfig(hybrid_window=8, hybrid_select_blocks=4).hybrid_select_block_size == 32
+    cfg = PerformerConfig(
+        hybrid_window=8, hybrid_select_blocks=4, hybrid_select_block_size=16, feature_map="hedgehog",
+        hybrid_query_scale=True,
+    )  # fmt: skip
+    assert "scores the 4 blocks of far keys" in cfg.describe()[1]
+
+
+@pytest.mark.parametrize(("field", "value"), [("hybrid_select_blocks", -1), ("hybrid_select_block_size", 0)])
+def test_config_refuses_selection_sizes_out_of_range(field, value):
+    with pytest.raises(StrictDataclassFieldValidationError, match=f"field '{field}'"):
+        PerformerConfig(hybrid_window=8, **{field: value})

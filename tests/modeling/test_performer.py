@@ -726,3 +726,49 @@ def test_the_linear_parts_features_and_scales_ignore_bf16_autocast(feature_map):
     for name, a, b in zip(("phi_q", "phi_k", "log_scale"), plain, under):
         assert b.dtype == torch.float32, name
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)
+
+
+SELECT = {"hybrid_select_blocks": 2, "hybrid_select_block_size": 2}
+
+
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_encoder_heads_with_far_blocks_equal_the_hybrid_reference(feature_map):
+    """hybrid_select_blocks: the heads pass the choice to the op (the learned map then leaves the native walk,
+    which gives no normalizer to add the chosen keys to) and equal the reference with it."""
+    model = _model(feature_map, hybrid_sinks=1, **BOTH, **SELECT).double()  # float64: the wiring, not rounding
+    _move_balance(model)
+    attention = _layers(model)[0].attention
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 20, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, -3:] = False
+    with torch.no_grad():
+        out = attention.global_attention(q, k, v, mask, None, None)
+        phi_q, phi_k, log_scale = _reference_features(attention, q, k)
+        gamma = attention.window_balance.exp()
+        args = [t.double() for t in (q, k, v, phi_q, phi_k, gamma)]
+        kw = dict(causal=False, key_padding_mask=mask, query_log_scale=log_scale.double(), sinks=1)
+        want = hybrid_reference(*args, WINDOW, select_blocks=2, select_block_size=2, **kw)
+        plain = hybrid_reference(*args, WINDOW, **kw)
+    real = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], want[real], rtol=1e-5, atol=1e-6)  # the features are made in float32
+    assert (want - plain)[real].abs().max() > 1e-3  # the choice counts
+
+
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_far_blocks_keep_padding_invariance_and_survive_a_reload(feature_map, tmp_path):
+    model = _model(feature_map, initializer_range=0.2, hybrid_sinks=1, **BOTH, **SELECT)
+    _move_balance(model)
+    n, pad = 20, 5
+    ids = torch.randint(1, 99, (1, n), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([ids, torch.randint(1, 99, (1, pad), generator=torch.Generator().manual_seed(3))], 1)
+    mask = torch.cat([torch.ones(1, n, dtype=torch.long), torch.zeros(1, pad, dtype=torch.long)], 1)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert reloaded.config.hybrid_select_blocks == 2 and reloaded.config.hybrid_select_block_size == 2
+    with torch.no_grad():
+        alone = _output(model, ids)
+        torch.testing.assert_close(_output(model, padded, attention_mask=mask)[:, :n], alone, rtol=1e-4, atol=1e-5)
+        assert torch.equal(_output(reloaded, ids), alone)
+        without = AutoModel.from_pretrained(tmp_path, hybrid_select_blocks=0).eval()
+        assert not torch.allclose(_output(without, ids), alone, atol=1e-4)

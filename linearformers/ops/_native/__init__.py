@@ -44,6 +44,8 @@ _STATE: dict = {}  # "lib": the loaded library or None when unavailable; "pool":
 # default chunks per saved state (512 positions at chunk 32): forward keeps the state at each block start until
 # backward ends, so fewer, wider blocks keep less memory, and backward rebuilds a block's states from its start
 _BLOCK_CHUNKS = 16
+# hybrid_bidirectional.cpp's BLK: the walk's blocks of queries and keys, the far blocks it can choose among
+HYBRID_BLOCK = 32
 # favor_causal.cpp's codes for the feature map fused into its tiles, or "features" given precomputed
 MAP_CODES = {"softmax": 0, "relu": 1, "features": 2}
 
@@ -172,7 +174,7 @@ def _load():
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.lf_favor_causal_forward.argtypes = [p] * 12 + [i] * 10 + [f, f]
     lib.lf_favor_causal_backward.argtypes = [p] * 13 + [i] * 9 + [f, f]
-    lib.lf_hybrid_bidirectional_forward.argtypes = [p] * 26 + [i] * 9 + [f, f, f]
+    lib.lf_hybrid_bidirectional_forward.argtypes = [p] * 28 + [i] * 10 + [f, f, f]
     lib.lf_favor_causal_forward.restype = lib.lf_favor_causal_backward.restype = i
     lib.lf_hybrid_bidirectional_forward.restype = i
     return lib
@@ -336,6 +338,8 @@ def hybrid_bidirectional_forward(
     query_form=None,
     key_form=None,
     bound: float = 1.0,
+    lse: bool = False,
+    chosen=None,
 ):
     """The bidirectional hybrid's output (b, h, n, d), float32: q, k, v (b, h, n, d) and pq, pk (b, h, n, m)
     float32; ell (b, h, n) or None; gamma (h,); valid, linear (b, n) bool; sink None or (keys, values (b, h, S, d),
@@ -343,7 +347,9 @@ def hybrid_bidirectional_forward(
     = (W_q, b_q, W_k, b_k) ((h, d, m / 2), (h, m / 2)), pq and pk are None and the walk makes Hedgehog's features
     itself, a block at a time: no (n, m) feature tensors. ``query_form`` (a (h, d), b (h,)): ell_t = q_t·a_h + b_h
     made in the walk, in place of ell; ``key_form`` (a, b), with hedgehog: phi_k times exp(bound tanh((k_s·a_h +
-    b_h) / bound)), made in the walk."""
+    b_h) / bound)), made in the walk. With ``lse``, also each query's log normalizer (b, h, n, 1), as
+    ops/hybrid.py's _hybrid_core gives it. ``chosen`` (b, h, nb, K) int64, nb = ceil(n / 32): the key blocks of
+    32 each query block of 32 scores exactly (ops/far_blocks.py's choice with blocks of 32, -1 for none), or None."""
     b, h, n, d = q.shape
     contiguous = lambda x: None if x is None else x.float().contiguous()  # noqa: E731
     flags = lambda x: x.to(torch.float32).contiguous()  # noqa: E731
@@ -364,20 +370,23 @@ def hybrid_bidirectional_forward(
     forms = tuple(contiguous(x) for form in (query_form, key_form) for x in (form or (None, None)))
     # out laid out (b, n, h, d), as a model merges its heads: its (b, h, n, d) view is what returns
     out = torch.empty(b, n, h, d, dtype=torch.float32).transpose(1, 2)
+    log_norm = torch.empty(b, h, n, 1, dtype=torch.float32) if lse else None
     if out.numel() == 0:  # no batch, head or position: nothing to walk (empty tensors have no data to point at)
-        return out
+        return (out, log_norm) if lse else out
     strides.append(torch.tensor([out.stride(0), out.stride(1), out.stride(2)], dtype=torch.int64))
     tensors = (
         q, k, v, *(contiguous(x) for x in (pq, pk, ell, gamma)), flags(valid), flags(linear),
-        sink_k, sink_v, sink_pos, sink_valid, out, *strides[:3], *maps, *forms, strides[3],
+        sink_k, sink_v, sink_pos, sink_valid, out, *strides[:3], *maps, *forms, strides[3], log_norm,
+        None if chosen is None else chosen.long().reshape(b * h, *chosen.shape[2:]).contiguous(),
     )  # fmt: skip
-    settings = (h, n, d, m, window, sinks, map_code, scale, headroom, bound)
+    picks = 0 if chosen is None else chosen.shape[-1]
+    settings = (h, n, d, m, window, sinks, map_code, picks, scale, headroom, bound)
     _launch(
         "lf_hybrid_bidirectional_forward",
         tensors,
         b * h,
         settings,
-        int64_at={11, 14, 15, 16, 25},
+        int64_at={11, 14, 15, 16, 25, 27},
         strided_at={0, 1, 2, 13},
     )
-    return out
+    return (out, log_norm) if lse else out

@@ -57,8 +57,8 @@ void pack_rows_t(const float* x, long xr, int rows, int K, float* dst) {
 }
 
 struct Row {  // one (batch, head) row's inputs
-  const float *q, *k, *v, *ell, *valid, *sink_k, *sink_v, *sink_valid;
-  const int64_t* sink_pos;
+  const float *q, *k, *v, *ell, *valid, *linear, *sink_k, *sink_v, *sink_valid;
+  const int64_t *sink_pos, *chosen;  // chosen: (nb, picks) key blocks per query block, -1 for none; or null
   long qr, kr, vr;  // the row strides of q, k, v
   float gamma;
 };
@@ -67,6 +67,7 @@ struct Scratch {
   float *sv, *sz, *fv, *fz;  // per key block: its sums; the suffix states of the query block
   float *pkt;                // per key block, phi_k^T (m x BLK), linear keys only (the others' columns 0)
   float *pre_v, *pre_z, *wv, *wz, *bpack, *xt, *pqt, *lt, *et, *lin, *lden, *num, *cm, *slog, *dw, *ut, *dots, *ellb;
+  float* sel;  // the chosen far blocks' logits, then weights, (keys x queries) per block
 };
 
 // Hedgehog's map, one block: x^T packed (d x BLK, from pack_rows_t) -> phi^T (m x BLK): u^T = W^T x^T + b (W^T read
@@ -175,8 +176,9 @@ void suffix_states(const Scratch& w, int d, int m, int nb, int side) {
 }
 
 // 3. one query block c: out rows t0 .. t0 + nq - 1
-void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w, float* out, long out_row, int c,
-                 int n, int d, int m, int nb, int side, int window, int sinks, float scale, float headroom) {
+void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w, float* out, long out_row, float* lse,
+                 int c, int n, int d, int m, int nb, int side, int window, int sinks, int picks, float scale,
+                 float headroom) {
   const long md = (long)m * d, mb = (long)m * BLK;
   const int t0 = c * BLK, nq = n - t0 < BLK ? n - t0 : BLK;
   pack_rows_t(r.q + t0 * r.qr, r.qr, nq, d, w.xt);  // q^T, K = d, N = BLK
@@ -196,6 +198,16 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
   // the keys outside the frame: phi_q (prefix + suffix)
   for (long i = 0; i < md; i++) w.wv[i] = w.pre_v[i] + w.fv[c * md + i];
   for (int i = 0; i < m; i++) w.wz[i] = w.pre_z[i] + w.fz[(long)c * m + i];
+  // the chosen far blocks leave the linear part: they lie outside the frame, so in the state, whose sums they
+  // give back (ops/far_blocks.py)
+  const int64_t* chosen = r.chosen ? r.chosen + (long)c * picks : nullptr;
+  for (int i = 0; chosen && i < picks; i++) {
+    if (chosen[i] < 0) continue;
+    const float* bv = w.sv + chosen[i] * md;
+    const float* bz = w.sz + chosen[i] * m;
+    for (long e = 0; e < md; e++) w.wv[e] -= bv[e];
+    for (int e = 0; e < m; e++) w.wz[e] -= bz[e];
+  }
   gemm(nq, d, m, w.pqt, 1, BLK, w.wv, d, 1, w.lin, d, false, w.bpack);
   {
     __m256 acc[BLK / 8];
@@ -262,6 +274,18 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
       _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), x));
     }
   }
+  // the chosen far blocks' exact logits (keys x queries), their linear keys' into the largest logit too
+  for (int i = 0; chosen && i < picks; i++) {
+    if (chosen[i] < 0) continue;
+    const int s0 = (int)chosen[i] * BLK, nk = n - s0 < BLK ? n - s0 : BLK;
+    float* block = w.sel + (long)i * BLK * BLK;
+    gemm_pb(nk, BLK, d, r.k + s0 * r.kr, r.kr, 1, w.xt, block, BLK, false);
+    for (int s = 0; s < nk; s++) {
+      if (r.linear[s0 + s] == 0.0f) continue;
+      for (int tg = 0; tg < BLK; tg += 8)
+        _mm256_storeu_ps(w.cm + tg, _mm256_max_ps(_mm256_loadu_ps(w.cm + tg), _mm256_loadu_ps(block + s * BLK + tg)));
+    }
+  }
   // c'_t into cm; the window's weights are exp(scale x - c'_t + log gamma) = 2^(x scale log2 e - shift_t), shift_t
   // in ut
   const float log2_gamma = r.gamma > 0.0f ? log2f(r.gamma) : -INFINITY;
@@ -295,6 +319,25 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
     }
   }
   gemm(nq, d, nf, w.lt, 1, BLK, r.v + f0 * r.vr, r.vr, 1, w.num, d, false, w.bpack);
+  for (int i = 0; chosen && i < picks; i++) {  // the chosen blocks' weights, as the window's
+    if (chosen[i] < 0) continue;
+    const int s0 = (int)chosen[i] * BLK, nk = n - s0 < BLK ? n - s0 : BLK;
+    float* block = w.sel + (long)i * BLK * BLK;
+    for (int s = 0; s < nk; s++) {
+      float* row = block + (long)s * BLK;
+      if (r.linear[s0 + s] == 0.0f) {  // padding or a sink: not a linear key, so not chosen
+        memset(row, 0, sizeof(float) * BLK);
+        continue;
+      }
+      for (int tg = 0; tg < BLK; tg += 8) {
+        const __m256 p =
+            exp2_ps_bounded(_mm256_fmsub_ps(_mm256_loadu_ps(row + tg), scale_l2e, _mm256_loadu_ps(w.ut + tg)));
+        _mm256_storeu_ps(row + tg, p);
+        _mm256_storeu_ps(w.dw + tg, _mm256_add_ps(_mm256_loadu_ps(w.dw + tg), p));
+      }
+    }
+    gemm(nq, d, nk, block, 1, BLK, r.v + s0 * r.vr, r.vr, 1, w.num, d, true, w.bpack);
+  }
   for (int tg = 0; tg < BLK; tg += 8) {  // the linear part's factor exp(l_t - c'_t), 1 without l
     const __m256 fl = ell ? exp2_ps(_mm256_mul_ps(
                                            _mm256_sub_ps(_mm256_loadu_ps(ell + tg), _mm256_loadu_ps(w.cm + tg)), l2e))
@@ -318,6 +361,7 @@ void query_block(const Row& r, const Maps& f, const float* pq, const Scratch& w,
     }
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;  // no real key: 0
     for (int e = 0; e < d; e++) o[e] = acc[e] * inv;
+    if (lse) lse[t0 + t] = den > 0.0f ? logf(den) + w.cm[t] : -INFINITY;  // the log normalizer at c_t = 0
   }
 }
 
@@ -332,6 +376,10 @@ extern "C" {
 // (heads, m / 2)); pq, pk then null. The learned log scales may
 // be made here too: with qa, qb ((heads, d), (heads)) l_t = q_t . qa_h + qb_h in place of ell; with ka, kb, phi_k
 // times exp(R tanh((k_s . ka_h + kb_h) / R)), R = bound (map 1 only).
+// chosen: (bh, nb, picks) int64 or null (picks 0): the key blocks of BLK each query block scores exactly (far
+// from its frame; -1 for none), whose sums leave its linear state (ops/far_blocks.py).
+// lse: (bh, n) or null: each query's log normalizer log(sum of its window, sink and linear scores) at c_t = 0, -inf
+// where it has no real key.
 // Rows b0 .. b1 - 1 of the bh. Returns 0, 1 for arguments it cannot take, 2 when out of memory.
 int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float* v, const float* pq, const float* pk,
                                     const float* ell, const float* gamma, const float* valid, const float* linear,
@@ -339,13 +387,15 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
                                     const float* sink_valid, float* out, const int64_t* qs, const int64_t* ks,
                                     const int64_t* vs, const float* wq, const float* bq, const float* wk,
                                     const float* bk, const float* qa, const float* qb,
-                                    const float* ka, const float* kb, const int64_t* os, int b0, int b1, int heads,
-                                    int n, int d, int m, int window, int sinks, int map_code, float scale,
-                                    float headroom, float bound) {
+                                    const float* ka, const float* kb, const int64_t* os, float* lse,
+                                    const int64_t* chosen, int b0, int b1, int heads,
+                                    int n, int d, int m, int window, int sinks, int map_code, int picks,
+                                    float scale, float headroom, float bound) {
   if (d % NR || m % NR || n <= 0 || heads <= 0 || window < 1 || sinks < 0 ||
       (sinks && (!sink_k || !sink_v || !sink_pos || !sink_valid)) || map_code < 0 || map_code > 1 ||
       (map_code == 0 && (!pq || !pk)) || (map_code == 1 && (!wq || !bq || !wk || !bk)) || (!qa != !qb) ||
-      (!ka != !kb) || (ka && map_code != 1) || (ka && !(bound > 0.0f)) || !(scale > 0.0f))
+      (!ka != !kb) || (ka && map_code != 1) || (ka && !(bound > 0.0f)) || !(scale > 0.0f) || picks < 0 ||
+      (picks && !chosen))
     return 1;
   const int nb = (n + BLK - 1) / BLK, side = (window - 1 + BLK - 1) / BLK;
   const int frame = (2 * side + 1) * BLK, hp = round_up(m / 2);
@@ -355,7 +405,8 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
   big += mb;  // phi_q^T packed for the edges' scores beside a B for their products
   const long sizes[] = {nb * md, (long)nb * m, nb * md, (long)nb * m, nb * mb, md, m, md, m, big, (long)d * BLK,
                         mb, (long)frame * BLK, (long)BLK * BLK, (long)BLK * d, BLK, (long)BLK * d, BLK,
-                        (long)BLK * (sinks > 0 ? sinks : 1), BLK, (long)hp * BLK, 2 * BLK, 3 * BLK};
+                        (long)BLK * (sinks > 0 ? sinks : 1), BLK, (long)hp * BLK, 2 * BLK, 3 * BLK,
+                        (long)(picks > 0 ? picks : 1) * BLK * BLK};
   constexpr int PARTS = sizeof(sizes) / sizeof(sizes[0]);
   long total = 0;
   for (long size : sizes) total += (size + 15) & ~15L;
@@ -366,7 +417,7 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
   for (int i = 0; i < PARTS; i++) parts[i] = take(cur, sizes[i]);
   const Scratch w{parts[0],  parts[1],  parts[2],  parts[3],  parts[4],  parts[5],  parts[6],  parts[7],
                   parts[8],  parts[9],  parts[10], parts[11], parts[12], parts[13], parts[14], parts[15],
-                  parts[16], parts[17], parts[18], parts[19], parts[20], parts[21], parts[22]};
+                  parts[16], parts[17], parts[18], parts[19], parts[20], parts[21], parts[22], parts[23]};
   for (int b = b0; b < b1; b++) {
     const long batch = b / heads, head = b % heads;
     const Row r{q + batch * qs[0] + head * qs[1],
@@ -374,10 +425,12 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
                 v + batch * vs[0] + head * vs[1],
                 ell ? ell + (long)b * n : nullptr,
                 valid + batch * n,
+                linear + batch * n,
                 sinks ? sink_k + (long)b * sinks * d : nullptr,
                 sinks ? sink_v + (long)b * sinks * d : nullptr,
                 sinks ? sink_valid + batch * sinks : nullptr,
                 sinks ? sink_pos + batch * sinks : nullptr,
+                picks ? chosen + (long)b * nb * picks : nullptr,
                 qs[2],
                 ks[2],
                 vs[2],
@@ -403,7 +456,7 @@ int lf_hybrid_bidirectional_forward(const float* q, const float* k, const float*
         for (int i = 0; i < m; i++) w.pre_z[i] += w.sz[(long)src * m + i];
       }
       query_block(r, f, map_code == 0 ? pq + (long)b * n * m : nullptr, w, out + batch * os[0] + head * os[1], os[2],
-                  c, n, d, m, nb, side, window, sinks, scale, headroom);
+                  lse ? lse + (long)b * n : nullptr, c, n, d, m, nb, side, window, sinks, picks, scale, headroom);
     }
   }
   free(scratch);
