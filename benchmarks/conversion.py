@@ -18,6 +18,8 @@ A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1
 original's attention in four of its six layers (benchmarks/attention_mass.py). "+scale" adds the learned log scale
 per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps;
 "+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps. "linformer-k64+window64+sink"
+"+far2x32": each block of 32 queries scores the 2 blocks of 32 far keys its mean query prefers exactly
+(hybrid_select_blocks=2, hybrid_select_block_size=32). "linformer-k64+window64+sink"
 is a Linformer whose heads take an exact window of 64 and [CLS] beside the k slots (LinformerConfig.hybrid_window).
 """
 
@@ -86,6 +88,12 @@ def settings(n: int) -> dict[str, tuple[str, dict, bool]]:
         "hedgehog+window64+sink+scale": ("performer", scaled, True),
         # and each key's features on a learned log scale of its own (hybrid_key_scale), trained with the maps
         "hedgehog+window64+sink+scale+keyscale": ("performer", {**scaled, "hybrid_key_scale": True}, True),
+        # and each block of 32 queries scoring the 2 far blocks of 32 keys it prefers exactly (hybrid_select_blocks)
+        "hedgehog+window64+sink+scale+keyscale+far2x32": (
+            "performer",
+            {**scaled, "hybrid_key_scale": True, "hybrid_select_blocks": 2, "hybrid_select_block_size": 32},
+            True,
+        ),
         f"linformer-k{n // 4}": ("linformer", {"projected_length": n // 4, "max_seq_length": n}, True),
         # half the heads local (window n / 2): the last six as converted, or the six most local (choose_local_heads)
         f"linformer-k{n // 4}+local6-last": (

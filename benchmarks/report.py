@@ -747,6 +747,13 @@ SECTIONS = [
         section_conversion,
     ),
     (
+        "conversion_far_blocks.json",
+        "Conversion: far blocks chosen per query block",
+        "The best setting with `hybrid_select_blocks=2, hybrid_select_block_size=32`: each block of 32 queries scores "
+        "the 2 blocks of 32 far keys its mean query prefers exactly, in the same steps.",
+        section_conversion,
+    ),
+    (
         "conversion_linformer_hybrid.json",
         "Conversion: a Linformer with a window",
         "`LinformerConfig(hybrid_window=64, hybrid_sinks=1)` at k = 64 = n / 4: the slots beside an exact window and "

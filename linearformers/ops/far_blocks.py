@@ -37,6 +37,8 @@ part they leave (their per-block sums, one product per chosen block),
 
 all taken at a common stabilizer, the largest of L_t, the chosen logits and ℓ_t - R (R as in :mod:`hybrid`).
 Λ_t is a part of the hybrid's own linear sum, so the difference is a sum over the keys left, up to rounding.
+With B = 32 the native CPU walk (_native/hybrid_bidirectional.cpp) computes the same within its own blocks: each
+query block's chosen blocks give back their sums from its linear state and take exact scores beside its window.
 Cost per query O(n / B d) for the block scores and O(K B (d + d_v) + m (d_v + 1)) for the chosen keys; memory
 O(n K (B + d + d_v)) per head, so linear in n at fixed K and B.
 """

@@ -53,6 +53,9 @@ takes the compiled walk of _native/hybrid_bidirectional.cpp instead, where it ca
 blocks, one (batch, head) row per thread), and :func:`hedgehog_hybrid_attention` has that walk make Hedgehog's
 features and the learned scales itself, a block at a time.
 
+Bidirectional, with ℓ, ``select_blocks`` K: each block of B queries also gives exact scores to the K blocks of B far
+keys its mean query prefers (:mod:`far_blocks`, where the definition and its cost are), in the same normalizer.
+
 Decoding keeps (S, z), the linear sums over keys that left the window, the last w - 1 keys, values and key
 features with their validity, and the sinks' keys and values with their validity and their distance from the
 newest token: memory per step is constant in the context length (:func:`hybrid_step`).
