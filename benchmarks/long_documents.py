@@ -133,6 +133,11 @@ def load(args: argparse.Namespace) -> tuple:
 
 def mean_pool(model, rows: list[list[int]], batch_size: int) -> torch.Tensor:
     """(len(rows), hidden) mean-pooled last hidden states of token rows (each already wrapped in [CLS] ... [SEP])."""
+    return torch.stack([states.mean(0) for states in last_hidden(model, rows, batch_size)])
+
+
+def last_hidden(model, rows: list[list[int]], batch_size: int) -> list[torch.Tensor]:
+    """Each token row's last hidden states (len(row), hidden), the rows run in padded batches."""
     out = []
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
@@ -144,8 +149,8 @@ def mean_pool(model, rows: list[list[int]], batch_size: int) -> torch.Tensor:
             mask[i, : len(row)] = 1
         with torch.no_grad():
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out.append((hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
-    return torch.cat(out)
+        out.extend(states[: len(row)] for states, row in zip(hidden, batch))
+    return out
 
 
 class Embedder:
@@ -270,12 +275,16 @@ def print_comparisons(comparisons: list[dict]) -> None:
         )  # fmt: skip
 
 
-def fidelity(embed: Embedder, tokens: list[list[int]], length: int = 256) -> float:
-    """Mean cosine between the original's and the converted model's embeddings of each document's first ``length``
-    tokens."""
-    texts = [full[: min(length, embed.body + 2) - 2] for full in tokens]
-    ours, theirs = embed("converted", texts), embed("original-truncated", texts)
-    return F.cosine_similarity(ours, theirs).mean().item()
+def fidelity(embed: Embedder, tokens: list[list[int]], length: int = 256) -> tuple[float, float]:
+    """On each document's first ``length`` tokens: the mean cosine between the original's and the converted model's
+    embeddings, and the relative error of the converted model's last hidden states, ||h' - h|| / ||h|| over every
+    real token (benchmarks/conversion.py's measure)."""
+    rows = [embed.wrap(full[: min(length, embed.body + 2) - 2]) for full in tokens]
+    ours = last_hidden(embed.converted, rows, embed.batch_size)
+    theirs = last_hidden(embed.original, rows, embed.batch_size)
+    cosine = F.cosine_similarity(torch.stack([h.mean(0) for h in ours]), torch.stack([h.mean(0) for h in theirs]))
+    error = (torch.cat(ours) - torch.cat(theirs)).norm() / torch.cat(theirs).norm()
+    return cosine.mean().item(), error.item()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -405,8 +414,8 @@ def run(args: argparse.Namespace) -> None:
     print("| length | method | passage top-1 | passage MRR | halves top-1 | halves MRR |\n|---|---|---|---|---|---|")
     rows, comparisons = measure(args, embed, tokens)
     print_comparisons(comparisons)
-    cosine = fidelity(embed, tokens)
-    print(f"\nshort-text fidelity: cosine to the original at 256 tokens {cosine:.4f}")
+    cosine, error = fidelity(embed, tokens)
+    print(f"\nshort-text fidelity at 256 tokens: cosine to the original {cosine:.4f}, hidden-state error {error:.4f}")
     longest = max(args.lengths)
     timing = []
     for method in ("converted", "original-chunked"):
@@ -428,6 +437,7 @@ def run(args: argparse.Namespace) -> None:
         "rows": rows,
         "paired": comparisons,
         "fidelity_cosine_256": cosine,
+        "fidelity_error_256": error,
         "timing": timing,
     }
     out.write_text(json.dumps(result, indent=2))
