@@ -155,6 +155,28 @@ def test_export_loads_without_remote_code_when_the_package_is_installed(tokenize
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
+def test_export_of_a_hybrid_with_far_blocks_loads_with_remote_code(tokenizer_dir, tmp_path):
+    """The far-block choice (ops/far_blocks.py) travels with the exported code: the remote copy gives the outputs."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_config(
+        "performer", vocab_size=tokenizer.vocab_size, max_position_embeddings=128, feature_map="hedgehog",
+        hybrid_window=3, hybrid_sinks=1, hybrid_query_scale=True, hybrid_select_blocks=2, hybrid_select_block_size=2,
+    )  # fmt: skip
+    model = AutoModel.from_config(config).eval()
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+    assert (folder / "ops_far_blocks.py").exists()
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    done = _isolated_python(
+        script, str(folder), str(tmp_path / "cache"), "AutoModel", str(tmp_path / "out.pt"), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    remote = torch.load(tmp_path / "out.pt")
+    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    with torch.no_grad():
+        torch.testing.assert_close(remote["out"], model(remote["ids"])[0], rtol=1e-5, atol=1e-6)
+
+
 def test_export_folder_holds_weights_config_auto_map_tokenizer_card_and_code(tokenizer_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModelForCausalLM.from_config(tiny_config("performer", is_decoder=True, vocab_size=tokenizer.vocab_size))
