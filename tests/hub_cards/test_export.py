@@ -73,18 +73,25 @@ def _isolated_python(script: Path, *args: str, cwd: Path) -> subprocess.Complete
     )
 
 
-def assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path: Path) -> None:
-    """Export a causal LM with save_for_hub, load the folder with trust_remote_code in a process where the package
-    cannot be imported, and check the remote copy's logits and greedy generation against ``model``."""
-    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+def _load_remote(folder: Path, auto_name: str, tmp_path: Path) -> dict:
+    """LOADER's results for the exported ``folder`` loaded by ``auto_name`` with trust_remote_code in a process where
+    the package cannot be imported; checks that the remote code, not the package, was loaded."""
     script = tmp_path / "load.py"
     script.write_text(LOADER)
     done = _isolated_python(
-        script, str(folder), str(tmp_path / "cache"), "AutoModelForCausalLM", str(tmp_path / "out.pt"), cwd=tmp_path
+        script, str(folder), str(tmp_path / "cache"), auto_name, str(tmp_path / "out.pt"), cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     remote = torch.load(tmp_path / "out.pt")
     assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    return remote
+
+
+def assert_causal_lm_loads_as_remote_code(model, tokenizer, tmp_path: Path) -> None:
+    """Export a causal LM with save_for_hub, load the folder with trust_remote_code in a process where the package
+    cannot be imported, and check the remote copy's logits and greedy generation against ``model``."""
+    folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
+    remote = _load_remote(folder, "AutoModelForCausalLM", tmp_path)
     with torch.no_grad():
         local = model(remote["ids"], use_cache=False)
     torch.testing.assert_close(remote["out"], local[0], rtol=1e-5, atol=1e-6)
@@ -165,14 +172,7 @@ def test_export_of_a_hybrid_with_far_blocks_loads_with_remote_code(tokenizer_dir
     model = AutoModel.from_config(config).eval()
     folder = save_for_hub(model, tokenizer, tmp_path / "export", results={"accuracy": 0.5}, repo_id="me/tiny")
     assert (folder / "ops_far_blocks.py").exists()
-    script = tmp_path / "load.py"
-    script.write_text(LOADER)
-    done = _isolated_python(
-        script, str(folder), str(tmp_path / "cache"), "AutoModel", str(tmp_path / "out.pt"), cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    remote = torch.load(tmp_path / "out.pt")
-    assert remote["module"].startswith("transformers_modules"), "loaded the package instead of the remote code"
+    remote = _load_remote(folder, "AutoModel", tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(remote["out"], model(remote["ids"])[0], rtol=1e-5, atol=1e-6)
 
