@@ -849,7 +849,8 @@ SECTIONS = [
         "The 30-minute recipe with `--hybrid_select_blocks 2 --hybrid_select_block_size 32`: each block of 32 queries "
         "scores the 2 blocks of 32 far keys its mean query prefers exactly (`results/long_documents_far_blocks_"
         "conversion.txt`); the first three draws of the passages at 8192 tokens, against the chunked original on "
-        "the same 192 queries.",
+        "the same 192 queries. Two other jobs ran beside it (load average 4.5 at the end): its times are no "
+        "measure of speed.",
         section_long_documents,
     ),
     (
