@@ -755,7 +755,8 @@ SECTIONS = [
         "conversion_far_blocks.json",
         "Conversion: far blocks chosen per query block",
         "The best setting with `hybrid_select_blocks=2, hybrid_select_block_size=32`: each block of 32 queries scores "
-        "the 2 blocks of 32 far keys its mean query prefers exactly, in the same steps.",
+        "the 2 blocks of 32 far keys its mean query prefers exactly, in the same steps. Other jobs ran beside it "
+        "(up to two, a clean-clone suite among them): its times are no measure of speed.",
         section_conversion,
     ),
     (
