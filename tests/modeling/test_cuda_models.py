@@ -4,7 +4,6 @@ Every test here is marked ``cuda`` and skipped where no CUDA device is visible (
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, Trainer, TrainingArguments
 
 from tests.conftest import FAMILIES, tiny_config
@@ -21,11 +20,20 @@ VARIANTS = {
         "relu": {"feature_map": "relu"},
         "hedgehog": {"feature_map": "hedgehog"},
         "hybrid": {"feature_map": "hedgehog", "hybrid_window": 16, "hybrid_sinks": 1},
+        "far-blocks": {
+            "feature_map": "hedgehog",
+            "hybrid_window": 16,
+            "hybrid_sinks": 1,
+            "hybrid_query_scale": True,
+            "hybrid_select_blocks": 2,
+            "hybrid_select_block_size": 32,
+        },
     },
     "linformer": {"learned": {}, "hybrid": {"hybrid_window": 16, "hybrid_sinks": 1}},
 }
 CASES = [(family, name) for family in FAMILIES for name in VARIANTS[family]]
-DECODER_CASES = [case for case in CASES if case != ("linformer", "hybrid")]  # the Linformer hybrid is encoder-only
+# the Linformer hybrid and far-block selection are encoder-only
+DECODER_CASES = [case for case in CASES if case not in (("linformer", "hybrid"), ("performer", "far-blocks"))]
 
 
 def _config(family, variant, **overrides):
@@ -88,6 +96,8 @@ def test_cached_greedy_on_cuda_equals_recomputed_greedy(family, variant):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head", ["mlm", "clm"])
 def test_trainer_bf16_steps_on_cuda_lower_the_loss(family, head, tmp_path):
+    from datasets import Dataset  # here: the other CUDA tests run on a machine without it
+
     cls = AutoModelForCausalLM if head == "clm" else AutoModelForMaskedLM
     variant = "softmax" if family == "performer" else "learned"
     model = _model(cls, _config(family, variant, is_decoder=head == "clm")).train()

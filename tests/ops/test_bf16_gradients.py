@@ -59,7 +59,7 @@ def _hedgehog(q, k):
     return feature_map.double() if q.dtype == torch.float64 else feature_map
 
 
-def _hybrid(causal, sinks, features):
+def _hybrid(causal, sinks, features, select_blocks=0):
     def run(q, k, v):
         gamma = torch.tensor([1.0, 0.4], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         if features == "favor":
@@ -69,7 +69,8 @@ def _hybrid(causal, sinks, features):
             phi_q, phi_k, ell = feature_map(q, is_query=True), feature_map(k, is_query=False), None
         gamma = gamma.to(q.device)
         return hybrid_attention(
-            q, k, v, phi_q, phi_k, gamma, WINDOW, causal=causal, query_log_scale=ell, sinks=sinks
+            q, k, v, phi_q, phi_k, gamma, WINDOW, causal=causal, query_log_scale=ell, sinks=sinks,
+            select_blocks=select_blocks,
         )  # fmt: skip
 
     return run
@@ -116,6 +117,7 @@ KERNELS = {
     "hybrid-favor-bidirectional-sinks": _hybrid(False, 2, "favor"),
     "hybrid-favor-causal-sinks": _hybrid(True, 2, "favor"),
     "hybrid-hedgehog-bidirectional-sinks": _hybrid(False, 2, "hedgehog"),
+    "hybrid-favor-bidirectional-far-blocks": _hybrid(False, 2, "favor", select_blocks=2),
     "hybrid-hedgehog-causal": _hybrid(True, 0, "hedgehog"),
     "linformer": lambda q, k, v: linformer_attention(q, k, v, _projection(q)),
     "linformer-causal": lambda q, k, v: causal_linformer_attention(q, k, v, _projection(q), chunk_size=64),
