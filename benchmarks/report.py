@@ -610,11 +610,23 @@ def section_long_document_speed(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
     body = [
-        [row["method"], f"{row['seconds']:.3f}", ", ".join(f"{t:.3f}" for t in row["times"]), _added_mb(row)]
+        [row["method"], f"{row['seconds']:.4f}", ", ".join(f"{t:.4f}" for t in row["times"]), _added_mb(row)]
         for row in data["rows"]
     ]
+    where = (
+        f"{settings['device']}, {settings['dtype']}"
+        if settings.get("device", "cpu") != "cpu"
+        else f"{settings['threads']} thread(s)"
+    )
+    far = settings.get("select_blocks") or 0
+    model = (
+        f"the model of `{settings['model_dir']}`"
+        if settings.get("model_dir")
+        else "converted without transfer"
+        + (f", far blocks {far} x {settings['select_block_size']}" if far else ", no far blocks")
+    )
     return [
-        f"{settings['threads']} thread(s), chunks in batches of {settings['batch_size']}; load average (1, 5, 15 min) "
+        f"{where}, {model}; chunks in batches of {settings['batch_size']}; load average (1, 5, 15 min) "
         f"{', '.join(f'{x:.2f}' for x in data['load_before'])} before the timed pairs, "
         f"{', '.join(f'{x:.2f}' for x in data['load_after'])} after.",
         "",
@@ -872,6 +884,13 @@ SECTIONS = [
         section_long_document_speed,
     ),
     (
+        "long_documents_far_blocks_speed.json",
+        "Conversion: long documents, the model with far blocks, paired timing",
+        "`long_documents.py --speed` on the 30-minute recipe's model with far blocks (2 x 32), 2 threads, alone on "
+        "the slower machine of 2 cores.",
+        section_long_document_speed,
+    ),
+    (
         "long_documents_speed_2threads.json",
         "Conversion: long documents, paired timing on two threads",
         "The same paired timing with `--threads 2`.",
@@ -927,6 +946,8 @@ def benchmarks_readme(results: Path = RESULTS) -> str:
                 if path.name == "triton_sweep.json"
                 else section_host_time
                 if path.name.startswith("host_time")
+                else section_long_document_speed
+                if path.name.startswith("long_documents")
                 else section_gpu
             )
             lines += [f"### `results/{path.parent.name}/{path.name}`", "", *section(path), ""]
