@@ -267,8 +267,9 @@ def long_attention_transfer(
     after them and it has no "calibrated" column.
 
     With ``args.finetune_long_steps``, ``long_input_ids`` (blocks, N) are blocks of the model's full length (no
-    padding), at least two: after stage 2, each step's loss is stage 2's on one of them plus stage 2's on a batch of
-    ``input_ids``. The first long block and the blocks stage 2 holds out measure that loss before and after."""
+    padding), at least two: after stage 2, each step's loss is stage 2's on one of them plus
+    ``args.finetune_long_short_weight`` times stage 2's on a batch of ``input_ids``. The first long block and the
+    blocks stage 2 holds out measure that loss before and after."""
     args = TransferArguments() if args is None else args
     if not isinstance(args, TransferArguments):
         raise TypeError(f"args must be TransferArguments, got {type(args).__name__}")
@@ -316,7 +317,7 @@ def _check_long_blocks(model: PreTrainedModel, ids: object, attention_mask: torc
 
 def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArguments, report: TransferReport) -> None:
     """The long steps of :func:`long_attention_transfer`: every weight trains on stage 2's loss over one long block
-    plus a batch of ``ids``, at stage 2's rates; the report gets the loss on the first long block and on the held-out
+    plus ``args.finetune_long_short_weight`` times the loss over a batch of ``ids``, at stage 2's rates; the report gets the loss on the first long block and on the held-out
     short blocks ``eval_ids``, before and after. Flags, modes and the global RNG are left as they were."""
     device = next(model.parameters()).device
     long_ids, eval_ids, ids = (x.to(device) for x in (long_ids, eval_ids, ids))
@@ -332,12 +333,15 @@ def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArgume
         _batches(ids.shape[0], args.batch_size, generator),
     )
 
+    weight = args.finetune_long_short_weight
+
     def loss_of_step(step):
         index, batch = next(long_order), next(short_order)
         long, short = long_ids[index], ids[batch]
-        return _distillation_loss(model, teacher, long, torch.ones_like(long, dtype=torch.bool)) + _distillation_loss(
-            model, teacher, short, torch.ones_like(short, dtype=torch.bool)
-        )
+        loss = _distillation_loss(model, teacher, long, torch.ones_like(long, dtype=torch.bool))
+        if weight:
+            loss = loss + weight * _distillation_loss(model, teacher, short, torch.ones_like(short, dtype=torch.bool))
+        return loss
 
     try:
         model.eval()  # dropout off: the targets are the original's deterministic outputs

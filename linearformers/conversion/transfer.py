@@ -77,6 +77,9 @@ class TransferArguments:
             model's full length, the original reading it chunk by chunk, plus the same loss on a batch of the
             transfer blocks, every weight training at stage 2's rates. The long block teaches the far keys, the
             short batch holds the short-text fit that long blocks alone wear down (docs/conversion.md) (default 0).
+        finetune_long_short_weight: the weight of the short batch's loss in each long step, beside the long
+            block's at weight 1; the long block's loss is many times the short blocks' after stage 2, so at 1 its
+            gradient leads and the short-text fit drifts (default 1.0).
         lora_r: LoRA rank, with lora_alpha = 2 r (default 8).
         choose_local_heads: before stage 1, reorder each layer's heads so that its ``num_local_heads`` local heads
             are those whose original attention stays most inside ``local_window`` (:func:`choose_local_heads`, on
@@ -99,6 +102,7 @@ class TransferArguments:
     finetune_learning_rate: float = field(default=1e-4, metadata={"flag": "finetune_lr"})
     finetune_new_learning_rate: float | None = field(default=None, metadata={"flag": "finetune_new_lr"})
     finetune_long_steps: int = 0
+    finetune_long_short_weight: float = 1.0
     lora_r: int = 8
     choose_local_heads: bool = False
     calibrate_query_scale: bool = True
@@ -120,11 +124,14 @@ class TransferArguments:
         rates = ["learning_rate", "projection_learning_rate", "finetune_learning_rate"]
         if self.finetune_new_learning_rate is not None:
             rates.append("finetune_new_learning_rate")
-        for name in rates:
+        for name in [*rates, "finetune_long_short_weight"]:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"TransferArguments.{name} must be a number, got {type(value).__name__}")
-            if not (math.isfinite(value) and value > 0):
+            if name == "finetune_long_short_weight":
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(f"TransferArguments.{name} must be a finite number >= 0, got {value}")
+            elif not (math.isfinite(value) and value > 0):
                 raise ValueError(f"TransferArguments.{name} must be a finite number > 0, got {value}")
         if self.finetune not in FINETUNE_MODES:
             raise ValueError(

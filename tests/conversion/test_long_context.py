@@ -176,6 +176,38 @@ def test_long_steps_train_on_full_length_blocks_beside_the_short_ones_and_report
     assert model.training and flags == {name: p.requires_grad for name, p in model.named_parameters()}
 
 
+def test_the_short_batch_of_a_long_step_counts_with_its_weight(monkeypatch):
+    """finetune_long_short_weight w: a long step's loss is the long block's plus w times the short batch's (the same
+    blocks for every w, from the same seed and the same converted weights)."""
+    from linearformers.conversion import long_context
+
+    bert = tiny_bert()
+    first_loss = {}
+
+    def first_step(groups, steps, loss_of_step, label, progress):
+        with torch.no_grad():
+            first_loss[weight] = loss_of_step(0).item()
+        return [], 0.0
+
+    monkeypatch.setattr(long_context, "_train", first_step)
+    for weight in (0.0, 1.0, 3.0):
+        torch.manual_seed(0)
+        model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+        args = quick(steps=1, finetune_steps=1, finetune_long_steps=1, finetune_long_short_weight=weight)
+        long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
+    short = first_loss[1.0] - first_loss[0.0]
+    assert short > 0
+    assert first_loss[3.0] - first_loss[0.0] == pytest.approx(3 * short, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "weight, error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError)]
+)
+def test_a_bad_short_weight_of_the_long_steps_is_refused_by_name(weight, error):
+    with pytest.raises(error, match="finetune_long_short_weight"):
+        quick(finetune_long_steps=1, finetune_long_short_weight=weight)
+
+
 @pytest.mark.parametrize("source_training", [False, True], ids=["eval-source", "training-source"])
 def test_a_long_transfer_leaves_the_source_in_its_mode_and_a_second_run_repeats_the_first(source_training):
     """The chunk-wise teacher wraps the user's BERT: its mode is the BERT's, so restoring it after the long steps
