@@ -891,6 +891,14 @@ SECTIONS = [
         section_long_document_speed,
     ),
     (
+        "long_documents_30min_speed.json",
+        "Conversion: long documents, the 30-minute recipe's model, paired timing",
+        "The same paired timing on the 30-minute recipe's model without far blocks, beside the one above. Run from a "
+        "tree whose uncommitted change was `long_documents.py`'s GPU options (`--device`, `--dtype`), which leave "
+        "its CPU path as it was.",
+        section_long_document_speed,
+    ),
+    (
         "long_documents_speed_2threads.json",
         "Conversion: long documents, paired timing on two threads",
         "The same paired timing with `--threads 2`.",
