@@ -102,14 +102,15 @@ diag)
 long)
     # benchmarks/long_documents.py --speed on the GPU: one document embedded by a converted MiniLM (without and with
     # far blocks) and by the original over 512-token chunks, per dtype and length; ORIGINAL_DIR: the original's
-    # folder (weights, config, tokenizer) carried to the machine, which lacks the package that ships it
+    # folder (weights, config, tokenizer) carried to the machine, which lacks the package that ships it; LONG_ARGS
+    # (e.g. --compile) go to each run, LONG_TAG ends each result's name
     for run in ${LONG_RUNS:-float32:8192:0 float32:8192:2 bfloat16:8192:0 bfloat16:8192:2 bfloat16:32768:0 bfloat16:32768:2}; do
         IFS=: read -r dtype length blocks <<<"$run"
         stamp "long_documents.py --speed, $dtype, $length tokens, far blocks $blocks"
         timeout "${LONG_S:-120}" $PY benchmarks/long_documents.py --speed --device cuda --dtype "$dtype" \
             --lengths "$length" --select_blocks "$blocks" --batch_size 16 --repeats 10 \
-            --original_dir "${ORIGINAL_DIR:?names the original folder}" \
-            --out "$OUT/long_documents_gpu_${dtype}_${length}_far${blocks}.json" 2>&1 | grep -v "Loading weights"
+            --original_dir "${ORIGINAL_DIR:?names the original folder}" ${LONG_ARGS:-} \
+            --out "$OUT/long_documents_gpu_${dtype}_${length}_far${blocks}${LONG_TAG:-}.json" 2>&1 | grep -v "Loading weights"
     done
     ;;
 tests)

@@ -29,7 +29,8 @@ and the load average around them; then each method's added memory, as above. Nei
 so without --model_dir the original is converted by the conversion command's settings (docs/conversion.md), no
 transfer (--select_blocks K adds far-block selection, in blocks of --select_block_size). With --device cuda the
 models run on the GPU in --dtype, each time is taken between synchronizations, and the added memory is the CUDA
-allocator's peak during one embedding less what was allocated before it, in the same process.
+allocator's peak during one embedding less what was allocated before it, in the same process; --compile runs both
+models through torch.compile (the warm-up compiles them).
 
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
@@ -98,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--select_blocks", type=int, default=0, help="--speed without --model_dir: far blocks chosen per query block"
     )
     parser.add_argument("--select_block_size", type=int, default=32, help="their size, tokens (with --select_blocks)")
+    parser.add_argument("--compile", action="store_true", help="--speed: both models through torch.compile")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
         "--speed", action="store_true", help="paired timing alone: converted and original-chunked in turn, one process"
@@ -120,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
     if args.select_blocks and args.model_dir is not None:
         parser.error("--select_blocks applies to --speed without --model_dir (a converted model keeps its own)")
-    if (args.device != "cpu" or args.dtype != "float32") and not args.speed:
-        parser.error("--device and --dtype apply to --speed")
+    if (args.device != "cpu" or args.dtype != "float32" or args.compile) and not args.speed:
+        parser.error("--device, --dtype and --compile apply to --speed")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     return args
@@ -394,6 +396,9 @@ def speed(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     longest = max(args.lengths)
     tokenizer, original, converted = load(args)
+    config = converted.config
+    if args.compile:  # the warm-up below compiles every shape the timed calls take
+        original, converted = torch.compile(original), torch.compile(converted)
     embed = Embedder(tokenizer, original, converted, args.batch_size)
     text = tokenize(tokenizer, longest_modules(1), longest - 2)[0]
     methods = ("converted", "original-chunked")
@@ -417,8 +422,9 @@ def speed(args: argparse.Namespace) -> None:
         print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.4f} s of "
               f"{', '.join(f'{t:.4f}' for t in row['times'])}; {_added(row['added_mb'])}")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    names = ("batch_size", "repeats", "threads", "device", "dtype", "select_blocks", "select_block_size")
+    names = ("batch_size", "repeats", "threads", "device", "dtype", "select_blocks", "select_block_size", "compile")
     settings = {k: getattr(args, k) for k in names}
+    settings["converted_select_blocks"] = config.hybrid_select_blocks  # what the timed model holds
     result = {
         "header": finish_stamp(stamp),
         "settings": {**settings, "length": longest, "model_dir": args.model_dir},
@@ -441,9 +447,9 @@ def tokenize(tokenizer, paths: list[Path], tokens: int) -> list[list[int]]:
     return [ids[:tokens] for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
-def smoke_models(folder: Path, longest: int) -> tuple[str, str]:
-    """A tiny random BERT with all-MiniLM-L6-v2's vocabulary, and its conversion to ``longest`` tokens (no transfer),
-    saved under ``folder``; their folders."""
+def smoke_models(folder: Path, longest: int, select_blocks: int = 0, select_block_size: int = 32) -> tuple[str, str]:
+    """A tiny random BERT with all-MiniLM-L6-v2's vocabulary, and its conversion to ``longest`` tokens (no transfer;
+    ``select_blocks``: with far blocks, on the query scale they need), saved under ``folder``; their folders."""
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)
     bert = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=64, **SMOKE_BERT)).eval()
@@ -457,6 +463,13 @@ def smoke_models(folder: Path, longest: int) -> tuple[str, str]:
         num_features=16,
         hybrid_window=8,
         hybrid_sinks=1,
+        **(
+            dict(
+                hybrid_query_scale=True, hybrid_select_blocks=select_blocks, hybrid_select_block_size=select_block_size
+            )
+            if select_blocks
+            else {}
+        ),
     )
     converted.save_pretrained(folder / "converted")
     return str(folder / "original"), str(folder / "converted")
@@ -545,7 +558,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         if args.model_dir is None:
-            args.original_dir, args.model_dir = smoke_models(Path(folder), max(args.lengths))
+            args.original_dir, args.model_dir = smoke_models(
+                Path(folder), max(args.lengths), args.select_blocks, args.select_block_size
+            )
         measure_all(args)
 
 

@@ -64,6 +64,40 @@ def test_speed_mode_times_both_methods_in_turn_and_writes_their_medians(tmp_path
     assert "embed one 256-token document, converted: median" in done.stdout
 
 
+def test_speed_mode_runs_in_a_given_dtype_with_far_blocks_and_records_both(tmp_path):
+    out = tmp_path / "speed.json"
+    arguments = ["--dtype", "bfloat16", "--select_blocks", "1", "--select_block_size", "8", "--repeats", "1"]
+    run_script(SCRIPT, "--smoke", "--speed", "--threads", "1", *arguments, "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["method"] for row in result["rows"]] == ["converted", "original-chunked"]
+    settings = result["settings"]
+    assert (settings["device"], settings["dtype"], settings["select_blocks"], settings["select_block_size"]) == (
+        "cpu",
+        "bfloat16",
+        1,
+        8,
+    )
+    assert settings["converted_select_blocks"] == 1  # what the timed model's config held
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--speed", "--model_dir", "m", "--select_blocks", "2"], "a converted model keeps its own"),
+        (["--model_dir", "m", "--device", "cuda"], "apply to --speed"),
+        (["--model_dir", "m", "--dtype", "bfloat16"], "apply to --speed"),
+        (["--model_dir", "m", "--compile"], "apply to --speed"),
+        (["--speed", "--select_blocks", "-1"], "--select_blocks must be at least 0"),
+        (["--speed", "--select_block_size", "0"], "--select_block_size must be at least 1"),
+    ],
+)
+def test_bad_speed_options_are_refused_by_name(arguments, message, capsys):
+    script = load_script(SCRIPT)
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_original_chunked_weights_each_chunk_by_its_tokens():
     """A document of one full chunk and a 2-token tail embeds as the mean of every token state of both chunks, not
     as the mean of the two chunk embeddings (which would give the tail half the weight)."""
