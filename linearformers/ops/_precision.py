@@ -45,6 +45,10 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
+# R of the hybrid (ops/hybrid.py's docstring): the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far
+# inside float32 even times sums over a million keys of features up to a thousand
+LOG_SCALE_HEADROOM = 50.0
+
 
 def _device_type(args, kwargs) -> str | None:
     for value in (*args, *kwargs.values()):

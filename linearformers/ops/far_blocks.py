@@ -48,8 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# R of hybrid: the most a linear factor exp(ℓ_t - m_t) may reach
-_LOG_SCALE_HEADROOM = 50.0
+from ._precision import LOG_SCALE_HEADROOM
 
 
 def far_gap(window: int, block: int) -> int:
@@ -138,7 +137,7 @@ def add_far_blocks(
     ell = in_blocks(query_log_scale[..., None])
     prior = in_blocks(log_norm)
     top = torch.maximum(prior, logits.amax(-1, keepdim=True))
-    top = torch.maximum(top, ell - _LOG_SCALE_HEADROOM)
+    top = torch.maximum(top, ell - LOG_SCALE_HEADROOM)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weight = torch.exp(prior - top)  # 0 where the hybrid saw no real key
     exact = torch.exp(logits - top)

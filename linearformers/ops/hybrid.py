@@ -74,7 +74,7 @@ from torch.utils.checkpoint import checkpoint
 from ._checks import check_mask, check_qkv, check_window_sinks_gamma
 from ._native import HYBRID_BLOCK, hybrid_bidirectional_forward
 from ._native import available as native_available
-from ._precision import outside_autocast
+from ._precision import LOG_SCALE_HEADROOM, outside_autocast
 from ._triton_hybrid import refusal as _kernel_refusal
 from ._triton_hybrid import triton_causal_hybrid
 from .backends import native_walk_enabled, triton_refusal
@@ -85,10 +85,6 @@ HYBRID_BACKENDS = ("chunked", "native", "triton")  # what hybrid_attention may n
 # ATen's fused softmax attention on the CPU, (out, logsumexp) of q (B, H, L, E) against k, v (B, H, S, E) with an
 # additive mask broadcast over B and H; it reads strided views (the frames) in place
 _FUSED_SOFTMAX = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-# R of the module docstring: the most the linear factor exp(ℓ_t - c'_t) may reach, e^50, far inside float32 even
-# times sums over a million keys of features up to a thousand
-_LOG_SCALE_HEADROOM = 50.0
 
 # the most bytes of window scores one pass of the CPU core makes: glibc serves an allocation above its mmap
 # threshold (which it raises by itself to at most 32 MB) from a fresh mapping and unmaps it when freed, so a step
@@ -276,7 +272,7 @@ def _window_pass(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma, sink, win
         c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # no real key in the window: a = 0 anyway
     if ell is not None:
-        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, cancels
+        c = torch.maximum(c, ell - LOG_SCALE_HEADROOM)  # c'_t (module docstring): a per-query factor, cancels
         pqb = pqb * torch.exp(ell - c)  # <= e^R: scales the in-frame linear scores and the block states alike
     g = gamma.to(qb.dtype)[None, :, None, None, None]
     scores = g * torch.exp(logits - c)
@@ -308,7 +304,7 @@ def _window_pass_untracked(qb, pqb, kf, vf, pkf, win, lin, t, ell, state, gamma,
         c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     if ell is not None:
-        c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
+        c = torch.maximum(c, ell - LOG_SCALE_HEADROOM)
         pqb = pqb * torch.exp(ell - c)
     if c_out is not None:
         c_out.copy_(c)
@@ -356,7 +352,7 @@ def _window_pass_fused(qb, pqb, pkf, vf, lin, t, ell, state, gamma, sink, window
         sink_logits = _sink_logits(qb, t, sink, window, causal)
         c = torch.maximum(c, sink_logits.amax(-1, keepdim=True))
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-    c = torch.maximum(c, ell - _LOG_SCALE_HEADROOM)
+    c = torch.maximum(c, ell - LOG_SCALE_HEADROOM)
     pqb = pqb * torch.exp(ell - c)
     if c_out is not None:
         c_out.copy_(c)
@@ -762,7 +758,7 @@ def hybrid_attention(
             query_log_scale=query_log_scale, scale=scale,
         )  # fmt: skip
     elif select_blocks:  # bidirectional: no state, p = 0; the hybrid's output and normalizer, then the far blocks
-        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, _LOG_SCALE_HEADROOM)
+        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, LOG_SCALE_HEADROOM)
         if chosen == "native" and select_block_size == HYBRID_BLOCK:  # the walk scores its choice itself
             picked = _far_block_choice(qc, kc, valid, linear, window, select_blocks)
             return hybrid_bidirectional_forward(*args, chosen=picked).to(v.dtype)
@@ -775,7 +771,7 @@ def hybrid_attention(
         args = (qc, kc, vc, pqc, pkc, gamma.to(dtype), ell, valid, linear, window, select_blocks, select_block_size)
         out = add_far_blocks(out, log_norm, *args, scale).to(v.dtype)
     elif chosen == "native":  # bidirectional: no state, p = 0
-        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, _LOG_SCALE_HEADROOM)
+        args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, LOG_SCALE_HEADROOM)
         out = hybrid_bidirectional_forward(*args).to(v.dtype)
     else:
         out = _hybrid_core(qc, kc, vc, pqc, pkc, gamma, window, causal, valid, linear, scale, base, ell, sink)
@@ -876,7 +872,7 @@ def hedgehog_hybrid_attention(
     qc, kc, vc = (x.float() for x in (q, k, v))
     is_sink, sink = _sinks(kc, vc, valid, sinks, 0, None)
     scale = d**-0.5 if scale is None else scale
-    args = (qc, kc, vc, None, None, None, gamma, valid, valid & ~is_sink, sink, window, scale, _LOG_SCALE_HEADROOM)
+    args = (qc, kc, vc, None, None, None, gamma, valid, valid & ~is_sink, sink, window, scale, LOG_SCALE_HEADROOM)
     forms = {"query_form": query_scale, "key_form": key_scale, "bound": float(key_scale_bound)}
     if select_blocks:
         forms["chosen"] = _far_block_choice(qc, kc, valid, valid & ~is_sink, window, select_blocks)
