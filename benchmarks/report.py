@@ -533,6 +533,20 @@ def section_triton_sweep(path: Path) -> list[str]:
     ]
 
 
+def section_conversion_models(path: Path) -> list[str]:
+    """conversion.py --models: saved models measured on the held-out blocks."""
+    data = _read(path)
+    args = data["args"]
+    body = [[f"`{row['model_dir']}`", f"{row['error']:.4f}", f"{row['cosine']:.4f}"] for row in data["models"]]
+    return [
+        f"{args['eval_blocks']} held-out blocks of {args['block']} tokens.",
+        "",
+        *_table(["model", "hidden-state error", "cosine"], body),
+        "",
+        "Run: " + stamp_line(data.get("header")),
+    ]
+
+
 # -------------------------------------------------------------------------------------------------- long documents
 def _added_mb(row: dict) -> str:
     """The memory an embedding adds to its process with the models loaded (long_documents.py), "-" where the result
@@ -865,6 +879,23 @@ SECTIONS = [
         "the same 192 queries. Two other jobs ran beside it (load average 4.5 at the end): its times are no "
         "measure of speed.",
         section_long_documents,
+    ),
+    (
+        "long_documents_far_blocks_weighted_paired.json",
+        "Conversion: long documents, far blocks with the short batch weighted in the long steps",
+        "The 30-minute recipe with far blocks and `--finetune_long_short_weight 10`: each long step weighs the short "
+        "batch's loss ten times (`results/long_documents_far_blocks_weighted_conversion.txt`); the first three draws "
+        "of the passages at 8192 tokens, against the chunked original on the same 192 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models.json",
+        "Conversion: the long models at 256 tokens",
+        "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
+        "`/work/exp35/ict`: the 30-minute recipe; `/work/exp37/c`, `/work/exp37/ict`: with far blocks, after the "
+        "conversion and after the inverse cloze; `/work/exp39/c`, `/work/exp39/ict`: the same with "
+        "`--finetune_long_short_weight 10`.",
+        section_conversion_models,
     ),
     (
         "long_documents_30min_paired_2048.json",

