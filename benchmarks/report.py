@@ -623,8 +623,14 @@ def section_long_documents(path: Path) -> list[str]:
 def section_long_document_speed(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
+    digits = 3 if settings.get("device", "cpu") == "cpu" else 4  # a GPU's times are hundredths of a second
     body = [
-        [row["method"], f"{row['seconds']:.4f}", ", ".join(f"{t:.4f}" for t in row["times"]), _added_mb(row)]
+        [
+            row["method"],
+            f"{row['seconds']:.{digits}f}",
+            ", ".join(f"{t:.{digits}f}" for t in row["times"]),
+            _added_mb(row),
+        ]
         for row in data["rows"]
     ]
     where = (

@@ -121,6 +121,28 @@ def test_long_document_speed_table_has_each_method_its_median_its_times_and_the_
     assert "| converted | 1.250 | 1.000, 1.500 | 230 |" in page
     assert "| original-chunked | 1.500 | 1.500, 1.500 | - |" in page  # its memory worker failed
     assert "1.50, 1.25, 1.00 before the timed pairs, 2.00, 1.50, 1.00 after." in page
+    assert "2 thread(s), converted without transfer, no far blocks;" in page
+
+
+def test_long_document_speed_table_on_a_gpu_names_the_device_dtype_and_far_blocks(tmp_path):
+    settings = {"batch_size": 16, "repeats": 1, "threads": 2, "length": 8192, "model_dir": None}
+    settings.update(device="cuda", dtype="bfloat16", select_blocks=2, select_block_size=32)
+    data = {
+        "header": STAMP,
+        "settings": settings,
+        "load_before": [1.0, 1.0, 1.0],
+        "load_after": [1.0, 1.0, 1.0],
+        "rows": [
+            {"method": "converted", "length": 8192, "seconds": 0.04821, "times": [0.04821], "added_mb": 578.4},
+            {"method": "original-chunked", "length": 8192, "seconds": 0.01364, "times": [0.01364], "added_mb": 66.0},
+        ],
+    }
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "long_documents_gpu_bfloat16_8192_far2.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "### `results/h200/long_documents_gpu_bfloat16_8192_far2.json`" in page
+    assert "cuda, bfloat16, converted without transfer, far blocks 2 x 32;" in page
+    assert "| converted | 0.0482 | 0.0482 | 578 |" in page
 
 
 def test_long_documents_table_has_each_length_and_method_the_fidelity_and_the_timing(tmp_path):
