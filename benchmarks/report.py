@@ -900,7 +900,8 @@ SECTIONS = [
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
         "`/work/exp35/ict`: the 30-minute recipe; `/work/exp37/c`, `/work/exp37/ict`: with far blocks, after the "
         "conversion and after the inverse cloze; `/work/exp39/c`, `/work/exp39/ict`: the same with "
-        "`--finetune_long_short_weight 10`.",
+        "`--finetune_long_short_weight 10`; `/work/exp40/c`, `/work/exp40/ict`: with `--finetune_long_short_weight "
+        "30` and the inverse cloze's `--short_weight 30`.",
         section_conversion_models,
     ),
     (
