@@ -895,6 +895,14 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_far_blocks_weighted30_paired.json",
+        "Conversion: long documents, far blocks with both short weights at 30",
+        "The 30-minute recipe with far blocks, `--finetune_long_short_weight 30` and the inverse cloze's "
+        "`--short_weight 30` (`results/long_documents_far_blocks_weighted30_conversion.txt`); the first draw of the "
+        "passages at 8192 tokens only, against the chunked original on the same 64 queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
