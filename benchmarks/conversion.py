@@ -167,11 +167,22 @@ def main() -> None:
     )
     parser.add_argument("--settings", nargs="*", help="names of the settings to run (default: all)")
     parser.add_argument("--models", nargs="+", help="saved converted models to measure instead of the settings")
+    parser.add_argument(
+        "--select_blocks",
+        type=int,
+        nargs="+",
+        help="with --models: measure each model read with each of these far-block counts in place of its own "
+        "(from_pretrained(..., hybrid_select_blocks=K))",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "conversion.json"))
     args = parser.parse_args()
     if args.models and args.settings:
         parser.error("--models measures saved models and runs no setting: drop --settings")
+    if args.select_blocks and not args.models:
+        parser.error("--select_blocks applies to --models (a setting names its own)")
+    if any(k < 0 for k in args.select_blocks or []):
+        parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
     missing = [folder for folder in args.models or [] if not (Path(folder) / "config.json").is_file()]
     if missing:
         parser.error(f"--models: no config.json in {missing}")
@@ -263,10 +274,13 @@ def measure_saved(args: argparse.Namespace, stamp: dict, teacher_hidden: torch.T
     """--models: each saved model's error and cosine on the held-out blocks, printed and written to --out."""
     rows = []
     for folder in args.models:
-        model = AutoModel.from_pretrained(folder, dtype=torch.float32)
-        error, cosine = measure(model, teacher_hidden, eval_ids)
-        rows.append({"model_dir": folder, "error": error, "cosine": cosine})
-        print(f"{folder}: error {error:.4f}  cosine {cosine:.4f}", flush=True)
+        for blocks in args.select_blocks or [None]:
+            read = {} if blocks is None else {"hybrid_select_blocks": blocks}
+            model = AutoModel.from_pretrained(folder, dtype=torch.float32, **read)
+            error, cosine = measure(model, teacher_hidden, eval_ids)
+            held = getattr(model.config, "hybrid_select_blocks", 0)
+            rows.append({"model_dir": folder, "select_blocks": held, "error": error, "cosine": cosine})
+            print(f"{folder} (far blocks {held}): error {error:.4f}  cosine {cosine:.4f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"header": finish_stamp(stamp), "args": vars(args), "models": rows}, indent=2))
 

