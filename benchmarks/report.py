@@ -537,11 +537,17 @@ def section_conversion_models(path: Path) -> list[str]:
     """conversion.py --models: saved models measured on the held-out blocks."""
     data = _read(path)
     args = data["args"]
-    body = [[f"`{row['model_dir']}`", f"{row['error']:.4f}", f"{row['cosine']:.4f}"] for row in data["models"]]
+    read = any("select_blocks" in row for row in data["models"])  # each model read with far-block counts given
+    body = [
+        [f"`{row['model_dir']}`", *([str(row["select_blocks"])] if read else []), f"{row['error']:.4f}",
+         f"{row['cosine']:.4f}"]
+        for row in data["models"]
+    ]  # fmt: skip
+    header = ["model", *(["read with far blocks"] if read else []), "hidden-state error", "cosine"]
     return [
         f"{args['eval_blocks']} held-out blocks of {args['block']} tokens.",
         "",
-        *_table(["model", "hidden-state error", "cosine"], body),
+        *_table(header, body),
         "",
         "Run: " + stamp_line(data.get("header")),
     ]
@@ -600,8 +606,10 @@ def section_long_documents(path: Path) -> list[str]:
         [row["method"], f"{row['seconds']:.3f}", _added_mb(row), f"{row['peak_mb']:.0f}"] for row in data["timing"]
     ]
     longest = max(settings["lengths"])
+    read = settings.get("select_blocks")
     return [
-        f"{settings['documents_used']} documents, passages of {settings['passage']} tokens.",
+        f"{settings['documents_used']} documents, passages of {settings['passage']} tokens"
+        + (f"; the converted model read with far blocks {read}." if read is not None else "."),
         "",
         *_table(header, body),
         "",
@@ -639,8 +647,9 @@ def section_long_document_speed(path: Path) -> list[str]:
         else f"{settings['threads']} thread(s)"
     )
     far = settings.get("select_blocks") or 0
+    held = settings.get("converted_select_blocks")
     model = (
-        f"the model of `{settings['model_dir']}`"
+        f"the model of `{settings['model_dir']}`" + (f", read with far blocks {held}" if held is not None else "")
         if settings.get("model_dir")
         else "converted without transfer"
         + (f", far blocks {far} x {settings['select_block_size']}" if far else ", no far blocks")
@@ -898,9 +907,25 @@ SECTIONS = [
         "long_documents_far_blocks_weighted30_paired.json",
         "Conversion: long documents, far blocks with both short weights at 30",
         "The 30-minute recipe with far blocks, `--finetune_long_short_weight 30` and the inverse cloze's "
-        "`--short_weight 30` (`results/long_documents_far_blocks_weighted30_conversion.txt`); the first draw of the "
-        "passages at 8192 tokens only, against the chunked original on the same 64 queries.",
+        "`--short_weight 30` (`results/long_documents_far_blocks_weighted30_conversion.txt`); the first three draws "
+        "of the passages at 8192 tokens, against the chunked original on the same 192 queries.",
         section_long_documents,
+    ),
+    (
+        "long_documents_far_blocks_weighted30_read4_paired.json",
+        "Conversion: long documents, the same model read with 4 far blocks",
+        "The model above read with 4 far blocks of 32 in place of its 2 (`--select_blocks 4`); the same three draws "
+        "of the passages at 8192 tokens, against the chunked original on the same 192 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models_read_far_blocks.json",
+        "Conversion: the 30-minute models read with more far blocks",
+        "`conversion.py --models ... --select_blocks 0 2 3 4`: the 30-minute recipe's model (`/work/exp35/ict`, "
+        "trained without far blocks) and the one with far blocks and both short weights at 30 (`/work/exp40/ict`, "
+        "trained with 2), each read with 0, 2, 3 and 4 far blocks of 32 (`from_pretrained(..., "
+        "hybrid_select_blocks=K)`) on the 256-token conversion's held-out blocks.",
+        section_conversion_models,
     ),
     (
         "conversion_long_models.json",
@@ -934,6 +959,21 @@ SECTIONS = [
         "Conversion: long documents, the model with far blocks, paired timing",
         "`long_documents.py --speed` on the 30-minute recipe's model with far blocks (2 x 32), 2 threads, alone on "
         "the slower machine of 2 cores.",
+        section_long_document_speed,
+    ),
+    (
+        "long_documents_far_blocks_weighted30_speed.json",
+        "Conversion: long documents, far blocks with both short weights at 30, paired timing",
+        "`long_documents.py --speed` on the model with far blocks and both short weights at 30 (2 x 32, its own), 2 "
+        "threads, alone on the slower machine of 2 cores; the far blocks chosen by the contraction that reads q and "
+        "k in place.",
+        section_long_document_speed,
+    ),
+    (
+        "long_documents_far_blocks_weighted30_read4_speed.json",
+        "Conversion: long documents, the same model read with 4 far blocks, paired timing",
+        "The same paired timing with `--select_blocks 4`: the model read with 4 far blocks of 32 in place of its 2, "
+        "run after the one above.",
         section_long_document_speed,
     ),
     (

@@ -202,3 +202,25 @@ def test_long_documents_table_gives_the_paired_comparison_where_the_result_has_i
     del data["paired"]  # a result from before the comparison: no table, no failure
     (tmp_path / "long_documents.json").write_text(json.dumps(data))
     assert "Paired, on the same queries" not in report.benchmarks_readme(tmp_path)
+
+
+def test_a_saved_model_read_with_far_blocks_says_so_in_its_speed_table(tmp_path):
+    settings = {"batch_size": 4, "repeats": 1, "threads": 2, "length": 8192, "model_dir": "/models/long"}
+    settings.update(select_blocks=4, select_block_size=None, converted_select_blocks=4)
+    row = {"method": "converted", "length": 8192, "seconds": 2.0, "times": [2.0], "added_mb": 72.0}
+    data = {"header": STAMP, "settings": settings, "load_before": [1.0] * 3, "load_after": [1.0] * 3, "rows": [row]}
+    (tmp_path / "long_documents_far_blocks_weighted30_read4_speed.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "2 thread(s), the model of `/models/long`, read with far blocks 4; chunks in batches of 4;" in page
+
+
+def test_saved_models_read_with_far_blocks_get_a_column_for_the_count(tmp_path):
+    rows = [
+        {"model_dir": "/models/long", "select_blocks": 0, "error": 0.25, "cosine": 0.975},
+        {"model_dir": "/models/long", "select_blocks": 4, "error": 0.09375, "cosine": 0.995},
+    ]
+    data = {"header": STAMP, "args": {"eval_blocks": 8, "block": 256}, "models": rows}
+    (tmp_path / "conversion_long_models_read_far_blocks.json").write_text(json.dumps(data))
+    page = report.benchmarks_readme(tmp_path)
+    assert "| model | read with far blocks | hidden-state error | cosine |" in page
+    assert "| `/models/long` | 4 | 0.0938 | 0.9950 |" in page
