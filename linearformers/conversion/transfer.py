@@ -124,15 +124,9 @@ class TransferArguments:
         rates = ["learning_rate", "projection_learning_rate", "finetune_learning_rate"]
         if self.finetune_new_learning_rate is not None:
             rates.append("finetune_new_learning_rate")
-        for name in [*rates, "finetune_long_short_weight"]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"TransferArguments.{name} must be a number, got {type(value).__name__}")
-            if name == "finetune_long_short_weight":
-                if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(f"TransferArguments.{name} must be a finite number >= 0, got {value}")
-            elif not (math.isfinite(value) and value > 0):
-                raise ValueError(f"TransferArguments.{name} must be a finite number > 0, got {value}")
+        for name in rates:
+            _check_number(name, getattr(self, name), positive=True)
+        _check_number("finetune_long_short_weight", self.finetune_long_short_weight, positive=False)
         if self.finetune not in FINETUNE_MODES:
             raise ValueError(
                 f"TransferArguments.finetune must be one of {', '.join(map(repr, FINETUNE_MODES))}, got "
@@ -141,6 +135,14 @@ class TransferArguments:
         for name in ("progress", "choose_local_heads", "calibrate_query_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TransferArguments.{name} must be True or False, got {getattr(self, name)!r}")
+
+
+def _check_number(name: str, value: object, positive: bool) -> None:
+    """A finite int or float, > 0 where ``positive``, else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"TransferArguments.{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"TransferArguments.{name} must be a finite number {'>' if positive else '>='} 0, got {value}")
 
 
 def _check_int(name: str, value: object, low: int | None) -> None:
