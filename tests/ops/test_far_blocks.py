@@ -181,7 +181,7 @@ def test_choices_lie_beyond_every_window_and_hold_linear_keys():
     assert far_gap(window, size) == 3  # |i - j| 4 - 3 >= 6 first at |i - j| = 3
 
 
-def test_choices_read_the_models_strided_layout_as_a_contiguous_copy():
+def test_choices_from_the_models_strided_views_equal_those_from_contiguous_copies():
     # q and k as the model hands them: views (b, h, n, d) of one (b, n, 3 h d) projection; 45 leaves a block part
     # filled, and padding and a sink leave blocks part linear
     n, window, size = 45, 6, 4
