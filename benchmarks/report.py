@@ -919,6 +919,14 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_30min_read2_paired.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 2 far blocks",
+        "The 30-minute recipe's model, trained without far blocks, read with 2 far blocks of 32 (`--select_blocks "
+        "2`); the first three draws of the passages at 8192 tokens, against the chunked original on the same 192 "
+        "queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models_read_far_blocks.json",
         "Conversion: the 30-minute models read with more far blocks",
         "`conversion.py --models ... --select_blocks 0 2 3 4`: the 30-minute recipe's model (`/work/exp35/ict`, "
@@ -974,6 +982,12 @@ SECTIONS = [
         "Conversion: long documents, the same model read with 4 far blocks, paired timing",
         "The same paired timing with `--select_blocks 4`: the model read with 4 far blocks of 32 in place of its 2, "
         "run after the one above.",
+        section_long_document_speed,
+    ),
+    (
+        "long_documents_30min_read2_speed.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 2 far blocks, paired timing",
+        "The same paired timing on the 30-minute recipe's model read with 2 far blocks of 32 (`--select_blocks 2`).",
         section_long_document_speed,
     ),
     (
