@@ -163,10 +163,6 @@ def load(args: argparse.Namespace) -> tuple:
         if getattr(args, name) is not None
     }
     if args.model_dir is None:
-        if selection.get("hybrid_select_blocks"):
-            selection.setdefault("hybrid_select_block_size", 32)
-        else:
-            selection = {}
         converted, _ = convert_bert(original, "performer", max_length=max(args.lengths), **CONVERSION, **selection)
     else:  # a config field given to from_pretrained replaces the saved one
         converted = AutoModel.from_pretrained(args.model_dir, dtype=torch.float32, **selection)
