@@ -77,6 +77,9 @@ from ._native import available as native_available
 from ._precision import LOG_SCALE_HEADROOM, outside_autocast
 from ._triton_hybrid import refusal as _kernel_refusal
 from ._triton_hybrid import triton_causal_hybrid
+from ._triton_hybrid_bidirectional import block_size as _bidirectional_block
+from ._triton_hybrid_bidirectional import refusal as _bidirectional_refusal
+from ._triton_hybrid_bidirectional import triton_bidirectional_hybrid
 from .backends import native_walk_enabled, triton_refusal
 from .far_blocks import add_far_blocks, choose_far_blocks
 
@@ -167,10 +170,10 @@ def _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks):
         raise ValueError("query_log_scale must be finite")
 
 
-def _far_block_choice(q, k, valid, linear, window, blocks) -> torch.Tensor:
-    """The native walk's ``chosen``: the far blocks of HYBRID_BLOCK keys each query block takes (b, h, nb, K),
-    -1 where fewer lie far."""
-    index, real = choose_far_blocks(q, k, valid, linear, window, blocks, HYBRID_BLOCK)
+def _far_block_choice(q, k, valid, linear, window, blocks, block=HYBRID_BLOCK) -> torch.Tensor:
+    """The kernels' ``chosen``: the far blocks of ``block`` keys each query block takes (b, h, nb, K), -1 where
+    fewer lie far."""
+    index, real = choose_far_blocks(q, k, valid, linear, window, blocks, block)
     return torch.where(real, index, torch.full_like(index, -1))
 
 
@@ -192,8 +195,6 @@ def _check_selection(blocks, block_size, causal, query_log_scale, backend) -> No
             "select_blocks needs query_log_scale: the chosen keys' exact scores and the linear scores must lie on "
             "one scale (FAVOR+'s softmax features or a learned query scale)"
         )
-    if backend == "triton":
-        raise ValueError("select_blocks runs on the 'chunked' or 'native' backend, not 'triton' (causal only)")
 
 
 def _check_state(state, b, h, w, sinks, d, m, dv, dtype, device) -> HybridState:
@@ -607,9 +608,12 @@ def hybrid_backend(
     stateful: bool,
     tracked: bool = False,
     scale: float | None = None,
+    select_blocks: int = 0,
+    select_block_size: int = 32,
 ) -> str:
     """The backend a :func:`hybrid_attention` call takes: "chunked", "native" or "triton" (its ``backend``
-    argument); ``tracked``: whether autograd records the call; ``scale``: its logit scale."""
+    argument); ``tracked``: whether autograd records the call; ``scale``: its logit scale; ``select_blocks``,
+    ``select_block_size``: its far blocks."""
     if backend is not None and backend not in HYBRID_BACKENDS:
         raise ValueError(f"backend must be None or one of {HYBRID_BACKENDS} for hybrid attention, got {backend!r}")
     if backend == "chunked":
@@ -620,9 +624,11 @@ def hybrid_backend(
         if backend == "native" and reason:
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "chunked" if reason else "native"
-    reason = _kernel_refusal(window, sinks, causal, stateful) or triton_refusal(
-        v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k)
-    )
+    if causal:
+        reason = _kernel_refusal(window, sinks, causal, stateful)
+    else:
+        reason = _bidirectional_refusal(sinks, tracked, select_blocks, select_block_size)
+    reason = reason or triton_refusal(v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k))
     if backend == "triton":
         if reason:
             raise ValueError(f"backend='triton' cannot run this call: {reason}")
@@ -721,7 +727,10 @@ def hybrid_attention(
         x is not None and x.requires_grad for x in (q, k, v, phi_q, phi_k, gamma, query_log_scale)
     )
     stateful = initial_state is not None
-    chosen = hybrid_backend(backend, q, k, v, phi_q, phi_k, window, sinks, causal, stateful, tracked, scale)
+    chosen = hybrid_backend(
+        backend, q, k, v, phi_q, phi_k, window, sinks, causal, stateful, tracked, scale, select_blocks,
+        select_block_size,
+    )  # fmt: skip
     b, h, n, d = q.shape
     m, dv = phi_q.shape[-1], v.shape[-1]
     mask = check_mask(key_padding_mask, b, n)
@@ -749,7 +758,17 @@ def hybrid_attention(
         valid = torch.cat([past.valid, valid], 1)
     is_sink, sink = _sinks(kc, vc, new_valid, sinks, p, past)
     linear = valid & ~torch.cat([valid.new_zeros(b, p), is_sink], 1)
-    if chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
+    if chosen == "triton" and not causal:  # no state: p = 0; the kernel takes the inputs in their own dtypes
+        sink_pos = (
+            torch.zeros(b, 0, dtype=torch.long, device=q.device) if sink is None else torch.where(sink[3], sink[2], -1)
+        )
+        block = _bidirectional_block(select_blocks, select_block_size)
+        picked = _far_block_choice(qc, kc, valid, linear, window, select_blocks, block) if select_blocks else None
+        out = triton_bidirectional_hybrid(
+            q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
+            query_log_scale=query_log_scale, scale=scale, chosen=picked, block=block,
+        )  # fmt: skip
+    elif chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
         sink_pos = torch.zeros(b, 0, dtype=torch.long, device=q.device)
         if sink is not None:
             sink_pos = torch.where(sink[3], sink[2], -1)
