@@ -88,6 +88,47 @@ def block_sums(phi_k: torch.Tensor, v: torch.Tensor, linear: torch.Tensor, block
     return outside(sums), outside(z), sums.contiguous(), z.contiguous()
 
 
+_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor pq, Tensor pk, Tensor gamma, Tensor? ell, Tensor valid, Tensor linear, "
+    "Tensor sink_pos, Tensor chosen, int window, float scale, int block) -> Tensor"
+)
+
+
+def _forward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, chosen, window, scale, block):
+    """out (b, h, n, d) in v's dtype; valid, linear (b, n) float 0 / 1, sink_pos (b, MAX_SINKS) int32 (-1: none),
+    chosen (b·h, n / block, K) int32 (-1: none; (0,) for none chosen)."""
+    b, h, n, d = v.shape
+    xd, m = q.shape[-1], pq.shape[-1]
+    side = -(-(window - 1) // block)
+    out_s, out_z, sums, z = block_sums(pk, v, linear, block, side)
+    nb = out_z.shape[1]
+    picks = chosen.shape[-1] if chosen.dim() == 3 else 0
+    out = torch.empty_like(v)
+    ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
+
+    def p2(x):
+        return 1 << (x - 1).bit_length()
+
+    _kernel()[(b * h, nb)](
+        q, k, v, pq, pk, ell if ell is not None else out_z, gamma, valid, linear, sink_pos, out_s, out_z, sums, z,
+        chosen, out, n, h, window, side, scale, XD=xd, XDP=p2(xd), D=d, DP=p2(d), M=m, MP=p2(m), C=block,
+        SP=MAX_SINKS, PICKS=picks, HAS_ELL=ell is not None, OPS=ops, PREC="tf32" if ops == 1 else "ieee",
+        num_warps=8 if block >= 64 else 4, num_stages=1,
+    )  # fmt: skip
+    return out
+
+
+def _forward_fake(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, chosen, window, scale, block):
+    return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+# one custom op: torch.compile keeps the kernel and its host-side sums whole
+_forward_op = torch.library.custom_op(
+    "linearformers::triton_bidirectional_hybrid", _forward, mutates_args=(), schema=_SCHEMA
+)
+_forward_op.register_fake(_forward_fake)
+
+
 @outside_autocast
 def triton_bidirectional_hybrid(
     q, k, v, phi_q, phi_k, gamma, window, *, valid, linear, sink_pos, query_log_scale, scale, chosen=None, block=BLOCK
@@ -97,32 +138,17 @@ def triton_bidirectional_hybrid(
     keys that may join the linear part: not the sinks), sink_pos (b, S) int64 positions of the sinks (-1: none);
     chosen (b, h, n / block, K) int64 key blocks of ``block`` per query block (-1: none) or None. No gradients.
     Returns (b, h, n, d) in v's dtype."""
-    b, h, n, d = v.shape
-    xd, m = q.shape[-1], phi_q.shape[-1]
+    b = v.shape[0]
     q, k, v, phi_q, phi_k = (t.contiguous() for t in (q, k, v, phi_q, phi_k))
-    side = -(-(window - 1) // block)
-    out_s, out_z, sums, z = block_sums(phi_k, v, linear, block, side)
-    nb = out_z.shape[1]
-    picks = 0 if chosen is None else chosen.shape[-1]
     picked = (
-        chosen.to(torch.int32).reshape(b * h, nb, picks).contiguous()
-        if picks
-        else torch.zeros(1, dtype=torch.int32, device=v.device)
+        chosen.to(torch.int32).flatten(0, 1).contiguous()
+        if chosen is not None and chosen.shape[-1]
+        else torch.zeros(0, dtype=torch.int32, device=v.device)
     )
     pos = torch.full((b, MAX_SINKS), -1, dtype=torch.int32, device=v.device)
     pos[:, : sink_pos.shape[1]] = sink_pos.to(torch.int32)
     ell = None if query_log_scale is None else query_log_scale.contiguous()
-    out = torch.empty_like(v)
-    ops = (1 if v.device.type == "cuda" else 2) if v.dtype == torch.bfloat16 else 0
-
-    def p2(x):
-        return 1 << (x - 1).bit_length()
-
-    _kernel()[(b * h, nb)](
-        q, k, v, phi_q, phi_k, ell if ell is not None else out_z, gamma.contiguous(), valid.float().contiguous(),
-        linear.float().contiguous(), pos, out_s, out_z, sums, z, picked, out, n, h, int(window), side, float(scale),
-        XD=xd, XDP=p2(xd), D=d, DP=p2(d), M=m, MP=p2(m), C=block, SP=MAX_SINKS, PICKS=picks,
-        HAS_ELL=ell is not None, OPS=ops, PREC="tf32" if ops == 1 else "ieee", num_warps=8 if block >= 64 else 4,
-        num_stages=1,
+    return _forward_op(
+        q, k, v, phi_q, phi_k, gamma.contiguous(), ell, valid.float().contiguous(), linear.float().contiguous(), pos,
+        picked, int(window), float(scale), int(block),
     )  # fmt: skip
-    return out

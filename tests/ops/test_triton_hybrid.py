@@ -129,7 +129,6 @@ def test_the_backend_a_hybrid_call_takes_and_why_triton_refuses(monkeypatch):
         with pytest.raises(ValueError, match=match):
             hybrid_backend("triton", *args, window, sinks, causal, stateful)
 
-    refused("causal hybrid only", causal=False)
     refused("initial_state", stateful=True)
     refused("window must be at most 128", window=129)
     refused("at most 16 sinks", sinks=17)
@@ -154,7 +153,6 @@ def test_the_backend_a_hybrid_call_takes_and_why_triton_refuses(monkeypatch):
 def test_the_kernels_are_the_causal_hybrid_default_on_cuda():
     x = torch.zeros(1, 2, 8, 64, device="cuda")
     assert hybrid_backend(None, x, x, x, x, x, 64, 1, True, False) == "triton"
-    assert hybrid_backend(None, x, x, x, x, x, 64, 1, False, False) == "chunked"
     assert hybrid_backend(None, x, x, x, x, x, 64, 1, True, True) == "chunked"
 
 
