@@ -31,12 +31,15 @@ transfer (--select_blocks K adds far-block selection, in blocks of --select_bloc
 mode, --select_blocks K reads the model with K far blocks in place of its own. With --device cuda the
 models run on the GPU in --dtype, each time is taken between synchronizations, and the added memory is the CUDA
 allocator's peak during one embedding less what was allocated before it, in the same process; --compile runs both
-models through torch.compile (the warm-up compiles them).
+models through torch.compile (the warm-up compiles them). --unfused adds a third method, converted-unfused: the same
+converted model with the hybrid's chunked PyTorch core in place of its fused kernels (set_triton_kernels(False),
+set_native_walk(False)), so that one run shows what the fused bidirectional kernel (GPU) or walk (CPU) gains.
 
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
     python benchmarks/long_documents.py --speed --lengths 8192 --batch_size 16 --repeats 7   # paired timing alone
     python benchmarks/long_documents.py --speed --device cuda --dtype bfloat16 --lengths 8192   # the same on a GPU
+    python benchmarks/long_documents.py --speed --device cuda --dtype bfloat16 --lengths 8192 --unfused  # and unfused
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 
 import linearformers  # noqa: F401  (registers the Auto classes)
 from linearformers.conversion.convert import convert_bert
+from linearformers.ops import set_native_walk, set_triton_kernels
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = ("original-chunked", "original-truncated", "converted")
@@ -106,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--select_block_size", type=int, help="their size, tokens (default 32 in the conversion, else the model's own)"
     )
     parser.add_argument("--compile", action="store_true", help="--speed: both models through torch.compile")
+    parser.add_argument(
+        "--unfused", action="store_true", help="--speed: also the converted model on the hybrid's chunked core"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT and sizes: every code path in seconds")
     parser.add_argument(
         "--speed", action="store_true", help="paired timing alone: converted and original-chunked in turn, one process"
@@ -126,8 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.select_blocks is not None and args.select_blocks < 0:
         parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
-    if (args.device != "cpu" or args.dtype != "float32" or args.compile) and not args.speed:
-        parser.error("--device, --dtype and --compile apply to --speed")
+    if (args.device != "cpu" or args.dtype != "float32" or args.compile or args.unfused) and not args.speed:
+        parser.error("--device, --dtype, --compile and --unfused apply to --speed")
+    if args.unfused and args.compile:
+        parser.error("--unfused takes no --compile: a compiled model keeps the kernels it was traced with")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     return args
@@ -208,6 +217,13 @@ class Embedder:
         """(len(texts), hidden) embeddings of token lists by ``method``."""
         if method == "converted":
             return mean_pool(self.converted, [self.wrap(tokens) for tokens in texts], self.batch_size)
+        if method == "converted-unfused":  # the hybrid's chunked core: neither the Triton kernel nor the CPU walk
+            triton, native = set_triton_kernels(False), set_native_walk(False)
+            try:
+                return mean_pool(self.converted, [self.wrap(tokens) for tokens in texts], self.batch_size)
+            finally:
+                set_triton_kernels(triton)
+                set_native_walk(native)
         if method == "original-truncated":
             return mean_pool(self.original, [self.wrap(tokens[: self.body]) for tokens in texts], self.batch_size)
         rows = [[self.wrap(text[i : i + self.body]) for i in range(0, len(text), self.body)] for text in texts]
@@ -413,7 +429,7 @@ def speed(args: argparse.Namespace) -> None:
         original, converted = torch.compile(original), torch.compile(converted)
     embed = Embedder(tokenizer, original, converted, args.batch_size)
     text = tokenize(tokenizer, longest_modules(1), longest - 2)[0]
-    methods = ("converted", "original-chunked")
+    methods = ("converted", "original-chunked", *(("converted-unfused",) if args.unfused else ()))
     for method in methods:  # warm-up
         embed(method, [text])
     times = {method: [] for method in methods}
@@ -434,7 +450,8 @@ def speed(args: argparse.Namespace) -> None:
         print(f"embed one {row['length']}-token document, {row['method']}: median {row['seconds']:.4f} s of "
               f"{', '.join(f'{t:.4f}' for t in row['times'])}; {_added(row['added_mb'])}")  # fmt: skip
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    names = ("batch_size", "repeats", "threads", "device", "dtype", "select_blocks", "select_block_size", "compile")
+    names = ("batch_size", "repeats", "threads", "device", "dtype", "select_blocks", "select_block_size", "compile",
+             "unfused")  # fmt: skip
     settings = {k: getattr(args, k) for k in names}
     settings["converted_select_blocks"] = config.hybrid_select_blocks  # what the timed model holds
     result = {

@@ -67,11 +67,11 @@ def test_speed_mode_times_both_methods_in_turn_and_writes_their_medians(tmp_path
 def test_speed_mode_runs_in_a_given_dtype_with_far_blocks_and_records_both(tmp_path):
     out = tmp_path / "speed.json"
     arguments = ["--dtype", "bfloat16", "--select_blocks", "1", "--select_block_size", "8", "--repeats", "1"]
-    run_script(SCRIPT, "--smoke", "--speed", "--threads", "1", *arguments, "--out", str(out))
+    run_script(SCRIPT, "--smoke", "--speed", "--threads", "1", *arguments, "--unfused", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [row["method"] for row in result["rows"]] == ["converted", "original-chunked"]
+    assert [row["method"] for row in result["rows"]] == ["converted", "original-chunked", "converted-unfused"]
     settings = result["settings"]
-    want = {"device": "cpu", "dtype": "bfloat16", "select_blocks": 1, "select_block_size": 8}
+    want = {"device": "cpu", "dtype": "bfloat16", "select_blocks": 1, "select_block_size": 8, "unfused": True}
     assert {key: settings[key] for key in want} == want
     assert settings["converted_select_blocks"] == 1  # what the timed model's config held
 
@@ -85,9 +85,42 @@ def test_a_saved_model_is_read_with_the_far_blocks_asked_in_place_of_its_own(tmp
         assert (model.config.hybrid_select_blocks, model.config.hybrid_select_block_size) == (held, 8)
 
 
+def test_the_unfused_method_embeds_as_the_converted_model_and_leaves_the_kernels_switched_on(monkeypatch):
+    """converted-unfused: the same model on the chunked core in place of the CPU walk (which the converted method
+    takes: head_dim 16), the same embeddings within float32 rounding; the kernel switches are back on afterwards."""
+    from linearformers.conversion.convert import convert_bert
+    from linearformers.ops import hybrid as hybrid_module
+    from linearformers.ops import native_walk_enabled
+    from linearformers.ops.backends import triton_kernels_enabled
+
+    script = load_script(SCRIPT)
+    tokenizer = script.AutoTokenizer.from_pretrained(script.minilm_path())
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    original = BertModel(config).eval()
+    converted, _ = convert_bert(
+        original, "performer", max_length=160, feature_map="hedgehog", num_features=16, hybrid_window=8,
+        hybrid_sinks=1, hybrid_query_scale=True, hybrid_select_blocks=1, hybrid_select_block_size=32,
+    )  # fmt: skip
+    walks = []
+    walk = hybrid_module.hybrid_bidirectional_forward
+    monkeypatch.setattr(hybrid_module, "hybrid_bidirectional_forward", lambda *a, **k: walks.append(1) or walk(*a, **k))
+    embed = script.Embedder(tokenizer, original, converted.eval(), 2)
+    texts = [list(range(1005, 1150)), list(range(2007, 2090))]
+    fused = embed("converted", texts)
+    taken = len(walks)
+    unfused = embed("converted-unfused", texts)
+    assert taken > 0 and len(walks) == taken  # the walk ran for the first, not for the second
+    torch.testing.assert_close(unfused, fused, rtol=1e-4, atol=1e-5)
+    assert native_walk_enabled() and triton_kernels_enabled()
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
+        (["--model_dir", "m", "--unfused"], "apply to --speed"),
+        (["--speed", "--unfused", "--compile"], "--unfused takes no --compile"),
         (["--model_dir", "m", "--device", "cuda"], "apply to --speed"),
         (["--model_dir", "m", "--dtype", "bfloat16"], "apply to --speed"),
         (["--model_dir", "m", "--compile"], "apply to --speed"),
