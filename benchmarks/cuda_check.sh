@@ -106,7 +106,8 @@ long)
     # benchmarks/long_documents.py --speed on the GPU: one document embedded by a converted MiniLM (without and with
     # far blocks) and by the original over 512-token chunks, per dtype and length; ORIGINAL_DIR: the original's
     # folder (weights, config, tokenizer) carried to the machine, which lacks the package that ships it; LONG_ARGS
-    # (e.g. --compile) go to each run, LONG_TAG ends each result's name
+    # (e.g. --compile, or --unfused: the converted model on the chunked core as well) go to each run, LONG_TAG ends
+    # each result's name
     for run in ${LONG_RUNS:-float32:8192:0 float32:8192:2 bfloat16:8192:0 bfloat16:8192:2 bfloat16:32768:0 bfloat16:32768:2}; do
         IFS=: read -r dtype length blocks <<<"$run"
         stamp "long_documents.py --speed, $dtype, $length tokens, far blocks $blocks"

@@ -51,7 +51,8 @@ blocks alone; with ℓ in float32, ATen's fused softmax attention computes the w
 (outputs and log-sum-exps, no scores in memory), and the passes add the rest. Bidirectional inference on the CPU
 takes the compiled walk of _native/hybrid_bidirectional.cpp instead, where it can run (backend "native"; the same
 blocks, one (batch, head) row per thread), and :func:`hedgehog_hybrid_attention` has that walk make Hedgehog's
-features and the learned scales itself, a block at a time.
+features and the learned scales itself, a block at a time. Bidirectional inference on CUDA takes one Triton program
+per block of queries (:mod:`_triton_hybrid_bidirectional`, backend "triton").
 
 Bidirectional, with ℓ, ``select_blocks`` K: each block of B queries also gives exact scores to the K blocks of B far
 keys its mean query prefers (:mod:`far_blocks`, where the definition and its cost are), in the same normalizer.
@@ -705,15 +706,16 @@ def hybrid_attention(
             if in its window, and never the linear part (default 0).
         backend: None, "chunked" (this module's blocks, in PyTorch), "native" (_native/hybrid_bidirectional.cpp:
             bidirectional inference on the CPU, float32 math, head_dim = value dim and num_features multiples of
-            16, where autograd records nothing) or "triton" (:mod:`_triton_hybrid`: causal, window <= 128, up to
-            16 sinks, no initial_state; float32, bf16 or fp16). None takes "triton" on CUDA tensors where it can
+            16, where autograd records nothing) or "triton" (causal, :mod:`_triton_hybrid`: window <= 128, up to
+            16 sinks, no initial_state; bidirectional, :mod:`_triton_hybrid_bidirectional`: where autograd records
+            nothing, up to 16 sinks, far blocks of a power of two from 16 to 128; float32, bf16 or fp16). None takes "triton" on CUDA tensors where it can
             run (and :func:`backends.set_triton_kernels` leaves it on), "native" on CPU tensors where it can run
             (and :func:`backends.set_native_walk` leaves it on), else "chunked"; a named backend that cannot run
             raises a ValueError saying why.
         select_blocks: K >= 0, bidirectional with ``query_log_scale`` only: each block of ``select_block_size``
             queries chooses the K blocks of ``select_block_size`` far keys whose mean key its mean query scores
             highest, and its queries score their keys exactly, as in the window (:mod:`far_blocks`; default 0,
-            none). Runs on the "chunked" or "native" backend.
+            none).
         select_block_size: B >= 1, the size of those blocks (default 32).
 
     Gradients reach q, k, v, phi_q, phi_k, gamma and query_log_scale. Returns (batch, heads, n, d_v) in v's dtype
