@@ -96,7 +96,7 @@ _SCHEMA = (
 
 def _forward(q, k, v, pq, pk, gamma, ell, valid, linear, sink_pos, chosen, window, scale, block):
     """out (b, h, n, d) in v's dtype; valid, linear (b, n) float 0 / 1, sink_pos (b, MAX_SINKS) int32 (-1: none),
-    chosen (b·h, n / block, K) int32 (-1: none; (0,) for none chosen)."""
+    chosen (b·h, n / block, K) int32 (-1: none; one element when none are chosen)."""
     b, h, n, d = v.shape
     xd, m = q.shape[-1], pq.shape[-1]
     side = -(-(window - 1) // block)
@@ -143,7 +143,7 @@ def triton_bidirectional_hybrid(
     picked = (
         chosen.to(torch.int32).flatten(0, 1).contiguous()
         if chosen is not None and chosen.shape[-1]
-        else torch.zeros(0, dtype=torch.int32, device=v.device)
+        else torch.full((1,), -1, dtype=torch.int32, device=v.device)  # read by no program: a real pointer all the same
     )
     pos = torch.full((b, MAX_SINKS), -1, dtype=torch.int32, device=v.device)
     pos[:, : sink_pos.shape[1]] = sink_pos.to(torch.int32)
