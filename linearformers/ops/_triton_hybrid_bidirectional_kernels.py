@@ -58,9 +58,11 @@ def _bidirectional_forward(
     pqo = _operand(pq, OPS)
     # the linear keys outside the frame: the sums of the blocks before it and after it
     state = bh * tl.num_programs(1) + c
-    s_out = tl.load(OUT_S + state * M * D + om[:, None] * D + od[None, :], mask=mmask[:, None] & dmask[None, :])
+    s_out = tl.load(
+        OUT_S + state * M * D + om[:, None] * D + od[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0
+    )
     lin = tl.dot(pqo, _operand(s_out, OPS), input_precision=PREC)
-    lden = tl.sum(pq * tl.load(OUT_Z + state * M + om, mask=mmask)[None, :], 1)
+    lden = tl.sum(pq * tl.load(OUT_Z + state * M + om, mask=mmask, other=0.0)[None, :], 1)
     m_i = tl.full((C,), -float("inf"), tl.float32)
     l_i = tl.zeros((C,), tl.float32)
     acc = tl.zeros((C, DP), tl.float32)
