@@ -927,11 +927,19 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_30min_read1_paired.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 1 far block",
+        "The 30-minute recipe's model, trained without far blocks, read with 1 far block of 32 (`--select_blocks "
+        "1`); the first three draws of the passages at 8192 tokens, against the chunked original on the same 192 "
+        "queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models_read_far_blocks.json",
         "Conversion: the 30-minute models read with more far blocks",
-        "`conversion.py --models ... --select_blocks 0 2 3 4`: the 30-minute recipe's model (`/work/exp35/ict`, "
+        "`conversion.py --models ... --select_blocks 0 1 2 3 4`: the 30-minute recipe's model (`/work/exp35/ict`, "
         "trained without far blocks) and the one with far blocks and both short weights at 30 (`/work/exp40/ict`, "
-        "trained with 2), each read with 0, 2, 3 and 4 far blocks of 32 (`from_pretrained(..., "
+        "trained with 2), each read with 0 to 4 far blocks of 32 (`from_pretrained(..., "
         "hybrid_select_blocks=K)`) on the 256-token conversion's held-out blocks.",
         section_conversion_models,
     ),
@@ -988,6 +996,19 @@ SECTIONS = [
         "long_documents_30min_read2_speed.json",
         "Conversion: long documents, the 30-minute recipe's model read with 2 far blocks, paired timing",
         "The same paired timing on the 30-minute recipe's model read with 2 far blocks of 32 (`--select_blocks 2`).",
+        section_long_document_speed,
+    ),
+    (
+        "long_documents_30min_read1_speed.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 1 far block, paired timing",
+        "The same paired timing on the 30-minute recipe's model read with 1 far block of 32 (`--select_blocks 1`).",
+        section_long_document_speed,
+    ),
+    (
+        "long_documents_30min_read1_speed_repeat.json",
+        "Conversion: long documents, the same paired timing repeated",
+        "The same command again, right after the one above (single pairs on this shared machine drift by more than "
+        "the difference between the methods).",
         section_long_document_speed,
     ),
     (
