@@ -1012,6 +1012,12 @@ SECTIONS = [
         section_long_document_speed,
     ),
     (
+        "long_documents_30min_read1_speed_third.json",
+        "Conversion: long documents, the same paired timing a third time",
+        "The same command a third time, right after the two above.",
+        section_long_document_speed,
+    ),
+    (
         "long_documents_30min_speed.json",
         "Conversion: long documents, the 30-minute recipe's model, paired timing",
         "The same paired timing on the 30-minute recipe's model without far blocks, beside the one above. Run from a "
