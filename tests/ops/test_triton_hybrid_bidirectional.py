@@ -139,3 +139,45 @@ def test_the_kernel_is_the_bidirectional_default_on_cuda_where_nothing_is_record
         eager = fn(q, k, v, phi_q, phi_k, gamma, log_scale)
         compiled = torch.compile(fn, fullgraph=True)(q, k, v, phi_q, phi_k, gamma, log_scale)
     assert_close([compiled.double()], [eager.double()], 1e-4, "compiled")
+
+
+@ON_CPU
+@pytest.mark.parametrize("blocks", [0, 2], ids=["window", "far-blocks"])
+def test_an_encoder_through_the_kernel_gives_the_chunked_cores_hidden_states(monkeypatch, blocks):
+    """A Performer encoder with the hybrid (Hedgehog's map, window, a sink, the query and key scales), its attention
+    sent to the kernel under the interpreter: the hidden states of the same model on the chunked core, padding
+    included."""
+    from transformers import AutoModel
+
+    from linearformers.ops import hybrid as hybrid_module
+    from linearformers.ops import set_native_walk
+    from tests.conftest import tiny_config
+
+    config = tiny_config(
+        "performer", hidden_size=64, num_attention_heads=4, num_features=32, feature_map="hedgehog",
+        hybrid_window=8, hybrid_sinks=1, hybrid_query_scale=True, hybrid_key_scale=True, max_position_embeddings=128,
+        hybrid_select_blocks=blocks, hybrid_select_block_size=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).eval()
+    ids = torch.randint(3, 99, (2, 100), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, -23:] = 0
+    taken = []
+    chooser = hybrid_module.hybrid_backend
+
+    def to_the_kernel(*args, **kwargs):
+        taken.append(chooser(*args, **kwargs))
+        return "triton"
+
+    previous = set_native_walk(False)  # the model's fused CPU path off: its attention goes through hybrid_attention
+    try:
+        with torch.no_grad():
+            chunked = model(ids, attention_mask=mask).last_hidden_state
+            monkeypatch.setattr(hybrid_module, "hybrid_backend", to_the_kernel)
+            kernel = model(ids, attention_mask=mask).last_hidden_state
+    finally:
+        set_native_walk(previous)
+    assert taken == ["chunked"] * config.num_hidden_layers  # what the CPU would have taken: the kernel ran instead
+    real = mask.bool()
+    torch.testing.assert_close(kernel[real], chunked[real], rtol=1e-4, atol=1e-5)
