@@ -178,7 +178,7 @@ def _far_block_choice(q, k, valid, linear, window, blocks, block=HYBRID_BLOCK) -
     return torch.where(real, index, torch.full_like(index, -1))
 
 
-def _check_selection(blocks, block_size, causal, query_log_scale, backend) -> None:
+def _check_selection(blocks, block_size, causal, query_log_scale) -> None:
     for name, value, low in (("select_blocks", blocks, 0), ("select_block_size", block_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -708,10 +708,10 @@ def hybrid_attention(
             bidirectional inference on the CPU, float32 math, head_dim = value dim and num_features multiples of
             16, where autograd records nothing) or "triton" (causal, :mod:`_triton_hybrid`: window <= 128, up to
             16 sinks, no initial_state; bidirectional, :mod:`_triton_hybrid_bidirectional`: where autograd records
-            nothing, up to 16 sinks, far blocks of a power of two from 16 to 128; float32, bf16 or fp16). None takes "triton" on CUDA tensors where it can
-            run (and :func:`backends.set_triton_kernels` leaves it on), "native" on CPU tensors where it can run
-            (and :func:`backends.set_native_walk` leaves it on), else "chunked"; a named backend that cannot run
-            raises a ValueError saying why.
+            nothing, up to 16 sinks, far blocks of a power of two from 16 to 128; float32, bf16 or fp16). None
+            takes "triton" on CUDA tensors where it can run (and :func:`backends.set_triton_kernels` leaves it on),
+            "native" on CPU tensors where it can run (and :func:`backends.set_native_walk` leaves it on), else
+            "chunked"; a named backend that cannot run raises a ValueError saying why.
         select_blocks: K >= 0, bidirectional with ``query_log_scale`` only: each block of ``select_block_size``
             queries chooses the K blocks of ``select_block_size`` far keys whose mean key its mean query scores
             highest, and its queries score their keys exactly, as in the window (:mod:`far_blocks`; default 0,
@@ -724,7 +724,7 @@ def hybrid_attention(
     _check_inputs(q, k, v, phi_q, phi_k, gamma, window, query_log_scale, sinks)
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state apply to causal attention only")
-    _check_selection(select_blocks, select_block_size, causal, query_log_scale, backend)
+    _check_selection(select_blocks, select_block_size, causal, query_log_scale)
     tracked = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, phi_q, phi_k, gamma, query_log_scale)
     )
@@ -760,24 +760,17 @@ def hybrid_attention(
         valid = torch.cat([past.valid, valid], 1)
     is_sink, sink = _sinks(kc, vc, new_valid, sinks, p, past)
     linear = valid & ~torch.cat([valid.new_zeros(b, p), is_sink], 1)
-    if chosen == "triton" and not causal:  # no state: p = 0; the kernel takes the inputs in their own dtypes
-        sink_pos = (
-            torch.zeros(b, 0, dtype=torch.long, device=q.device) if sink is None else torch.where(sink[3], sink[2], -1)
-        )
-        block = _bidirectional_block(select_blocks, select_block_size)
-        picked = _far_block_choice(qc, kc, valid, linear, window, select_blocks, block) if select_blocks else None
-        out = triton_bidirectional_hybrid(
-            q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
-            query_log_scale=query_log_scale, scale=scale, chosen=picked, block=block,
-        )  # fmt: skip
-    elif chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
+    if chosen == "triton":  # no initial state: p = 0, and the kernels take the inputs in their own dtypes
         sink_pos = torch.zeros(b, 0, dtype=torch.long, device=q.device)
         if sink is not None:
             sink_pos = torch.where(sink[3], sink[2], -1)
-        out = triton_causal_hybrid(
-            q, k, v, phi_q, phi_k, gamma, window, valid=valid, linear=linear, sink_pos=sink_pos,
-            query_log_scale=query_log_scale, scale=scale,
-        )  # fmt: skip
+        where = dict(valid=valid, linear=linear, sink_pos=sink_pos, query_log_scale=query_log_scale, scale=scale)
+        if causal:
+            out = triton_causal_hybrid(q, k, v, phi_q, phi_k, gamma, window, **where)
+        else:
+            block = _bidirectional_block(select_blocks, select_block_size)
+            picked = _far_block_choice(qc, kc, valid, linear, window, select_blocks, block) if select_blocks else None
+            out = triton_bidirectional_hybrid(q, k, v, phi_q, phi_k, gamma, window, **where, chosen=picked, block=block)
     elif select_blocks:  # bidirectional: no state, p = 0; the hybrid's output and normalizer, then the far blocks
         args = (qc, kc, vc, pqc, pkc, ell, gamma, valid, linear, sink, window, scale, LOG_SCALE_HEADROOM)
         if chosen == "native" and select_block_size == HYBRID_BLOCK:  # the walk scores its choice itself
@@ -861,7 +854,7 @@ def hedgehog_hybrid_attention(
     h, d = q.shape[1], q.shape[-1]
     if select_blocks and query_scale is None:
         raise ValueError("select_blocks needs query_scale: the linear scores on the softmax's scale")
-    _check_selection(select_blocks, HYBRID_BLOCK, False, True, None)
+    _check_selection(select_blocks, HYBRID_BLOCK, False, True)
     named = [("weights", weights, ("W_q", "b_q", "W_k", "b_k"))]
     named += [
         (name, pair, (f"{name}[0]", f"{name}[1]"))
