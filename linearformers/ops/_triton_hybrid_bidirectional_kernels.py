@@ -12,9 +12,9 @@ except ImportError as err:  # imported only after _triton_causal.triton_importab
     raise ImportError("the Triton kernels need triton (pip install triton)") from err
 
 from ._triton_causal_kernels import _operand
+from ._triton_hybrid_kernels import _balance
 
 _LENGTHS = ["n", "W", "SIDE"]
-_HEADROOM = tl.constexpr(50.0)  # R of hybrid.py: the most the linear factor exp(ℓ - c') may reach
 
 
 @triton.jit
@@ -113,18 +113,14 @@ def _bidirectional_forward(
     dists = ot[:, None] - pos[None, :]
     m_i, l_i, acc = _exact(xs, ((dists >= W) | (dists <= -W)) & has_sink[None, :], vs.to(tl.float32), m_i, l_i, acc,
                            OPS, PREC)  # fmt: skip
-    # one normalizer: alpha = gamma e^{c - c'} for the exact part (relative to c), beta = e^{ℓ - c'} for the linear
-    # part, c' = max(c, ℓ - R); without ℓ, gamma and 1
+    # one normalizer: the exact part relative to c (0 where nothing was seen exactly), weighed against the linear part
     top = tl.where(m_i == -float("inf"), 0.0, m_i)
     gamma = tl.load(GAMMA + bh % H).to(tl.float32)
     if HAS_ELL:
         ell = tl.load(ELL + bh * n + ot, mask=tmask, other=0.0).to(tl.float32)
-        shift = tl.maximum(top, ell - _HEADROOM)
-        alpha = gamma * tl.exp(top - shift)
-        beta = tl.exp(ell - shift)
     else:
-        alpha = gamma + top * 0.0
-        beta = top * 0.0 + 1.0
+        ell = top
+    alpha, beta = _balance(gamma, ell, top, HAS_ELL)
     num = alpha[:, None] * acc + beta[:, None] * lin
     total = alpha * l_i + beta * lden
     out = tl.where(total[:, None] > 0, num / tl.where(total > 0, total, 1.0)[:, None], 0.0)

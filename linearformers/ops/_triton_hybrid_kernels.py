@@ -98,13 +98,11 @@ def _window_forward(
 
 
 @triton.jit
-def _factors(GAMMA, ELL, CMAX, bh, H, n, ot, tmask, HAS_ELL: tl.constexpr):
-    """The weights of the two parts in one normalizer, per query: alpha = gamma e^{c - c'} for the window part
-    (relative to c), beta = e^{ℓ - c'} for the linear part, c' = max(c, ℓ - R); without ℓ, gamma and 1."""
-    gamma = tl.load(GAMMA + bh % H).to(tl.float32)
-    top = tl.load(CMAX + bh * n + ot, mask=tmask, other=0.0)
+def _balance(gamma, ell, top, HAS_ELL: tl.constexpr):
+    """The weights of the two parts in one normalizer, per query, from gamma, ℓ and c = top: alpha = gamma e^{c - c'}
+    for the exact part (relative to c), beta = e^{ℓ - c'} for the linear part, c' = max(c, ℓ - R); without ℓ (not
+    read then), gamma and 1."""
     if HAS_ELL:
-        ell = tl.load(ELL + bh * n + ot, mask=tmask, other=0.0).to(tl.float32)
         shift = tl.maximum(top, ell - _HEADROOM)
         alpha = gamma * tl.exp(top - shift)
         beta = tl.exp(ell - shift)
@@ -112,6 +110,18 @@ def _factors(GAMMA, ELL, CMAX, bh, H, n, ot, tmask, HAS_ELL: tl.constexpr):
         alpha = gamma + top * 0.0
         beta = top * 0.0 + 1.0
     return alpha, beta
+
+
+@triton.jit
+def _factors(GAMMA, ELL, CMAX, bh, H, n, ot, tmask, HAS_ELL: tl.constexpr):
+    """:func:`_balance`'s weights for the queries ot of row bh, c_t read from CMAX."""
+    gamma = tl.load(GAMMA + bh % H).to(tl.float32)
+    top = tl.load(CMAX + bh * n + ot, mask=tmask, other=0.0)
+    if HAS_ELL:
+        ell = tl.load(ELL + bh * n + ot, mask=tmask, other=0.0).to(tl.float32)
+    else:
+        ell = top
+    return _balance(gamma, ell, top, HAS_ELL)
 
 
 @triton.jit(do_not_specialize=_LENGTHS)
