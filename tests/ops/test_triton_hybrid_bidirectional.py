@@ -181,3 +181,21 @@ def test_an_encoder_through_the_kernel_gives_the_chunked_cores_hidden_states(mon
     assert taken == ["chunked"] * config.num_hidden_layers  # what the CPU would have taken: the kernel ran instead
     real = mask.bool()
     torch.testing.assert_close(kernel[real], chunked[real], rtol=1e-4, atol=1e-5)
+
+
+@ON_CPU
+def test_the_kernels_custom_op_keeps_its_schema_and_its_fake():
+    """torch.library.opcheck: the op mutates nothing it does not declare, and its fake gives the real output's
+    metadata (what torch.compile traces it by)."""
+    from linearformers.ops._triton_hybrid_bidirectional import _forward_op
+
+    b, h, n = 1, 2, 20
+    q, k, v, phi_q, phi_k, _, log_scale = (
+        t.float() for t in _inputs(b, h, n, 16, 16, seed=4, ell=True) if t is not None
+    )
+    no_sink = torch.full((b, 16), -1, dtype=torch.int32)
+    none_chosen = torch.full((1,), -1, dtype=torch.int32)
+    args = (q, k, v, phi_q, phi_k, torch.ones(h), log_scale, torch.ones(b, n), torch.ones(b, n), no_sink, none_chosen,
+            4, 0.25, 16)  # fmt: skip
+    results = torch.library.opcheck(_forward_op, args, test_utils=("test_schema", "test_faketensor"))
+    assert results == {"test_schema": "SUCCESS", "test_faketensor": "SUCCESS"}
