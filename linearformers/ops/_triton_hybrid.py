@@ -39,11 +39,9 @@ MAX_WINDOW = 128  # the frame holds the query chunk and the one before, each C >
 MAX_SINKS = 16
 
 
-def refusal(window: int, sinks: int, causal: bool, stateful: bool) -> str | None:
-    """Why the hybrid Triton kernels cannot run this call, beyond what the linear kernels' refusal says (dtypes,
-    widths, device), or None when they can."""
-    if not causal:
-        return "it computes the causal hybrid only (backend='chunked' computes the bidirectional one)"
+def refusal(window: int, sinks: int, stateful: bool) -> str | None:
+    """Why the causal hybrid Triton kernels cannot run this causal call, beyond what the linear kernels' refusal
+    says (dtypes, widths, device), or None when they can."""
     if stateful:
         return "it takes no initial_state (backend='chunked' continues a state)"
     if window > MAX_WINDOW:

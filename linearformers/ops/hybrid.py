@@ -626,7 +626,7 @@ def hybrid_backend(
             raise ValueError(f"backend='native' cannot run this call: {reason}")
         return "chunked" if reason else "native"
     if causal:
-        reason = _kernel_refusal(window, sinks, causal, stateful)
+        reason = _kernel_refusal(window, sinks, stateful)
     else:
         reason = _bidirectional_refusal(sinks, tracked, select_blocks, select_block_size)
     reason = reason or triton_refusal(v, phi_q.shape[-1], None, inputs=(q, k, phi_q, phi_k))
