@@ -1,7 +1,10 @@
+import atexit
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault(_INTERPRET, "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# `make test` runs two workers (pytest -n 2), which share the two cores: one thread each. Each worker keeps its own
+# transformers_modules (remote code copied at load, the scripts it starts included): two workers loading folders
+# of one name would otherwise write the same package at once. Set before transformers is first imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    if "HF_MODULES_CACHE" not in os.environ:
+        _modules = tempfile.mkdtemp(prefix=f"linearformers-{os.environ['PYTEST_XDIST_WORKER']}-modules-")
+        os.environ["HF_MODULES_CACHE"] = _modules
+        atexit.register(shutil.rmtree, _modules, ignore_errors=True)
+else:
+    torch.set_num_threads(2)
 
 import linearformers as lf  # noqa: E402
 
