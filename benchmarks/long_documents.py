@@ -35,11 +35,17 @@ models through torch.compile (the warm-up compiles them). --unfused adds a third
 converted model with the hybrid's chunked PyTorch core in place of its fused kernels (set_triton_kernels(False),
 set_native_walk(False)), so that one run shows what the fused bidirectional kernel (GPU) or walk (CPU) gains.
 
+``--combine A.json B.json ... --out C.json`` pools runs of one model and settings whose draws are disjoint (--seed
+ranges) into the result that one run with all their draws would have written: every draw's ranks, the means and the
+paired intervals over them all. The halves task, the short-text fidelity and the timing do not depend on the draws;
+they come from the run with the first seed, and each run's stamp is kept under "sources".
+
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
     python benchmarks/long_documents.py --speed --lengths 8192 --batch_size 16 --repeats 7   # paired timing alone
     python benchmarks/long_documents.py --speed --device cuda --dtype bfloat16 --lengths 8192   # the same on a GPU
     python benchmarks/long_documents.py --speed --device cuda --dtype bfloat16 --lengths 8192 --unfused  # and unfused
+    python benchmarks/long_documents.py --combine first3.json next2.json --out five.json   # draws pooled
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import sysconfig
 import tempfile
 import time
@@ -120,9 +127,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", help="JSON path (default benchmarks/results/long_documents[.smoke].json); a PNG beside"
     )
+    parser.add_argument(
+        "--combine", nargs="+", metavar="JSON", help="pool runs with disjoint draws into one result (needs --out)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)  # the worker measures memory
     args = parser.parse_args(argv)
+    if args.combine is not None:
+        if len(args.combine) < 2 or args.out is None:
+            parser.error("--combine takes two or more result files and --out")
+        if Path(args.out).resolve() in {Path(path).resolve() for path in args.combine}:
+            parser.error(f"--out {args.out} is one of the results --combine reads")
+        return args
     if args.smoke:  # the smoke sizes replace the defaults; options given still win
         parser.set_defaults(**SMOKE)
         args = parser.parse_args(argv)
@@ -576,8 +592,108 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _refuse(message: str) -> None:
+    """A one-line error and exit status 2, as argparse's own errors."""
+    print(f"long_documents.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# the settings that make runs' draws comparable: runs that differ in one of them cannot be pooled
+SAME = ("lengths", "documents", "passage", "documents_used", "model_dir", "select_blocks", "converted_select_blocks")
+
+
+def _read_run(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        _refuse(f"cannot read {path}: {error}")
+    if not isinstance(data, dict) or not all("passage_ranks" in row for row in data.get("rows") or [{}]):
+        _refuse(f"{path} is not a result of long_documents.py's tasks (no passage ranks; --speed results hold none)")
+    data["settings"] = {"seed": 0, "seeds": 1, **data.get("settings", {})}
+    return data
+
+
+def combine(paths: list[str], out: Path) -> dict:
+    """--combine (module docstring): the pooled result, written to ``out`` with its plot."""
+    stamp = start_stamp()
+    runs = sorted(((path, _read_run(path)) for path in paths), key=lambda run: run[1]["settings"]["seed"])
+    (first_path, first), seen = runs[0], {}
+    for path, data in runs:
+        settings = data["settings"]
+        for key in SAME:
+            if settings.get(key) != first["settings"].get(key):
+                _refuse(f"{path} and {first_path} differ in {key}: {settings.get(key)!r} against "
+                        f"{first['settings'].get(key)!r}")  # fmt: skip
+        for seed in range(settings["seed"], settings["seed"] + settings["seeds"]):
+            if seed in seen:
+                _refuse(f"{path} and {seen[seed]} both hold the draw of seed {seed}")
+            seen[seed] = path
+        if [(row["length"], row["method"]) for row in data["rows"]] != [
+            (row["length"], row["method"]) for row in first["rows"]
+        ]:
+            _refuse(f"{path} and {first_path} hold different lengths or methods")
+    seeds = sorted(seen)
+    rows, found = [], {}
+    for index, head in enumerate(first["rows"]):
+        each = [draw for _, data in runs for draw in data["rows"][index]["passage_ranks"]]
+        runs_scores = [scores(draw) for draw in each]
+        passage = {key: statistics.fmean(run[key] for run in runs_scores) for key in ("top1", "mrr")}
+        row = {
+            "length": head["length"],
+            "method": head["method"],
+            "passage": passage,
+            "halves": head["halves"],
+            "passage_per_seed": [{"seed": seed, **run} for seed, run in zip(seeds, runs_scores)],
+            "passage_ranks": each,
+            "halves_ranks": head["halves_ranks"],
+            "seconds": sum(data["rows"][index]["seconds"] for _, data in runs),
+        }
+        rows.append(row)
+        found[head["length"], head["method"]] = {"passage": each, "halves": [head["halves_ranks"]]}
+    comparisons = []
+    for length in first["settings"]["lengths"]:
+        if (length, "converted") not in found or (length, "original-chunked") not in found:
+            continue
+        for task in ("passage", "halves"):
+            comparison = paired(
+                found[length, "converted"][task], found[length, "original-chunked"][task], seed=seeds[0]
+            )
+            comparisons.append({"length": length, "task": task, **comparison})
+    sources = [{"path": path, "header": data["header"], "seed": data["settings"]["seed"],
+                "seeds": data["settings"]["seeds"]} for path, data in runs]  # fmt: skip
+    result = {
+        "header": finish_stamp(stamp),
+        "settings": {**first["settings"], "seed": seeds[0], "seeds": len(seeds)},
+        "rows": rows,
+        "paired": comparisons,
+        "fidelity_cosine_256": first["fidelity_cosine_256"],
+        "fidelity_error_256": first.get("fidelity_error_256"),
+        "timing": first["timing"],
+        "sources": sources,
+    }
+    if result["fidelity_error_256"] is None:
+        del result["fidelity_error_256"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(rows, out.with_suffix(".png"))
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+        print(f"note: the draws' seeds are {seeds}, not one range")
+    print("| length | method | passage top-1 | passage MRR | halves top-1 | halves MRR |\n|---|---|---|---|---|---|")
+    for row in rows:
+        passage, halves = row["passage"], row["halves"]
+        print(f"| {row['length']} | {row['method']} | {passage['top1']:.3f} | {passage['mrr']:.3f} | "
+              f"{halves['top1']:.3f} | {halves['mrr']:.3f} | per seed top-1: "
+              + " ".join(f"{run['top1']:.3f}" for run in row["passage_per_seed"]))  # fmt: skip
+    print_comparisons(comparisons)
+    print(f"\nwrote {out} ({len(seeds)} draws from {len(runs)} runs)")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.combine is not None:
+        combine(args.combine, Path(args.out))
+        return
     if args.worker:
         worker(args)
         return

@@ -168,24 +168,31 @@ def test_added_peak_memory_counts_what_the_call_holds_at_its_peak_and_not_what_i
     assert nothing < 8
 
 
-def test_several_seeds_average_the_passage_task_and_keep_each_draw():
-    """--seeds S: the passage task is drawn S times (seeds --seed ..), its scores are the mean of the draws, each
-    draw's beside them, and the first draw's are what one seed alone gives; the halves task is drawn once."""
-    script = load_script(SCRIPT)
+def _bag_embedder():
+    """Six documents of 40 tokens and an embedder of them for measure(): a bag of token vectors, so that a document
+    shares most tokens with its passage; each method shifted by its name's length."""
     torch.manual_seed(0)
     table = torch.randn(400, 8)
-
     tokens = [list(range(40 * i, 40 * i + 40)) for i in range(6)]
 
     class Embed:
         body = 8
 
-        def __call__(self, method, texts):  # a bag of token vectors: a document shares most tokens with its passage
+        def __call__(self, method, texts):
             return torch.stack([table[torch.tensor(text)].mean(0) + 0.1 * len(method) for text in texts])
+
+    return tokens, Embed()
+
+
+def test_several_seeds_average_the_passage_task_and_keep_each_draw():
+    """--seeds S: the passage task is drawn S times (seeds --seed ..), its scores are the mean of the draws, each
+    draw's beside them, and the first draw's are what one seed alone gives; the halves task is drawn once."""
+    script = load_script(SCRIPT)
+    tokens, embed = _bag_embedder()
 
     def run(seed, seeds):
         args = SimpleNamespace(lengths=[32], passage=4, seed=seed, seeds=seeds)
-        return {row["method"]: row for row in script.measure(args, Embed(), tokens)[0]}
+        return {row["method"]: row for row in script.measure(args, embed, tokens)[0]}
 
     several, first, second = run(3, 2), run(3, 1), run(4, 1)
     for method, row in several.items():
@@ -198,6 +205,112 @@ def test_several_seeds_average_the_passage_task_and_keep_each_draw():
         assert "passage_per_seed" not in first[method]
     # the two draws place the passages differently: averaging them is not one draw counted twice
     assert script.passage_task(tokens, 32, 4, 10, 3) != script.passage_task(tokens, 32, 4, 10, 4)
+
+
+def _result_file(script, tokens, embed, folder, seed, seeds, **settings):
+    """A result as run() writes it, from measure() on the bag embedder, written to folder; its path."""
+    args = SimpleNamespace(lengths=[32], passage=4, seed=seed, seeds=seeds)
+    rows, comparisons = script.measure(args, embed, tokens)
+    base = dict(lengths=[32], documents=6, passage=4, batch_size=8, repeats=3, seed=seed, seeds=seeds,
+                select_blocks=None, converted_select_blocks=0, documents_used=6, model_dir="m")  # fmt: skip
+    result = {
+        "header": {"command": f"run {seed}", "commit": "abc1234", "device": "cpu"},
+        "settings": {**base, **settings},
+        "rows": rows,
+        "paired": comparisons,
+        "fidelity_cosine_256": 0.9 + seed / 100,
+        "fidelity_error_256": 0.2,
+        "timing": [{"method": "converted", "length": 32, "seconds": float(seed), "peak_mb": 1.0}],
+    }
+    path = folder / f"run{seed}-{seeds}.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def _assert_close(ours, theirs):
+    """Nested dicts and lists alike, their floats within float64 rounding."""
+    if isinstance(ours, dict):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            _assert_close(ours[key], theirs[key])
+    elif isinstance(ours, list):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            _assert_close(a, b)
+    else:
+        assert ours == pytest.approx(theirs)
+
+
+def test_combine_pools_runs_with_disjoint_draws_as_one_run_of_them_all(tmp_path):
+    """--combine: draws 3-4 from one run and 5 from another make the result one run of draws 3-5 gives: the same
+    ranks, means, draws and paired intervals; the halves task, fidelity and timing come from the run of the first
+    seed, and each run's stamp is kept. The report renders it as a result of five draws' kind."""
+    script = load_script(SCRIPT)
+    tokens, embed = _bag_embedder()
+    later, earlier = (_result_file(script, tokens, embed, tmp_path, seed, seeds) for seed, seeds in ((5, 1), (3, 2)))
+    whole = json.loads(_result_file(script, tokens, embed, tmp_path, 3, 3).read_text())
+    out = tmp_path / "pooled" / "five.json"
+    script.main(["--combine", str(later), str(earlier), "--out", str(out)])  # given out of order
+    pooled = json.loads(out.read_text())
+    assert pooled["settings"]["seed"] == 3 and pooled["settings"]["seeds"] == 3
+    for ours, theirs in zip(pooled["rows"], whole["rows"], strict=True):
+        assert (ours["length"], ours["method"]) == (theirs["length"], theirs["method"])
+        assert ours["passage_ranks"] == theirs["passage_ranks"] and ours["halves_ranks"] == theirs["halves_ranks"]
+        assert ours["passage"] == pytest.approx(theirs["passage"])
+        assert [d["seed"] for d in ours["passage_per_seed"]] == [3, 4, 5]
+        _assert_close(ours["passage_per_seed"], theirs["passage_per_seed"])
+    _assert_close(pooled["paired"], whole["paired"])
+    assert pooled["fidelity_cosine_256"] == pytest.approx(0.93) and pooled["timing"][0]["seconds"] == 3.0
+    assert [(s["seed"], s["seeds"], s["header"]["command"]) for s in pooled["sources"]] == [
+        (3, 2, "run 3"),
+        (5, 1, "run 5"),
+    ]
+    assert {"command", "commit", "device"} <= set(pooled["header"])  # the pooling's own stamp
+    report = load_script(SCRIPT.parent / "report.py")
+    text = "\n".join(report.section_long_documents(out))
+    assert "mean of 3 draws" in text and "seeds 3..5" in text
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("overlap", "both hold the draw of seed 4"),
+        ("model", "differ in model_dir"),
+        ("speed", "no passage ranks"),
+        ("missing", "cannot read"),
+    ],
+)
+def test_combine_refuses_runs_that_cannot_be_pooled_in_one_line(case, message, tmp_path, capsys):
+    script = load_script(SCRIPT)
+    tokens, embed = _bag_embedder()
+    first = _result_file(script, tokens, embed, tmp_path, 3, 2)
+    if case == "overlap":
+        other = _result_file(script, tokens, embed, tmp_path, 4, 1)
+    elif case == "model":
+        other = _result_file(script, tokens, embed, tmp_path, 5, 1, model_dir="another")
+    elif case == "speed":
+        other = tmp_path / "speed.json"
+        other.write_text(json.dumps({"header": {}, "settings": {"seed": 0, "seeds": 1}, "rows": [{"seconds": 1}]}))
+    else:
+        other = tmp_path / "nowhere.json"
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--combine", str(first), str(other), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [(["--combine", "a.json", "--out", "c.json"], "two or more"), (["--combine", "a.json", "b.json"], "and --out"),
+     (["--combine", "a.json", "b.json", "--out", "a.json"], "is one of the results")],
+)  # fmt: skip
+def test_combine_needs_two_results_and_a_new_out(arguments, message, capsys):
+    script = load_script(SCRIPT)
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(arguments)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_paired_comparison_gives_the_difference_its_bootstrap_interval_and_the_discordant_queries():
