@@ -37,8 +37,9 @@ set_native_walk(False)), so that one run shows what the fused bidirectional kern
 
 ``--combine A.json B.json ... --out C.json`` pools runs of one model and settings whose draws are disjoint (--seed
 ranges) into the result that one run with all their draws would have written: every draw's ranks, the means and the
-paired intervals over them all. The halves task, the short-text fidelity and the timing do not depend on the draws;
-they come from the run with the first seed, and each run's stamp is kept under "sources".
+paired intervals over them all. The halves task and the short-text fidelity do not depend on the draws: they come
+from the run with the first seed. Times belong to the run that took them: the pooled result holds none, and each
+run's stamp is kept under "sources".
 
     python benchmarks/long_documents.py --model_dir outputs/minilm-8k        # the measured run
     python benchmarks/long_documents.py --smoke                               # a tiny random BERT, in seconds
@@ -668,7 +669,7 @@ def combine(paths: list[str], out: Path) -> dict:
         "paired": comparisons,
         "fidelity_cosine_256": first["fidelity_cosine_256"],
         "fidelity_error_256": first.get("fidelity_error_256"),
-        "timing": first["timing"],
+        "timing": [],  # each run's times stay in its own result
         "sources": sources,
     }
     if result["fidelity_error_256"] is None:

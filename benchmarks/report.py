@@ -622,8 +622,11 @@ def section_long_documents(path: Path) -> list[str]:
             else "."
         ),
         "",
-        *_table([f"embed one {longest}-token document", "seconds", "MB added", "process peak MB"], timing),
-        "",
+        *(
+            [*_table([f"embed one {longest}-token document", "seconds", "MB added", "process peak MB"], timing), ""]
+            if timing
+            else []
+        ),  # a pooled result (--combine) holds no times
         "Run: " + stamp_line(data.get("header")),
     ]
 
@@ -932,6 +935,21 @@ SECTIONS = [
         "The 30-minute recipe's model, trained without far blocks, read with 1 far block of 32 (`--select_blocks "
         "1`); the first three draws of the passages at 8192 tokens, against the chunked original on the same 192 "
         "queries.",
+        section_long_documents,
+    ),
+    (
+        "long_documents_30min_read1_draws34.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 1 far block, draws 3 and 4",
+        "The same model and reading on the other two of the 30-minute recipe's five draws (`--seed 3 --seeds 2`), "
+        "against the chunked original on the same 128 queries.",
+        section_long_documents,
+    ),
+    (
+        "long_documents_30min_read1_5draws.json",
+        "Conversion: long documents, the 30-minute recipe's model read with 1 far block, five draws",
+        "The two results above pooled (`--combine`): the five draws of the 30-minute recipe's own result, against "
+        "the chunked original on the same 320 queries. The halves task and the short-text fidelity are the first "
+        "run's; the times are each run's own.",
         section_long_documents,
     ),
     (
