@@ -962,6 +962,14 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "conversion_long_models_weighted10.json",
+        "Conversion: the 30-minute recipe with the short batch weighted 10, at 256 tokens",
+        "`conversion.py --models ... --select_blocks 0 1`: the 30-minute recipe's model (`/work/exp35/ict`) and the "
+        "same recipe with `--finetune_long_short_weight 10` (`/work/exp43/ict`), each read with 0 and 1 far block "
+        "of 32, on the 256-token conversion's held-out blocks.",
+        section_conversion_models,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
