@@ -647,7 +647,6 @@ def combine(paths: list[str], out: Path) -> dict:
             "passage_per_seed": [{"seed": seed, **run} for seed, run in zip(seeds, runs_scores)],
             "passage_ranks": each,
             "halves_ranks": head["halves_ranks"],
-            "seconds": sum(data["rows"][index]["seconds"] for _, data in runs),
         }
         rows.append(row)
         found[head["length"], head["method"]] = {"passage": each, "halves": [head["halves_ranks"]]}
