@@ -584,6 +584,13 @@ def _long_documents_paired(comparisons: list[dict] | None) -> list[str]:
     ]
 
 
+def _seeds_label(seeds: list[int]) -> str:
+    """``seeds 3..7`` for one range of draws, ``seeds 0, 1, 5`` for draws pooled from runs with gaps between them."""
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"seeds {seeds[0]}..{seeds[-1]}"
+    return "seeds " + ", ".join(map(str, seeds))
+
+
 def section_long_documents(path: Path) -> list[str]:
     data = _read(path)
     settings = data["settings"]
@@ -601,7 +608,7 @@ def section_long_documents(path: Path) -> list[str]:
     header = ["length", "method", "passage top-1 / MRR", "halves top-1 / MRR"]
     if draws > 1:
         header[2] = f"passage top-1 / MRR, mean of {draws} draws"
-        header.insert(3, f"passage top-1, seeds {settings['seed']}..{settings['seed'] + draws - 1}")
+        header.insert(3, f"passage top-1, {_seeds_label([run['seed'] for run in data['rows'][0]['passage_per_seed']])}")
     timing = [
         [row["method"], f"{row['seconds']:.3f}", _added_mb(row), f"{row['peak_mb']:.0f}"] for row in data["timing"]
     ]

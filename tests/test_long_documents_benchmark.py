@@ -271,6 +271,22 @@ def test_combine_pools_runs_with_disjoint_draws_as_one_run_of_them_all(tmp_path)
     assert "mean of 3 draws" in text and "seeds 3..5" in text and "-token document" not in text
 
 
+def test_combine_with_a_gap_between_the_draws_names_each_seed_in_the_report(tmp_path, capsys):
+    """Draws 3 and 5, pooled without 4: the pooled result keeps each draw's own seed, the command says they are not
+    one range, and the report's per-draw column names them one by one, not as the range 3..4."""
+    script = load_script(SCRIPT)
+    tokens, embed = _bag_embedder()
+    runs = [_result_file(script, tokens, embed, tmp_path, seed, 1) for seed in (3, 5)]
+    out = tmp_path / "gapped.json"
+    script.main(["--combine", *map(str, runs), "--out", str(out)])
+    assert "not one range" in capsys.readouterr().out
+    pooled = json.loads(out.read_text())
+    assert [draw["seed"] for draw in pooled["rows"][0]["passage_per_seed"]] == [3, 5]
+    report = load_script(SCRIPT.parent / "report.py")
+    text = "\n".join(report.section_long_documents(out))
+    assert "seeds 3, 5" in text and "3..4" not in text
+
+
 @pytest.mark.parametrize(
     "case, message",
     [
