@@ -977,6 +977,32 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "long_documents_30min_weighted10_paired.json",
+        "Conversion: long documents, the 30-minute recipe with the short batch weighted 10",
+        "The 30-minute recipe with `--finetune_long_short_weight 10`, no far blocks, rebuilt on the faster machine "
+        "(`/work/exp44/ict`; `results/long_documents_30min_weighted10_rebuild_conversion.txt`: every reported loss "
+        "as in `results/long_documents_30min_weighted10_conversion.txt`); the five draws of the passages at 8192 "
+        "tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "long_documents_30min_weighted10_cloze30_paired.json",
+        "Conversion: long documents, the short batch weighted 10 in the long steps and 30 in the inverse cloze",
+        "The same conversion, its inverse cloze run with `--short_weight 30` (`/work/exp44/ict30`; "
+        "`results/long_documents_30min_weighted10_rebuild_conversion.txt`); the five draws of the passages at 8192 "
+        "tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models_cloze30.json",
+        "Conversion: the short batch weighted 10, then 10 or 30 in the inverse cloze, at 256 tokens",
+        "`conversion.py --models ... --select_blocks 0 1`: the 30-minute recipe with `--finetune_long_short_weight "
+        "10` after the conversion (`/work/exp44/conv`), after the inverse cloze at its default short weight 10 "
+        "(`/work/exp44/ict`) and at `--short_weight 30` (`/work/exp44/ict30`), each read with 0 and 1 far block of "
+        "32, on the 256-token conversion's held-out blocks.",
+        section_conversion_models,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
