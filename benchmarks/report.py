@@ -1003,6 +1003,23 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "long_documents_30min_long16_cloze18_paired.json",
+        "Conversion: long documents, 16 long steps and 18 inverse-cloze steps at short weight 30",
+        "The weight-10 recipe with 16 long steps in place of 32 and 18 inverse-cloze steps in place of 12, the "
+        "inverse cloze at `--short_weight 30` (`/work/exp44/ict16`; "
+        "`results/long_documents_30min_long16_cloze18_conversion.txt`); the five draws of the passages at 8192 "
+        "tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models_long16_cloze18.json",
+        "Conversion: 16 long steps and 18 inverse-cloze steps, at 256 tokens",
+        "`conversion.py --models ...`: the model above after the conversion (`/work/exp44/conv16`) and after the "
+        "inverse cloze (`/work/exp44/ict16`), read without far blocks, on the 256-token conversion's held-out "
+        "blocks.",
+        section_conversion_models,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
