@@ -1020,6 +1020,21 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "long_documents_30min_long16_cloze30_paired.json",
+        "Conversion: long documents, 16 long steps and 30 inverse-cloze steps at short weight 30",
+        "The conversion above (16 long steps), its inverse cloze run for 30 steps at `--short_weight 30` "
+        "(`/work/exp44/ict16s30`; `results/long_documents_30min_long16_cloze30_conversion.txt`); the five draws of "
+        "the passages at 8192 tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models_long16_cloze30.json",
+        "Conversion: 16 long steps and 30 inverse-cloze steps, at 256 tokens",
+        "`conversion.py --models ...`: the model above (`/work/exp44/ict16s30`), read without far blocks, on the "
+        "256-token conversion's held-out blocks.",
+        section_conversion_models,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
