@@ -174,6 +174,12 @@ def main() -> None:
         help="with --models: measure each model read with each of these far-block counts in place of its own "
         "(from_pretrained(..., hybrid_select_blocks=K))",
     )
+    parser.add_argument(
+        "--exact_length",
+        type=int,
+        help="with --models: read inputs of at most this many tokens exactly in place of each model's own "
+        "hybrid_exact_length (from_pretrained(..., hybrid_exact_length=L)); 0: the hybrid at every length",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "conversion.json"))
     args = parser.parse_args()
@@ -181,6 +187,8 @@ def main() -> None:
         parser.error("--models measures saved models and runs no setting: drop --settings")
     if args.select_blocks and not args.models:
         parser.error("--select_blocks applies to --models (a setting names its own)")
+    if args.exact_length is not None and (args.exact_length < 0 or not args.models):
+        parser.error(f"--exact_length takes a length of at least 0 and --models, got {args.exact_length}")
     if any(k < 0 for k in args.select_blocks or []):
         parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
     missing = [folder for folder in args.models or [] if not (Path(folder) / "config.json").is_file()]
@@ -276,11 +284,16 @@ def measure_saved(args: argparse.Namespace, stamp: dict, teacher_hidden: torch.T
     for folder in args.models:
         for blocks in args.select_blocks or [None]:
             read = {} if blocks is None else {"hybrid_select_blocks": blocks}
+            if args.exact_length is not None:
+                read["hybrid_exact_length"] = args.exact_length or None
             model = AutoModel.from_pretrained(folder, dtype=torch.float32, **read)
             error, cosine = measure(model, teacher_hidden, eval_ids)
             held = getattr(model.config, "hybrid_select_blocks", 0)
-            rows.append({"model_dir": folder, "select_blocks": held, "error": error, "cosine": cosine})
-            print(f"{folder} (far blocks {held}): error {error:.4f}  cosine {cosine:.4f}", flush=True)
+            exact = getattr(model.config, "hybrid_exact_length", None)
+            row = {"model_dir": folder, "select_blocks": held, "error": error, "cosine": cosine}
+            rows.append(row if exact is None else {**row, "exact_length": exact})
+            exactly = "" if exact is None else f", exact up to {exact}"
+            print(f"{folder} (far blocks {held}{exactly}): error {error:.4f}  cosine {cosine:.4f}", flush=True)
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"header": finish_stamp(stamp), "args": vars(args), "models": rows}, indent=2))
 

@@ -117,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--select_block_size", type=int, help="their size, tokens (default 32 in the conversion, else the model's own)"
     )
+    parser.add_argument(
+        "--exact_length",
+        type=int,
+        help="with --model_dir: read inputs of at most this many tokens exactly in place of the model's own "
+        "hybrid_exact_length (from_pretrained(..., hybrid_exact_length=L)); 0: the hybrid at every length",
+    )
     parser.add_argument("--compile", action="store_true", help="--speed: both models through torch.compile")
     parser.add_argument(
         "--unfused", action="store_true", help="--speed: also the converted model on the hybrid's chunked core"
@@ -150,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.select_blocks is not None and args.select_blocks < 0:
         parser.error(f"--select_blocks must be at least 0, got {args.select_blocks}")
+    if args.exact_length is not None and (args.exact_length < 0 or args.model_dir is None):
+        parser.error(f"--exact_length takes a length of at least 0 and --model_dir, got {args.exact_length}")
     if (args.device != "cpu" or args.dtype != "float32" or args.compile or args.unfused) and not args.speed:
         parser.error("--device, --dtype, --compile and --unfused apply to --speed")
     if args.unfused and args.compile:
@@ -188,6 +196,8 @@ def load(args: argparse.Namespace) -> tuple:
         for name in ("select_blocks", "select_block_size")
         if getattr(args, name) is not None
     }
+    if args.exact_length is not None:
+        selection["hybrid_exact_length"] = args.exact_length or None
     if args.model_dir is None:
         converted, _ = convert_bert(original, "performer", max_length=max(args.lengths), **CONVERSION, **selection)
     else:  # a config field given to from_pretrained replaces the saved one
@@ -382,10 +392,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def selection_arguments(args: argparse.Namespace) -> list:
-    """--select_blocks / --select_block_size as given, for a worker process."""
+    """--select_blocks / --select_block_size / --exact_length as given, for a worker process."""
     return [
         item
-        for name in ("select_blocks", "select_block_size")
+        for name in ("select_blocks", "select_block_size", "exact_length")
         if getattr(args, name) is not None
         for item in (f"--{name}", getattr(args, name))
     ]
@@ -556,6 +566,7 @@ def run(args: argparse.Namespace) -> None:
     names = ("lengths", "documents", "passage", "batch_size", "repeats", "seed", "seeds", "select_blocks")
     settings = {k: getattr(args, k) for k in names}
     settings["converted_select_blocks"] = embed.converted.config.hybrid_select_blocks  # what the model held
+    settings["converted_exact_length"] = getattr(embed.converted.config, "hybrid_exact_length", None)
     result = {
         "header": finish_stamp(stamp),
         "settings": {**settings, "documents_used": len(tokens), "model_dir": args.model_dir},

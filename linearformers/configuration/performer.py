@@ -79,6 +79,14 @@ class PerformerConfig(LinearAttentionConfig):
             ones. Encoders only (a decoder's state would have to keep every key), with the linear scores on the
             softmax's scale: feature_map="softmax" or hybrid_query_scale=True. Needs hybrid_window.
         hybrid_select_block_size: B, the size of those blocks in tokens (default 32).
+        hybrid_exact_length: L, or None (default None; e.g. 512, the original's positions in a long conversion):
+            a sequence of at most L real tokens takes exact softmax attention over all its keys on the hybrid
+            heads, as if the window covered it, and only longer ones the hybrid. Decided per sequence by its
+            attention mask, so padding and batching leave every answer as it is. Up to a converted BERT's own
+            positions exact attention costs what the original's does, and it is the attention the conversion
+            imitates; the linear part is for lengths the original cannot read. Training leaves it to the reader:
+            attention transfer and the steps after it (``linearformers.conversion``) run the hybrid at every
+            length. Encoders only. Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO
@@ -97,6 +105,7 @@ class PerformerConfig(LinearAttentionConfig):
     hybrid_key_scale: bool = False
     hybrid_select_blocks: int = interval(min=0)(default=0)
     hybrid_select_block_size: int = positive(default=32)
+    hybrid_exact_length: int | None = at_least_or_none(1)(default=None)
 
     @property
     def draws_random_features(self) -> bool:
@@ -170,11 +179,17 @@ class PerformerConfig(LinearAttentionConfig):
             if self.hybrid_window and self.hybrid_select_blocks
             else ""
         )
+        exact = (
+            f" A sequence of at most {self.hybrid_exact_length} real tokens takes exact softmax attention over all "
+            "its keys instead (hybrid_exact_length)."
+            if self.hybrid_window and self.hybrid_exact_length
+            else ""
+        )
         details = (
             f"{features}\n- causal chunk size: {self.causal_chunk_size}\n- position embeddings: "
             f"{self.position_embedding_type}\n- cost: O(n m d) time and memory linear in the sequence length."
             f"{self.local_heads_text()}{self.hybrid_text('linear attention on the other keys')}{query_scale}{key_scale}"
-            f"{select}"
+            f"{select}{exact}"
         )
         if self.position_embedding_type == "absolute":
             limits.append(f"Learned absolute positions: at most {self.max_position_embeddings} tokens.")
@@ -204,6 +219,17 @@ class PerformerConfig(LinearAttentionConfig):
                 "hybrid_key_scale=True needs a hybrid_window: it scales the keys' features in the linear part of the "
                 "hybrid heads; set hybrid_window (e.g. 64), or hybrid_key_scale=False"
             )
+        if self.hybrid_exact_length is not None:
+            if not self.hybrid_window:
+                raise ValueError(
+                    f"hybrid_exact_length={self.hybrid_exact_length} needs a hybrid_window: it widens the exact window "
+                    "of the hybrid heads over short inputs; set hybrid_window (e.g. 64), or hybrid_exact_length=None"
+                )
+            if self.is_decoder:
+                raise ValueError(
+                    "hybrid_exact_length is for encoders: a decoder's cache keeps the hybrid's state, which exact "
+                    "attention over a short prompt would not build; set hybrid_exact_length=None"
+                )
         if self.hybrid_select_blocks:
             if not self.hybrid_window:
                 raise ValueError(

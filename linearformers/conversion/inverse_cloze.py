@@ -42,7 +42,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from ..cli import check_writable, raised_by_linearformers
 from ..modeling.base import LinearAttentionPreTrainedModel
-from .transfer import _check_int, _distillation_loss, _mean_distillation_loss, text_blocks, transfer_parameters
+from .transfer import (
+    _check_int,
+    _distillation_loss,
+    _mean_distillation_loss,
+    hybrid_at_every_length,
+    text_blocks,
+    transfer_parameters,
+)
 
 
 @dataclass
@@ -266,56 +273,57 @@ def inverse_cloze_finetune(
         {"params": [p for p in model.parameters() if id(p) in new], "lr": args.new_learning_rate},
         {"params": [p for p in model.parameters() if id(p) not in new], "lr": args.learning_rate},
     ]
-    try:
-        model.eval()  # dropout off, as in stage 2: the distillation targets are deterministic
-        source.eval()
-        top1_before = _held_out_top1(model, held_rows, args, cls, sep)
-        short_before = _mean_distillation_loss(model, source, held_short)
-        for param in model.parameters():
-            param.requires_grad_(True)
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=0.0)
-        schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.steps // 10), args.steps)
-        order = [
-            i
-            for _ in range(math.ceil(args.steps * args.batch_size / len(rows)))
-            for i in rng.sample(range(len(rows)), len(rows))
-        ]
-        queue = torch.zeros(0, model.config.hidden_size)
-        losses = []
-        start = time.perf_counter()
-        with tqdm(total=args.steps, desc="inverse cloze", disable=not args.progress) as bar:
-            for step in range(args.steps):
-                cuts = [
-                    _cut(rows[i], args, rng, cls, sep)
-                    for i in order[step * args.batch_size : (step + 1) * args.batch_size]
-                ]
-                queries = _embed(model, [query for queries, _ in cuts for query in queries])
-                kept = _embed(model, [document for _, document in cuts])
-                candidates = torch.cat([kept, queue.to(kept.device)])
-                target = torch.arange(len(cuts), device=kept.device).repeat_interleave(args.passages)
-                loss = F.cross_entropy(queries @ candidates.T / args.temperature, target)
-                if args.short_weight:
-                    batch = blocks[torch.randint(blocks.shape[0], (args.batch_size,), generator=generator)]
-                    loss = loss + args.short_weight * _distillation_loss(
-                        model, source, batch, torch.ones_like(batch, dtype=torch.bool)
-                    )
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-                queue = torch.cat([kept.detach().cpu(), queue])[: args.queue]
-                losses.append(loss.item())
-                bar.set_postfix(loss=f"{losses[-1]:.4g}")
-                bar.update()
-        seconds = time.perf_counter() - start
-        top1_after = _held_out_top1(model, held_rows, args, cls, sep)
-        short_after = _mean_distillation_loss(model, source, held_short)
-    finally:
-        for name, param in model.named_parameters():
-            param.requires_grad_(flags[name])
-        model.eval()
-        source.train(source_mode)
-        torch.random.set_rng_state(state)
+    with hybrid_at_every_length(model):  # the steps fit the hybrid; the reader chooses
+        try:
+            model.eval()  # dropout off, as in stage 2: the distillation targets are deterministic
+            source.eval()
+            top1_before = _held_out_top1(model, held_rows, args, cls, sep)
+            short_before = _mean_distillation_loss(model, source, held_short)
+            for param in model.parameters():
+                param.requires_grad_(True)
+            optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=0.0)
+            schedule = get_cosine_schedule_with_warmup(optimizer, max(1, args.steps // 10), args.steps)
+            order = [
+                i
+                for _ in range(math.ceil(args.steps * args.batch_size / len(rows)))
+                for i in rng.sample(range(len(rows)), len(rows))
+            ]
+            queue = torch.zeros(0, model.config.hidden_size)
+            losses = []
+            start = time.perf_counter()
+            with tqdm(total=args.steps, desc="inverse cloze", disable=not args.progress) as bar:
+                for step in range(args.steps):
+                    cuts = [
+                        _cut(rows[i], args, rng, cls, sep)
+                        for i in order[step * args.batch_size : (step + 1) * args.batch_size]
+                    ]
+                    queries = _embed(model, [query for queries, _ in cuts for query in queries])
+                    kept = _embed(model, [document for _, document in cuts])
+                    candidates = torch.cat([kept, queue.to(kept.device)])
+                    target = torch.arange(len(cuts), device=kept.device).repeat_interleave(args.passages)
+                    loss = F.cross_entropy(queries @ candidates.T / args.temperature, target)
+                    if args.short_weight:
+                        batch = blocks[torch.randint(blocks.shape[0], (args.batch_size,), generator=generator)]
+                        loss = loss + args.short_weight * _distillation_loss(
+                            model, source, batch, torch.ones_like(batch, dtype=torch.bool)
+                        )
+                    loss.backward()
+                    optimizer.step()
+                    schedule.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    queue = torch.cat([kept.detach().cpu(), queue])[: args.queue]
+                    losses.append(loss.item())
+                    bar.set_postfix(loss=f"{losses[-1]:.4g}")
+                    bar.update()
+            seconds = time.perf_counter() - start
+            top1_after = _held_out_top1(model, held_rows, args, cls, sep)
+            short_after = _mean_distillation_loss(model, source, held_short)
+        finally:
+            for name, param in model.named_parameters():
+                param.requires_grad_(flags[name])
+            model.eval()
+            source.train(source_mode)
+            torch.random.set_rng_state(state)
     return InverseClozeReport(
         steps=args.steps,
         seconds=seconds,

@@ -50,6 +50,7 @@ from .transfer import (
     attention_transfer,
     calibrate_query_scale,
     choose_local_heads,
+    hybrid_at_every_length,
     softmax_attention_output,
     transfer_parameters,
 )
@@ -79,11 +80,15 @@ def long_overrides(config_class: type, overrides: dict, max_length: int, source_
     F N x N). A ValueError when the user asked for another length. Past the source's positions the feed-forward
     runs the source's positions at a time (``chunk_size_feed_forward``, unless given): the same outputs, with its
     (n, intermediate) temporaries cut to what the original made at once, which on a CPU stay in the heap instead of
-    being mapped and faulted in again at every layer."""
+    being mapped and faulted in again at every layer. A hybrid reads inputs of up to the source's positions with
+    exact softmax (``hybrid_exact_length``, unless given): there it costs what the original costs, and it is what
+    the transfer imitates."""
     fields = {f.name for f in dataclasses.fields(config_class)}
     overrides = dict(overrides)
     if max_length > source_positions:
         overrides.setdefault("chunk_size_feed_forward", source_positions)
+        if "hybrid_exact_length" in fields and overrides.get("hybrid_window"):
+            overrides.setdefault("hybrid_exact_length", source_positions)
     if "max_seq_length" in fields:
         given = overrides.get("max_seq_length")
         if given is not None and given != max_length:
@@ -292,7 +297,8 @@ def long_attention_transfer(
     report = attention_transfer(model, teacher, input_ids, attention_mask, chunked_args)
     report.local_heads, report.query_scale_residual = local_heads, residual
     if args.finetune_long_steps:
-        _long_finetune(model, teacher, long_input_ids, input_ids[:held_out], input_ids[held_out:], args, report)
+        with hybrid_at_every_length(model):
+            _long_finetune(model, teacher, long_input_ids, input_ids[:held_out], input_ids[held_out:], args, report)
     return report
 
 

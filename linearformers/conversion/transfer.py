@@ -25,6 +25,7 @@ attention parameters keep their stage-1 learning rates, the rest trains at ``fin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -217,6 +218,23 @@ class TransferReport:
                 f"{self.long_finetune_steps} steps in {self.long_finetune_seconds:.1f} s"
             )
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def hybrid_at_every_length(model: nn.Module) -> Iterator[None]:
+    """Within the block, a model read with ``hybrid_exact_length`` runs its hybrid heads at every length, as if the
+    field were None; restored after. Transfer and the steps after it train the linear part, which the exact read of
+    short inputs never uses, on blocks that read would cover: they fit the hybrid, and the reader chooses."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "hybrid_exact_length", None)
+    if limit is None:
+        yield
+        return
+    config.hybrid_exact_length = None
+    try:
+        yield
+    finally:
+        config.hybrid_exact_length = limit
 
 
 def _projections(model: nn.Module) -> set[str]:
@@ -723,7 +741,7 @@ def attention_transfer(
     # LoRA's initialization draws from the global RNGs of the CPU and the model's GPU: seeded here, restored after
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), hybrid_at_every_length(model):
             torch.random.default_generator.manual_seed(args.seed)
             for index in cuda:
                 torch.cuda.default_generators[index].manual_seed(args.seed)
@@ -904,6 +922,7 @@ __all__ = [
     "calibrate_query_scale",
     "choose_local_heads",
     "default_block_length",
+    "hybrid_at_every_length",
     "local_head_shares",
     "softmax_attention_output",
     "text_blocks",

@@ -23,7 +23,7 @@ from .linear import linear_attention, linear_backend, linear_step
 from .linformer import causal_linformer_attention, causal_linformer_step, linformer_attention
 from .linformer_hybrid import linformer_hybrid_attention
 from .local import local_attention, local_attention_step
-from .softmax import softmax_attention
+from .softmax import packed_softmax_attention, softmax_attention
 
 __all__ = [
     "BACKENDS",
@@ -53,6 +53,7 @@ __all__ = [
     "local_attention_step",
     "native_available",
     "native_walk_enabled",
+    "packed_softmax_attention",
     "relu_features",
     "set_native_walk",
     "set_triton_kernels",

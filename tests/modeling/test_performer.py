@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch._dynamo
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import AutoModel, AutoModelForCausalLM
 
 import linearformers as lf
@@ -772,3 +773,58 @@ def test_far_blocks_keep_padding_invariance_and_survive_a_reload(feature_map, tm
         assert torch.equal(_output(reloaded, ids), alone)
         without = AutoModel.from_pretrained(tmp_path, hybrid_select_blocks=0).eval()
         assert not torch.allclose(_output(without, ids), alone, atol=1e-4)
+
+
+@pytest.mark.parametrize("feature_map", TWO_MAPS)
+def test_short_sequences_read_exactly_each_by_its_own_length(feature_map, tmp_path):
+    """hybrid_exact_length L: a row of at most L real tokens is read by exact softmax over its keys (the hybrid with
+    a window covering it); a longer row by the hybrid. Each row by its own mask: a short row padded into a batch
+    with a long one, right or left, reads as it does alone."""
+    model = _model(feature_map, initializer_range=0.2, hybrid_sinks=1, hybrid_exact_length=12, **BOTH)
+    _move_balance(model)
+    wide = AutoModel.from_config(_config(feature_map, False, hybrid_window=64, hybrid_sinks=1, **BOTH)).eval()
+    wide.load_state_dict(model.state_dict())
+    plain = AutoModel.from_config(_config(feature_map, False, hybrid_sinks=1, **BOTH)).eval()
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(1, 99, (3, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 30, dtype=torch.long)
+    mask[0, 12:] = 0  # 12 real tokens, right-padded
+    mask[1, :20] = 0  # 10, left-padded
+    with torch.no_grad():
+        batched = _output(model, ids, attention_mask=mask)
+        torch.testing.assert_close(batched[0, :12], _output(wide, ids[:1, :12])[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(batched[1, 20:], _output(wide, ids[1:2, 20:])[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(batched[2], _output(plain, ids[2:])[0], rtol=1e-4, atol=1e-5)
+        for row, real in ((0, slice(0, 12)), (1, slice(20, 30))):
+            alone = _output(model, ids[row : row + 1, real])[0]
+            torch.testing.assert_close(batched[row, real], alone, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(_output(plain, ids[:1, :12]), _output(model, ids[:1, :12]), atol=1e-4)
+        assert torch.equal(_output(model, ids[2:]), _output(plain, ids[2:]))  # 30 > 12 tokens: the hybrid
+    model.save_pretrained(tmp_path)
+    assert AutoModel.from_pretrained(tmp_path).config.hybrid_exact_length == 12
+    hybrid = AutoModel.from_pretrained(tmp_path, hybrid_exact_length=None).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_output(hybrid, ids[:1, :12]), _output(plain, ids[:1, :12]))
+
+
+def test_exact_rows_train_with_the_hybrid_rows_of_their_batch():
+    """Gradients reach the weights through the exact rows and the hybrid rows of one batch."""
+    model = _model("hedgehog", initializer_range=0.2, hybrid_sinks=1, hybrid_exact_length=12, **BOTH).train()
+    ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, 10:] = 0
+    _output(model, ids, attention_mask=mask).square().mean().backward()
+    attention = _layers(model)[0].attention
+    assert attention.q_proj.weight.grad.abs().sum() > 0
+    assert attention.feature_map.weight.grad.abs().sum() > 0  # the long row's linear part
+
+
+def test_exact_reading_is_refused_without_a_window_or_in_a_decoder():
+    with pytest.raises(ValueError, match=r"hybrid_exact_length=8 needs a hybrid_window"):
+        _config("softmax", False, hybrid_window=None, hybrid_exact_length=8)
+    with pytest.raises(ValueError, match=r"hybrid_exact_length is for encoders"):
+        _config("softmax", True, hybrid_exact_length=8)
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'hybrid_exact_length'"):
+        _config("softmax", False, hybrid_exact_length=0)
+    _, details, _ = _config("hedgehog", False, hybrid_exact_length=512).describe()
+    assert "at most 512 real tokens takes exact softmax attention" in details

@@ -327,3 +327,21 @@ def test_softmax_attention_equals_its_reference(padding):
             rtol=1e-12,
             atol=1e-12,
         )
+
+
+def test_packed_softmax_attention_is_softmax_attention_at_real_positions_and_zero_at_pads():
+    from linearformers.ops import packed_softmax_attention, softmax_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[0, 5:] = False  # right-padded
+    mask[1, :3] = False  # left-padded
+    mask[2, ::2] = False  # holes
+    mask[3] = False  # no real token
+    out = packed_softmax_attention(q, k, v, key_padding_mask=mask)
+    want = softmax_attention(q, k, v, key_padding_mask=mask)
+    real = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], want[real])
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+    torch.testing.assert_close(packed_softmax_attention(q, k, v), softmax_attention(q, k, v))
