@@ -538,12 +538,19 @@ def section_conversion_models(path: Path) -> list[str]:
     data = _read(path)
     args = data["args"]
     read = any("select_blocks" in row for row in data["models"])  # each model read with far-block counts given
+    exact = any("exact_length" in row for row in data["models"])  # and inputs of up to L tokens read exactly
     body = [
-        [f"`{row['model_dir']}`", *([str(row["select_blocks"])] if read else []), f"{row['error']:.4f}",
-         f"{row['cosine']:.4f}"]
+        [f"`{row['model_dir']}`", *([str(row["select_blocks"])] if read else []),
+         *([str(row.get("exact_length") or "-")] if exact else []), f"{row['error']:.4f}", f"{row['cosine']:.4f}"]
         for row in data["models"]
     ]  # fmt: skip
-    header = ["model", *(["read with far blocks"] if read else []), "hidden-state error", "cosine"]
+    header = [
+        "model",
+        *(["read with far blocks"] if read else []),
+        *(["read exactly up to, tokens"] if exact else []),
+        "hidden-state error",
+        "cosine",
+    ]
     return [
         f"{args['eval_blocks']} held-out blocks of {args['block']} tokens.",
         "",
@@ -614,9 +621,11 @@ def section_long_documents(path: Path) -> list[str]:
     ]
     longest = max(settings["lengths"])
     read = settings.get("select_blocks")
+    exact = settings.get("converted_exact_length")
     return [
         f"{settings['documents_used']} documents, passages of {settings['passage']} tokens"
-        + (f"; the converted model read with far blocks {read}." if read is not None else "."),
+        + (f"; the converted model read with far blocks {read}" if read is not None else "")
+        + (f"; the converted model reads inputs of up to {exact} tokens exactly." if exact else "."),
         "",
         *_table(header, body),
         "",
@@ -1032,6 +1041,23 @@ SECTIONS = [
         "Conversion: 16 long steps and 30 inverse-cloze steps, at 256 tokens",
         "`conversion.py --models ...`: the model above (`/work/exp44/ict16s30`), read without far blocks, on the "
         "256-token conversion's held-out blocks.",
+        section_conversion_models,
+    ),
+    (
+        "long_documents_30min_exact512_paired.json",
+        "Conversion: long documents, the 30-minute recipe's model reading inputs of up to 512 tokens exactly",
+        "The 30-minute recipe's model rebuilt on the faster machine (`/work/exp45/ict1`, the same losses as "
+        "`results/long_documents_30min_conversion.txt` to the digits printed), read with `--exact_length 512`: "
+        "inputs of up to 512 tokens (here the passages) by exact softmax, the documents by the hybrid; the five "
+        "draws of the passages at 8192 tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "conversion_long_models_exact512.json",
+        "Conversion: the 30-minute recipe's model reading inputs of up to 512 tokens exactly, at 256 tokens",
+        "`conversion.py --models ... --select_blocks 0`: the 30-minute recipe converted and trained again by this "
+        "code, whose saved config reads inputs of up to 512 tokens exactly (`/work/exp45/new_ict`; "
+        "`results/long_documents_30min_exact512_conversion.txt`), on the 256-token conversion's held-out blocks.",
         section_conversion_models,
     ),
     (

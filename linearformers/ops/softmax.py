@@ -55,6 +55,8 @@ def packed_softmax_attention(
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     lengths = mask.sum(-1)
     longest = int(lengths.max()) if mask.shape[0] else 0
+    if longest == 0:  # no real token anywhere
+        return torch.zeros_like(v)
     # each row's real positions first, in order (a stable sort of the pads behind them)
     places = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[:, :longest]
     inside = torch.arange(longest, device=mask.device)[None, :] < lengths[:, None]

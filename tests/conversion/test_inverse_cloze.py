@@ -189,3 +189,22 @@ def test_the_cli_refuses_bad_input_in_one_line(converted, tmp_path, capsys, chan
     assert exit_.value.code == 2
     assert match in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_steps_train_the_hybrid_at_every_length_and_leave_the_exact_read_to_the_reader(converted):
+    """A long conversion reads its source's positions exactly (hybrid_exact_length); the inverse cloze's steps train
+    the hybrid on its short blocks and passages all the same: the run of the same model read with the hybrid at
+    every length, and the field back afterwards."""
+    model, bert, tokenizer, _ = converted
+    assert model.config.hybrid_exact_length == bert.config.max_position_embeddings
+    start = {name: param.detach().clone() for name, param in model.state_dict().items()}
+    texts, short = _documents(), _documents(2)
+    exact = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
+    assert model.config.hybrid_exact_length == bert.config.max_position_embeddings
+    after = {name: param.detach().clone() for name, param in model.state_dict().items()}
+    model.load_state_dict(start)
+    model.config.hybrid_exact_length = None
+    hybrid = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
+    assert exact.losses == hybrid.losses and exact.top1_before == hybrid.top1_before
+    for name, param in model.state_dict().items():
+        torch.testing.assert_close(param, after[name], rtol=0, atol=0)

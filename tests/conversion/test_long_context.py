@@ -339,3 +339,34 @@ def test_the_real_minilm_converts_to_1024_tokens_and_transfers_on_long_blocks(to
         assert model(ids).last_hidden_state.shape == (1, 1024, 384)
     with pytest.raises(ValueError, match=r"1025 tokens exceeds max_position_embeddings=1024"):
         model(torch.cat([ids, ids[:, :1]], 1))
+
+
+def test_a_long_hybrid_reads_the_sources_positions_exactly_and_its_transfer_trains_the_hybrid():
+    """A long conversion's hybrid reads inputs of up to the source's positions exactly (hybrid_exact_length, unless
+    given); transfer and the long steps, on 32-token blocks that read would cover, train the hybrid: the same
+    weights as a conversion read with the hybrid at every length, and the field is back afterwards."""
+    bert = tiny_bert()
+    assert convert_bert(bert, "performer", max_length=N, **SCALED)[0].config.hybrid_exact_length == 64
+    assert (
+        convert_bert(bert, "performer", max_length=N, hybrid_exact_length=10, **SCALED)[0].config.hybrid_exact_length
+        == 10
+    )
+    assert convert_bert(bert, "performer", **SCALED)[0].config.hybrid_exact_length is None  # no long conversion
+    assert not hasattr(
+        convert_bert(bert, "linformer", max_length=N, **FAMILIES["linformer"])[0].config, "hybrid_exact_length"
+    )
+    states = []
+    for exact in (64, None):
+        torch.manual_seed(0)
+        model, _ = convert_bert(bert, "performer", max_length=N, hybrid_exact_length=exact, **SCALED)
+        args = quick(steps=2, finetune_steps=1, finetune_long_steps=2)
+        long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
+        assert model.config.hybrid_exact_length == exact
+        states.append(model.state_dict())
+    for key, value in states[0].items():
+        torch.testing.assert_close(states[1][key], value, rtol=0, atol=0, msg=key)
+    model.eval()
+    with torch.no_grad():  # and the reading differs: 32 tokens exactly with the field
+        hybrid = model(_ids(1, 32)).last_hidden_state
+        model.config.hybrid_exact_length = 64
+        assert not torch.allclose(model(_ids(1, 32)).last_hidden_state, hybrid, atol=1e-4)

@@ -345,3 +345,5 @@ def test_packed_softmax_attention_is_softmax_attention_at_real_positions_and_zer
     torch.testing.assert_close(out[real], want[real])
     assert torch.equal(out[~real], torch.zeros_like(out[~real]))
     torch.testing.assert_close(packed_softmax_attention(q, k, v), softmax_attention(q, k, v))
+    empty = torch.zeros(2, 9, dtype=torch.bool)
+    assert torch.equal(packed_softmax_attention(q[:2], k[:2], v[:2], key_padding_mask=empty), torch.zeros_like(v[:2]))
