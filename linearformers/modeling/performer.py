@@ -146,10 +146,34 @@ class PerformerAttention(LinearAttention):
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.window_balance is not None:
+            if self.config.hybrid_exact_length is not None and past_key_values is None and not self.causal:
+                return self.exact_rows(q, k, v, attention_mask)
             return self.hybrid_heads(q, k, v, attention_mask, past_key_values)
         if self.feature_map is None:
             return self.favor_heads(q, k, v, attention_mask, past_key_values)
         return self.learned_map_heads(q, k, v, attention_mask, past_key_values)
+
+    def exact_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``hybrid_exact_length`` L: each row of at most L real tokens (by its own mask, so that padding and the
+        other rows of a batch change nothing) by exact softmax over its real keys, the window covering it; the
+        other rows by the hybrid. Padded positions of the exact rows output 0."""
+        batch, n = q.shape[0], q.shape[2]
+        if attention_mask is None:
+            lengths = torch.full((batch,), n, device=q.device)
+        else:
+            lengths = attention_mask.sum(-1)
+        short = lengths <= self.config.hybrid_exact_length
+        if not bool(short.any()):
+            return self.hybrid_heads(q, k, v, attention_mask, None)
+        if bool(short.all()):
+            return packed_softmax_attention(q, k, v, key_padding_mask=attention_mask).to(v.dtype)
+        rows = [short.nonzero().squeeze(1), (~short).nonzero().squeeze(1)]
+        masks = [None, None] if attention_mask is None else [attention_mask[r] for r in rows]
+        exact = packed_softmax_attention(q[rows[0]], k[rows[0]], v[rows[0]], key_padding_mask=masks[0])
+        rest = self.hybrid_heads(q[rows[1]], k[rows[1]], v[rows[1]], masks[1], None)
+        return torch.cat([exact.to(rest.dtype), rest])[torch.cat(rows).argsort()]
 
     def favor_heads(
         self,
@@ -247,44 +271,9 @@ class PerformerAttention(LinearAttention):
         past_key_values: LinearAttentionCache | None,
     ) -> torch.Tensor:
         """The LoLCATs hybrid: exact softmax on the window (q, k) and the feature map on the other keys (phi_q,
-        phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size. With
-        ``hybrid_exact_length``, an encoder's sequences that short take exact softmax instead (:meth:`exact_rows`)."""
-        if self.config.hybrid_exact_length is not None and past_key_values is None and not self.causal:
-            return self.exact_rows(q, k, v, attention_mask)
-        return self._hybrid(q, k, v, attention_mask, past_key_values)
-
-    def exact_rows(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``hybrid_exact_length`` L: each row of at most L real tokens (by its own mask, so that padding and the
-        other rows of a batch change nothing) by exact softmax over its real keys, the window covering it; the
-        other rows by the hybrid. Padded positions of the exact rows output 0."""
-        batch, n = q.shape[0], q.shape[2]
-        if attention_mask is None:
-            lengths = torch.full((batch,), n, device=q.device)
-        else:
-            lengths = attention_mask.sum(-1)
-        short = lengths <= self.config.hybrid_exact_length
-        if not bool(short.any()):
-            return self._hybrid(q, k, v, attention_mask, None)
-        if bool(short.all()):
-            return packed_softmax_attention(q, k, v, key_padding_mask=attention_mask).to(v.dtype)
-        rows = [short.nonzero().squeeze(1), (~short).nonzero().squeeze(1)]
-        masks = [None, None] if attention_mask is None else [attention_mask[r] for r in rows]
-        exact = packed_softmax_attention(q[rows[0]], k[rows[0]], v[rows[0]], key_padding_mask=masks[0])
-        rest = self._hybrid(q[rows[1]], k[rows[1]], v[rows[1]], masks[1], None)
-        return torch.cat([exact.to(rest.dtype), rest])[torch.cat(rows).argsort()]
-
-    def _hybrid(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: LinearAttentionCache | None,
-    ) -> torch.Tensor:
-        """:meth:`hybrid_heads` on every row."""
+        phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size."""
         c = self.config
+
         gamma = torch.exp(self.window_balance)
         select = {"select_blocks": c.hybrid_select_blocks, "select_block_size": c.hybrid_select_block_size}
         if (
