@@ -1053,6 +1053,15 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_30min_exact512_paired_2048.json",
+        "Conversion: long documents, the 30-minute recipe's model reading inputs of up to 512 tokens exactly, 2048 "
+        "tokens",
+        "The recipe converted and trained again by this code, whose saved config reads inputs of up to 512 tokens "
+        "exactly (`/work/exp45/new_ict`; `results/long_documents_30min_exact512_conversion.txt`); the five draws of "
+        "the passages at 2048 tokens, against the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models_exact512.json",
         "Conversion: the 30-minute recipe's model reading inputs of up to 512 tokens exactly, at 256 tokens",
         "`conversion.py --models ... --select_blocks 0`: the 30-minute recipe converted and trained again by this "
