@@ -26,7 +26,13 @@ PERFORMER_KERNELS = FEATURE_MAPS
 
 # what this package exported before the move: linearformers.ops exports fewer names (the rest from its modules),
 # and the deprecated path offers none of the ops' newer ones
-_NEWER = ("favor_backend", "hedgehog_hybrid_attention", "hedgehog_refusal", "linear_backend")
+_NEWER = (
+    "favor_backend",
+    "hedgehog_hybrid_attention",
+    "hedgehog_refusal",
+    "linear_backend",
+    "packed_softmax_attention",
+)
 __all__ = [
     *(name for name in ops.__all__ if name not in _NEWER),
     "BIDIRECTIONAL_BACKENDS",
