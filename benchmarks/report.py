@@ -1070,6 +1070,18 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "conversion_long_models_exact512_weighted.json",
+        "Conversion: the short-weight models reading inputs of up to 512 tokens exactly, at 256 tokens",
+        "`conversion.py --models ... --select_blocks 0 --exact_length 512`: the weight-10 conversion before its "
+        "inverse cloze (`/work/exp44/conv`), after it at short weight 10 (`/work/exp44/ict`) and 30 "
+        "(`/work/exp44/ict30`), 16 long and 18 inverse-cloze steps at 30 (`/work/exp44/ict16`), and the 30-minute "
+        "recipe's conversion command without `--finetune_long_steps` (`/work/exp45/s2`: stage 1 and stage 2 with the "
+        "losses of `results/long_documents_30min_exact512_conversion.txt`), each read with inputs of up to 512 "
+        "tokens exact, on the 256-token conversion's held-out blocks (a clean-clone suite ran beside it; these "
+        "figures hold no times).",
+        section_conversion_models,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
