@@ -273,7 +273,6 @@ class PerformerAttention(LinearAttention):
         """The LoLCATs hybrid: exact softmax on the window (q, k) and the feature map on the other keys (phi_q,
         phi_k from :meth:`hybrid_features`); it works by blocks of its window, so it takes no chunk size."""
         c = self.config
-
         gamma = torch.exp(self.window_balance)
         select = {"select_blocks": c.hybrid_select_blocks, "select_block_size": c.hybrid_select_block_size}
         if (
