@@ -11,7 +11,8 @@ passage shares no tokens with its document, so the model is taught what a whole 
 chunk-wise teacher cannot teach.
 
 Beside it every step adds stage 2's distillation loss on a batch of short transfer blocks (``short_length`` tokens,
-the original reading them whole), weighted by ``short_weight``: the contrastive term alone would pull the short-text
+the original reading them whole, the model reading them as saved: exactly, when a long conversion set
+``hybrid_exact_length``), weighted by ``short_weight``: the contrastive term alone would pull the short-text
 embeddings away from the original's. The report gives both sides of the trade on held-out data: top-1 of the
 inverse cloze task on ``eval_documents`` held-out documents, and the distillation loss on held-out short blocks,
 before and after.
@@ -46,6 +47,7 @@ from .transfer import (
     _check_int,
     _distillation_loss,
     _mean_distillation_loss,
+    _read_as,
     hybrid_at_every_length,
     text_blocks,
     transfer_parameters,
@@ -147,6 +149,7 @@ class InverseClozeReport:
     loss_first: float
     loss_last: float
     losses: list[float] = field(default_factory=list, repr=False)
+    short_exact_length: int | None = None
 
     def __str__(self) -> str:
         return "\n".join(
@@ -155,7 +158,8 @@ class InverseClozeReport:
                 f"loss {self.loss_first:.4g} -> {self.loss_last:.4g})",
                 f"  a passage retrieves its document, top-1 on {self.eval_documents} held-out documents: "
                 f"{self.top1_before:.3f} -> {self.top1_after:.3f}",
-                f"  distillation loss on the held-out short blocks: {self.short_loss_before:.4g} -> "
+                f"  distillation loss on the held-out short blocks{_read_as(self.short_exact_length)}: "
+                f"{self.short_loss_before:.4g} -> "
                 f"{self.short_loss_after:.4g}",
             ]
         )
@@ -273,12 +277,13 @@ def inverse_cloze_finetune(
         {"params": [p for p in model.parameters() if id(p) in new], "lr": args.new_learning_rate},
         {"params": [p for p in model.parameters() if id(p) not in new], "lr": args.learning_rate},
     ]
-    with hybrid_at_every_length(model):  # the steps fit the hybrid; the reader chooses
+    with hybrid_at_every_length(model) as as_saved:  # the steps fit the hybrid, the short term reads as saved
         try:
             model.eval()  # dropout off, as in stage 2: the distillation targets are deterministic
             source.eval()
             top1_before = _held_out_top1(model, held_rows, args, cls, sep)
-            short_before = _mean_distillation_loss(model, source, held_short)
+            with as_saved():
+                short_before = _mean_distillation_loss(model, source, held_short)
             for param in model.parameters():
                 param.requires_grad_(True)
             optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=0.0)
@@ -304,9 +309,11 @@ def inverse_cloze_finetune(
                     loss = F.cross_entropy(queries @ candidates.T / args.temperature, target)
                     if args.short_weight:
                         batch = blocks[torch.randint(blocks.shape[0], (args.batch_size,), generator=generator)]
-                        loss = loss + args.short_weight * _distillation_loss(
-                            model, source, batch, torch.ones_like(batch, dtype=torch.bool)
-                        )
+                        with as_saved():
+                            short_loss = _distillation_loss(
+                                model, source, batch, torch.ones_like(batch, dtype=torch.bool)
+                            )
+                        loss = loss + args.short_weight * short_loss
                     loss.backward()
                     optimizer.step()
                     schedule.step()
@@ -317,7 +324,9 @@ def inverse_cloze_finetune(
                     bar.update()
             seconds = time.perf_counter() - start
             top1_after = _held_out_top1(model, held_rows, args, cls, sep)
-            short_after = _mean_distillation_loss(model, source, held_short)
+            with as_saved():
+                short_after = _mean_distillation_loss(model, source, held_short)
+                exact_length = getattr(model.config, "hybrid_exact_length", None)
         finally:
             for name, param in model.named_parameters():
                 param.requires_grad_(flags[name])
@@ -333,6 +342,7 @@ def inverse_cloze_finetune(
         top1_after=top1_after,
         short_loss_before=short_before,
         short_loss_after=short_after,
+        short_exact_length=exact_length,
         loss_first=losses[0],
         loss_last=losses[-1],
         losses=losses,

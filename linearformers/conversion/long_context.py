@@ -297,8 +297,10 @@ def long_attention_transfer(
     report = attention_transfer(model, teacher, input_ids, attention_mask, chunked_args)
     report.local_heads, report.query_scale_residual = local_heads, residual
     if args.finetune_long_steps:
-        with hybrid_at_every_length(model):
-            _long_finetune(model, teacher, long_input_ids, input_ids[:held_out], input_ids[held_out:], args, report)
+        with hybrid_at_every_length(model) as as_saved:
+            _long_finetune(
+                model, teacher, long_input_ids, input_ids[:held_out], input_ids[held_out:], args, report, as_saved
+            )
     return report
 
 
@@ -321,11 +323,14 @@ def _check_long_blocks(model: PreTrainedModel, ids: object, attention_mask: torc
         raise ValueError("finetune_long_steps pairs long blocks with unpadded transfer blocks; pass no padding")
 
 
-def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArguments, report: TransferReport) -> None:
+def _long_finetune(
+    model, teacher, long_ids, eval_ids, ids, args: TransferArguments, report: TransferReport, as_saved
+) -> None:
     """The long steps of :func:`long_attention_transfer`: every weight trains on stage 2's loss over one long block
     plus ``args.finetune_long_short_weight`` times the loss over a batch of ``ids``, at stage 2's rates; the report
-    gets the loss on the first long block and on the held-out short blocks ``eval_ids``, before and after. Flags,
-    modes and the global RNG are left as they were."""
+    gets the loss on the first long block and on the held-out short blocks ``eval_ids``, before and after. The long
+    block reads with the hybrid, the short ones under ``as_saved`` (:func:`transfer.hybrid_at_every_length`), as
+    the saved model reads them. Flags, modes and the global RNG are left as they were."""
     device = next(model.parameters()).device
     long_ids, eval_ids, ids = (x.to(device) for x in (long_ids, eval_ids, ids))
     held_long = [(long_ids[:1], torch.ones_like(long_ids[:1], dtype=torch.bool))]
@@ -347,14 +352,17 @@ def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArgume
         long, short = long_ids[index], ids[batch]
         loss = _distillation_loss(model, teacher, long, torch.ones_like(long, dtype=torch.bool))
         if weight:
-            loss = loss + weight * _distillation_loss(model, teacher, short, torch.ones_like(short, dtype=torch.bool))
+            with as_saved():
+                short_loss = _distillation_loss(model, teacher, short, torch.ones_like(short, dtype=torch.bool))
+            loss = loss + weight * short_loss
         return loss
 
     try:
         model.eval()  # dropout off: the targets are the original's deterministic outputs
         teacher.eval()
         report.long_finetune_loss_before = _mean_distillation_loss(model, teacher, held_long)
-        report.long_finetune_short_loss_before = _mean_distillation_loss(model, teacher, held_short)
+        with as_saved():
+            report.long_finetune_short_loss_before = _mean_distillation_loss(model, teacher, held_short)
         for param in model.parameters():
             param.requires_grad_(True)
         groups = _finetune_groups(model.parameters(), trained, _projections(model), args)
@@ -363,7 +371,9 @@ def _long_finetune(model, teacher, long_ids, eval_ids, ids, args: TransferArgume
         )
         report.long_finetune_steps = args.finetune_long_steps
         report.long_finetune_loss_after = _mean_distillation_loss(model, teacher, held_long)
-        report.long_finetune_short_loss_after = _mean_distillation_loss(model, teacher, held_short)
+        with as_saved():
+            report.long_finetune_short_loss_after = _mean_distillation_loss(model, teacher, held_short)
+            report.long_finetune_short_exact_length = getattr(model.config, "hybrid_exact_length", None)
     finally:
         for name, param in model.named_parameters():
             param.requires_grad_(flags[name])

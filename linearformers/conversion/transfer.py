@@ -29,7 +29,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -181,6 +181,7 @@ class TransferReport:
     long_finetune_loss_after: float | None = None
     long_finetune_short_loss_before: float | None = None
     long_finetune_short_loss_after: float | None = None
+    long_finetune_short_exact_length: int | None = None
     layers: list[int] = field(default_factory=list)
     local_heads: list[list[int]] | None = None
     error_calibrated: list[float] | None = None
@@ -213,26 +214,44 @@ class TransferReport:
         if self.long_finetune_steps:
             lines.append(
                 f"  long fine-tune: the same loss on the held-out long block {self.long_finetune_loss_before:.4g} -> "
-                f"{self.long_finetune_loss_after:.4g}, on the held-out short blocks "
-                f"{self.long_finetune_short_loss_before:.4g} -> {self.long_finetune_short_loss_after:.4g}, "
+                f"{self.long_finetune_loss_after:.4g}, on the held-out short blocks"
+                f"{_read_as(self.long_finetune_short_exact_length)} {self.long_finetune_short_loss_before:.4g} -> "
+                f"{self.long_finetune_short_loss_after:.4g}, "
                 f"{self.long_finetune_steps} steps in {self.long_finetune_seconds:.1f} s"
             )
         return "\n".join(lines)
 
 
+def _read_as(exact_length: int | None) -> str:
+    """How a report names the short blocks' reading: as saved, which reads up to ``exact_length`` tokens exactly."""
+    return "" if exact_length is None else f" (read as saved: exactly up to {exact_length} tokens)"
+
+
 @contextlib.contextmanager
-def hybrid_at_every_length(model: nn.Module) -> Iterator[None]:
+def hybrid_at_every_length(model: nn.Module) -> Iterator[Callable[[], contextlib.AbstractContextManager]]:
     """Within the block, a model read with ``hybrid_exact_length`` runs its hybrid heads at every length, as if the
     field were None; restored after. Transfer and the steps after it train the linear part, which the exact read of
-    short inputs never uses, on blocks that read would cover: they fit the hybrid, and the reader chooses."""
+    short inputs never uses, on blocks that read would cover: they fit the hybrid.
+    The block gets a function whose context reads the model as saved (the field restored): the short-text terms of
+    the steps after transfer read their blocks under it, as the saved model will read short inputs, so that they
+    hold the exact read to the original rather than fit the hybrid at lengths it will never read."""
     config = getattr(model, "config", None)
     limit = getattr(config, "hybrid_exact_length", None)
     if limit is None:
-        yield
+        yield contextlib.nullcontext
         return
+
+    @contextlib.contextmanager
+    def as_saved() -> Iterator[None]:
+        config.hybrid_exact_length = limit
+        try:
+            yield
+        finally:
+            config.hybrid_exact_length = None
+
     config.hybrid_exact_length = None
     try:
-        yield
+        yield as_saved
     finally:
         config.hybrid_exact_length = limit
 

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 import linearformers  # noqa: F401  (registers the Auto classes)
+from linearformers.conversion import inverse_cloze
 from linearformers.conversion.convert import convert_bert
 from linearformers.conversion.inverse_cloze import (
     InverseClozeArguments,
@@ -17,6 +18,7 @@ from linearformers.conversion.inverse_cloze import (
     inverse_cloze_finetune,
     main,
 )
+from linearformers.conversion.transfer import _mean_distillation_loss, text_blocks
 from tests.conversion.test_transfer import HEDGEHOG, _saved_bert_with_a_tokenizer
 
 N = 200  # the converted model's length; the tiny BERT has 64 positions
@@ -117,6 +119,7 @@ def _args(**overrides) -> dict:
 
 def test_a_second_run_repeats_the_first_and_the_distillation_term_adds_to_the_loss(converted, tokenizer_dir):
     model, bert, tokenizer, _ = converted
+    model.config.hybrid_exact_length = None  # read exactly, the untrained conversion is the original: no loss to add
     start = {name: param.detach().clone() for name, param in model.state_dict().items()}
     texts, short = _documents(), _documents(2)
     first = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
@@ -191,20 +194,49 @@ def test_the_cli_refuses_bad_input_in_one_line(converted, tmp_path, capsys, chan
     assert not (tmp_path / "out").exists()
 
 
-def test_the_steps_train_the_hybrid_at_every_length_and_leave_the_exact_read_to_the_reader(converted):
-    """A long conversion reads its source's positions exactly (hybrid_exact_length); the inverse cloze's steps train
-    the hybrid on its short blocks and passages all the same: the run of the same model read with the hybrid at
-    every length, and the field back afterwards."""
+def test_the_steps_train_the_hybrid_and_hold_the_exact_read_of_short_blocks_to_the_original(converted, monkeypatch):
+    """A long conversion reads its source's positions exactly (hybrid_exact_length). The inverse cloze's passages
+    and documents train the hybrid: without the distillation term, the run of the same model read with the hybrid
+    at every length. The term, and the held-out short loss the report gives, read the short blocks as saved:
+    exactly. The field is back afterwards."""
     model, bert, tokenizer, _ = converted
-    assert model.config.hybrid_exact_length == bert.config.max_position_embeddings
+    limit = bert.config.max_position_embeddings
+    assert model.config.hybrid_exact_length == limit
     start = {name: param.detach().clone() for name, param in model.state_dict().items()}
     texts, short = _documents(), _documents(2)
-    exact = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
-    assert model.config.hybrid_exact_length == bert.config.max_position_embeddings
-    after = {name: param.detach().clone() for name, param in model.state_dict().items()}
+    runs, states = [], []
+    for exact in (limit, None):
+        model.load_state_dict(start)
+        model.config.hybrid_exact_length = exact
+        runs.append(inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args(short_weight=0.0)))
+        assert model.config.hybrid_exact_length == exact
+        states.append({name: param.detach().clone() for name, param in model.state_dict().items()})
+    assert runs[0].losses == runs[1].losses and runs[0].top1_before == runs[1].top1_before
+    for name, param in states[0].items():
+        torch.testing.assert_close(states[1][name], param, rtol=0, atol=0)
+
+    reads = {"_embed": set(), "_distillation_loss": set()}  # the field while each reads
+
+    def spy(name):
+        function = getattr(inverse_cloze, name)
+
+        def read(model, *rest):
+            reads[name].add(model.config.hybrid_exact_length)
+            return function(model, *rest)
+
+        return read
+
+    for name in reads:
+        monkeypatch.setattr(inverse_cloze, name, spy(name))
     model.load_state_dict(start)
+    model.config.hybrid_exact_length = limit
+    report = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
+    assert reads == {"_embed": {None}, "_distillation_loss": {limit}}
+    assert model.config.hybrid_exact_length == limit
+    assert f"(read as saved: exactly up to {limit} tokens)" in str(report)
+    model.load_state_dict(start)  # the held-out short loss before the steps: the exact read's, not the hybrid's
+    blocks = text_blocks(tokenizer, short, TINY["short_length"], wrap=True)[: TINY["batch_size"]]
+    held = [(blocks, torch.ones_like(blocks, dtype=torch.bool))]
+    assert report.short_loss_before == pytest.approx(_mean_distillation_loss(model, bert, held), rel=1e-5)
     model.config.hybrid_exact_length = None
-    hybrid = inverse_cloze_finetune(model, bert, tokenizer, texts, short, **_args())
-    assert exact.losses == hybrid.losses and exact.top1_before == hybrid.top1_before
-    for name, param in model.state_dict().items():
-        torch.testing.assert_close(param, after[name], rtol=0, atol=0)
+    assert report.short_loss_before != pytest.approx(_mean_distillation_loss(model, bert, held), rel=1e-2)

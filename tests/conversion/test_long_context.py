@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer, BertModel, pipeline
 
 import linearformers  # noqa: F401  (registers the Auto classes)
+from linearformers.conversion import long_context
 from linearformers.conversion.convert import convert_bert, main
 from linearformers.conversion.long_context import (
     ChunkedTeacher,
@@ -160,9 +161,10 @@ def test_long_transfer_fits_the_attention_on_blocks_longer_than_the_source_reads
 
 def test_long_steps_train_on_full_length_blocks_beside_the_short_ones_and_report_both_losses():
     """finetune_long_steps: after stage 2 on short blocks, each step's loss is a full-length block's plus a short
-    batch's; the report measures both on held-out blocks, and the long loss falls."""
+    batch's; the report measures both on held-out blocks, and the long loss falls. Read with the hybrid at every
+    length, the short loss before the long steps is the one stage 2 ended with."""
     bert = tiny_bert()
-    model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+    model, _ = convert_bert(bert, "performer", max_length=N, hybrid_exact_length=None, **SCALED)
     args = quick(steps=5, finetune_steps=2, finetune_long_steps=8, finetune_new_learning_rate=3e-3)
     model.train()
     model.embeddings.word_embeddings.weight.requires_grad_(False)
@@ -192,7 +194,7 @@ def test_the_short_batch_of_a_long_step_counts_with_its_weight(monkeypatch):
     monkeypatch.setattr(long_context, "_train", first_step)
     for weight in (0.0, 1.0, 3.0):
         torch.manual_seed(0)
-        model, _ = convert_bert(bert, "performer", max_length=N, **SCALED)
+        model, _ = convert_bert(bert, "performer", max_length=N, hybrid_exact_length=None, **SCALED)
         args = quick(steps=1, finetune_steps=1, finetune_long_steps=1, finetune_long_short_weight=weight)
         long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
     short = first_loss[1.0] - first_loss[0.0]
@@ -341,10 +343,12 @@ def test_the_real_minilm_converts_to_1024_tokens_and_transfers_on_long_blocks(to
         model(torch.cat([ids, ids[:, :1]], 1))
 
 
-def test_a_long_hybrid_reads_the_sources_positions_exactly_and_its_transfer_trains_the_hybrid():
+def test_a_long_hybrid_reads_the_sources_positions_exactly_and_its_transfer_trains_the_hybrid(monkeypatch):
     """A long conversion's hybrid reads inputs of up to the source's positions exactly (hybrid_exact_length, unless
-    given); transfer and the long steps, on 32-token blocks that read would cover, train the hybrid: the same
-    weights as a conversion read with the hybrid at every length, and the field is back afterwards."""
+    given). Transfer and the long steps' long blocks, 32-token blocks that read would cover among them, train the
+    hybrid: without the long steps' short term, the same weights as a conversion read with the hybrid at every
+    length. The short term, and the held-out short loss the report gives, read the short blocks as saved: exactly.
+    The field is back afterwards."""
     bert = tiny_bert()
     assert convert_bert(bert, "performer", max_length=N, **SCALED)[0].config.hybrid_exact_length == 64
     assert (
@@ -355,18 +359,41 @@ def test_a_long_hybrid_reads_the_sources_positions_exactly_and_its_transfer_trai
     assert not hasattr(
         convert_bert(bert, "linformer", max_length=N, **FAMILIES["linformer"])[0].config, "hybrid_exact_length"
     )
-    states = []
-    for exact in (64, None):
+
+    def converted(exact, **overrides):
         torch.manual_seed(0)
         model, _ = convert_bert(bert, "performer", max_length=N, hybrid_exact_length=exact, **SCALED)
-        args = quick(steps=2, finetune_steps=1, finetune_long_steps=2)
-        long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
+        args = quick(steps=2, finetune_steps=1, finetune_long_steps=2, **overrides)
+        report = long_attention_transfer(model, bert, _ids(12, 32), args=args, long_input_ids=_ids(3, N, seed=1))
         assert model.config.hybrid_exact_length == exact
-        states.append(model.state_dict())
+        return model, report
+
+    states = [converted(exact, finetune_long_short_weight=0.0)[0].state_dict() for exact in (64, None)]
     for key, value in states[0].items():
         torch.testing.assert_close(states[1][key], value, rtol=0, atol=0, msg=key)
+
+    reads = []  # (the block's length, the field while the loss reads it) at every loss of the long steps
+
+    def spy(function):
+        def read(model, teacher, ids, *rest):
+            for block in ids if isinstance(ids, list) else [(ids,)]:
+                reads.append((block[0].shape[-1], model.config.hybrid_exact_length))
+            return function(model, teacher, ids, *rest)
+
+        return read
+
+    for name in ("_distillation_loss", "_mean_distillation_loss"):
+        monkeypatch.setattr(long_context, name, spy(getattr(long_context, name)))
+    model, report = converted(64)
+    assert set(reads) == {(N, None), (32, 64)}
+    assert "(read as saved: exactly up to 64 tokens)" in str(report)
+    trained = converted(None)[0].state_dict()  # the short term read with the hybrid trains other weights
+    assert not torch.equal(
+        trained["layers.0.attention.q_proj.weight"], model.state_dict()["layers.0.attention.q_proj.weight"]
+    )
     model.eval()
     with torch.no_grad():  # and the reading differs: 32 tokens exactly with the field
+        model.config.hybrid_exact_length = None
         hybrid = model(_ids(1, 32)).last_hidden_state
         model.config.hybrid_exact_length = 64
         assert not torch.allclose(model(_ids(1, 32)).last_hidden_state, hybrid, atol=1e-4)
