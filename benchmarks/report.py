@@ -1082,6 +1082,30 @@ SECTIONS = [
         section_conversion_models,
     ),
     (
+        "conversion_long_models_short_exact.json",
+        "Conversion: the 30-minute recipe with its short terms read exactly, at 256 tokens",
+        "`conversion.py --models ... --select_blocks 0`: the 30-minute recipe as docs/conversion.md gives it, the "
+        "short-text terms of the long steps and of the inverse cloze reading their blocks exactly and the inverse "
+        "cloze's `--short_weight 20` (`/work/exp46/ict`; `results/long_documents_30min_short_exact_conversion.txt`), "
+        "read as saved, on the 256-token conversion's held-out blocks.",
+        section_conversion_models,
+    ),
+    (
+        "long_documents_30min_short_exact_paired.json",
+        "Conversion: long documents, the 30-minute recipe with its short terms read exactly",
+        "The same model (`/work/exp46/ict`), read as saved: inputs of up to 512 tokens (here the passages) by exact "
+        "softmax, the documents by the hybrid; the five draws of the passages at 8192 tokens, against the chunked "
+        "original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
+        "long_documents_30min_short_exact_paired_2048.json",
+        "Conversion: long documents, the 30-minute recipe with its short terms read exactly, 2048 tokens",
+        "The same model (`/work/exp46/ict`), read as saved; the five draws of the passages at 2048 tokens, against "
+        "the chunked original on the same 320 queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
