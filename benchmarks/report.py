@@ -1106,6 +1106,14 @@ SECTIONS = [
         section_long_documents,
     ),
     (
+        "long_documents_30min_short_exact_paired_113.json",
+        "Conversion: long documents, the 30-minute recipe with its short terms read exactly, 109 modules",
+        "The same model (`/work/exp46/ict`), read as saved; the five draws of the passages at 8192 tokens on "
+        "`--documents 113`: of the standard library's 113 longest modules, the 109 with at least 8256 tokens (the 64 "
+        "of the other runs among them), against the chunked original on the same queries.",
+        section_long_documents,
+    ),
+    (
         "conversion_long_models.json",
         "Conversion: the long models at 256 tokens",
         "`conversion.py --models`: the long-document recipes' models on the 256-token conversion's held-out blocks. "
