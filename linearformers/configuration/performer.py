@@ -84,9 +84,9 @@ class PerformerConfig(LinearAttentionConfig):
             heads, as if the window covered it, and only longer ones the hybrid. Decided per sequence by its
             attention mask, so padding and batching leave every answer as it is. Up to a converted BERT's own
             positions exact attention costs what the original's does, and it is the attention the conversion
-            imitates; the linear part is for lengths the original cannot read. Training leaves it to the reader:
-            attention transfer and the steps after it (``linearformers.conversion``) run the hybrid at every
-            length. Encoders only. Needs hybrid_window.
+            imitates; the linear part is for lengths the original cannot read. Attention transfer and the long
+            inputs of the steps after it (``linearformers.conversion``) run the hybrid at every length; the steps'
+            short-text terms read as saved. Encoders only. Needs hybrid_window.
     """
 
     __doc__ = (__doc__ or "") + SHARED_FIELDS_DOC  # no docstring under python -OO

@@ -66,5 +66,6 @@ def packed_softmax_attention(
 
     packed = softmax_attention(gather(q), gather(k), gather(v), key_padding_mask=inside, scale=scale)
     packed = packed * inside[:, None, :, None].to(packed.dtype)
-    out = torch.zeros(*v.shape[:2], v.shape[2], v.shape[3], dtype=packed.dtype, device=packed.device)
-    return out.scatter(2, places[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3]), packed)
+    return torch.zeros_like(v, dtype=packed.dtype).scatter(
+        2, places[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3]), packed
+    )
